@@ -1,0 +1,239 @@
+//! `Computed<T>`: one version of a memoized result, with its consistency state, its output (a
+//! value or an error), a way to wait for its invalidation, and a way to get the fresh version.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use crate::context::{self, Capture};
+use crate::node::{self, AnyComputed, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT};
+use crate::options::{ComputeOptions, OutputKind};
+use crate::sync::Arc;
+
+/// A boxed, sendable future.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// How to produce the fresh version of a computed: call the method again, read the state again.
+/// `None` when its source is gone (a dropped state).
+pub type Recompute<T> = Arc<dyn Fn() -> BoxFuture<'static, Option<Computed<T>>> + Send + Sync>;
+
+pub(crate) struct ComputedInner<T> {
+    pub(crate) node: Node,
+    pub(crate) value: OnceLock<T>,
+    input: Recompute<T>,
+}
+
+impl<T: Send + Sync + 'static> AnyComputed for ComputedInner<T> {
+    fn node(&self) -> &Node {
+        &self.node
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> ComputedInner<T> {
+    pub(crate) fn new(node: Node, input: Recompute<T>) -> Arc<Self> {
+        Arc::new(Self {
+            node,
+            value: OnceLock::new(),
+            input,
+        })
+    }
+
+    /// A computed that is consistent from birth, holding `value` (used by states).
+    pub(crate) fn consistent(node: Node, input: Recompute<T>, value: T) -> Arc<Self> {
+        let this = Self::new(node, input);
+        let _ = this.value.set(value);
+        this.node.complete();
+        this
+    }
+
+    /// Records this computed as a dependency of the compute body being polled, if any.
+    #[inline]
+    pub(crate) fn record_use(self: &Arc<Self>) {
+        context::record(|| self.clone() as Arc<dyn AnyComputed>);
+    }
+
+    /// Runs the body of a computing computed to completion and stores its output. The callers
+    /// get the output even when a dependency was invalidated meanwhile (the race rule); the
+    /// stored computed is then born invalidated, so the next call recomputes.
+    pub(crate) async fn run<F>(
+        self: &Arc<Self>,
+        body: F,
+        options: &ComputeOptions,
+        classify: fn(&T) -> OutputKind,
+    ) where
+        F: Future<Output = T>,
+    {
+        let abandon = AbandonOnDrop(Some(self.clone() as Arc<dyn AnyComputed>));
+        let output = Capture::new(Some(self.clone() as Arc<dyn AnyComputed>), body).await;
+        let kind = classify(&output);
+        let _ = self.value.set(output);
+        std::mem::forget(abandon);
+        let state = self.node.complete();
+        tracing::debug!(
+            target: "coherent::compute",
+            method = self.node.name(),
+            version = self.node.version(),
+            consistent = state == CONSISTENT,
+            "computed"
+        );
+        if state == CONSISTENT {
+            if let Some(delay) = options.expiry(kind) {
+                self.invalidate_after(delay);
+            }
+        }
+    }
+
+    fn invalidate_after(self: &Arc<Self>, delay: Duration) {
+        let weak = Arc::downgrade(self);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    if let Some(this) = weak.upgrade() {
+                        node::invalidate(&*this);
+                    }
+                });
+            }
+            Err(_) => tracing::warn!(
+                target: "coherent::compute",
+                method = self.node.name(),
+                "no Tokio runtime: the result's time-to-live is not enforced"
+            ),
+        }
+    }
+}
+
+/// Invalidates a computing computed whose body was dropped before completing (the caller was
+/// cancelled, or the body panicked), so that callers waiting for it retry instead of hanging.
+struct AbandonOnDrop(Option<Arc<dyn AnyComputed>>);
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        if let Some(node) = self.0.take() {
+            Node::abandon(&*node);
+        }
+    }
+}
+
+/// The consistency state of a [`Computed`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConsistencyState {
+    /// The body is running.
+    Computing,
+    /// The output is current: nothing it depends on has changed since.
+    Consistent,
+    /// Something it depends on changed; the next call recomputes.
+    Invalidated,
+}
+
+/// One version of a memoized result: its output (a value or an error, whatever the method
+/// returns), its consistency state, and the means to wait for its invalidation and to get the
+/// version that replaces it.
+///
+/// Cloning is cheap (a reference count). A `Computed` handed out always holds its output.
+pub struct Computed<T> {
+    pub(crate) inner: Arc<ComputedInner<T>>,
+}
+
+impl<T> Clone for Computed<T> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> Computed<T> {
+    pub(crate) fn from_inner(inner: Arc<ComputedInner<T>>) -> Self {
+        debug_assert!(inner.value.get().is_some());
+        Self { inner }
+    }
+
+    /// The output, without recording a dependency.
+    pub fn value(&self) -> &T {
+        self.inner
+            .value
+            .get()
+            .expect("a Computed handed out always holds its output")
+    }
+
+    /// The output; inside a compute method, also records this computed as a dependency of it.
+    pub fn get(&self) -> T {
+        self.inner.record_use();
+        self.value().clone()
+    }
+
+    /// The consistency state now.
+    pub fn state(&self) -> ConsistencyState {
+        match self.inner.node.state() {
+            COMPUTING => ConsistencyState::Computing,
+            CONSISTENT => ConsistencyState::Consistent,
+            COMPUTING_INVALIDATED | node::INVALIDATED => ConsistencyState::Invalidated,
+            _ => unreachable!("no other state is ever stored"),
+        }
+    }
+
+    /// Whether the output is still current.
+    pub fn is_consistent(&self) -> bool {
+        self.inner.node.state() == CONSISTENT
+    }
+
+    /// A process-wide unique number of this version; a recomputed result gets a new one.
+    pub fn version(&self) -> u64 {
+        self.inner.node.version()
+    }
+
+    /// The name of the method (or state) that produced it, e.g. `"UserService::get"`.
+    pub fn name(&self) -> &'static str {
+        self.inner.node.name()
+    }
+
+    /// How many computeds this one read while it was computed.
+    pub fn dependency_count(&self) -> usize {
+        self.inner.node.dependency_count()
+    }
+
+    /// Invalidates this computed and, transitively, everything that depends on it. Returns
+    /// `false` if it was invalidated already.
+    pub fn invalidate(&self) -> bool {
+        node::invalidate(&*self.inner)
+    }
+
+    /// Completes when this computed is invalidated (at once if it already is).
+    pub async fn when_invalidated(&self) {
+        self.inner
+            .node
+            .wait_for(|state| matches!(state, COMPUTING_INVALIDATED | node::INVALIDATED))
+            .await;
+    }
+
+    /// Runs `callback` once when this computed is invalidated (at once if it already is). The
+    /// callback runs on the invalidating thread, inside the cascade: keep it short and
+    /// non-blocking.
+    pub fn on_invalidated(&self, callback: impl FnOnce() + Send + 'static) {
+        self.inner.node.on_invalidated(Box::new(callback));
+    }
+
+    /// The current version: this one if it is still consistent, otherwise the result of calling
+    /// the method (or reading the state) again. A computed whose state was dropped has no newer
+    /// version and returns itself.
+    pub async fn update(&self) -> Computed<T> {
+        if self.is_consistent() {
+            return self.clone();
+        }
+        (self.inner.input)().await.unwrap_or_else(|| self.clone())
+    }
+}
+
+impl<T: fmt::Debug + Clone + Send + Sync + 'static> fmt::Debug for Computed<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Computed")
+            .field("name", &self.name())
+            .field("version", &self.version())
+            .field("state", &self.state())
+            .field("value", &self.inner.value.get())
+            .finish()
+    }
+}

@@ -1,0 +1,233 @@
+//! The registry: the capacity all of its tables share, the counters, and pruning. Pruning runs
+//! in the caller that pushes the registry past a high-water mark (one at a time, never on the
+//! hit path), first removing invalidated and expired entries, then, if the registry is still
+//! over capacity, the least recently used entries that nothing else references.
+
+use std::fmt;
+use std::sync::atomic::{AtomicIsize, AtomicUsize};
+use std::sync::OnceLock;
+
+use crossbeam_utils::CachePadded;
+
+use crate::clock;
+use crate::metrics::{Counters, Metrics};
+use crate::sync::{Arc, AtomicU64, Ordering, Weak};
+
+/// What a table offers to the registry's pruning and metrics.
+pub(crate) trait Prunable: Send + Sync {
+    /// Removes invalidated entries and unreferenced entries unused for longer than their
+    /// keep-alive. Returns how many were removed.
+    fn prune_expired(&self, now: u32) -> usize;
+    /// Appends the idle time (in ticks) of every entry that may be evicted.
+    fn collect_idle(&self, now: u32, out: &mut Vec<u32>);
+    /// Removes up to `budget` evictable entries idle for at least `min_idle` ticks.
+    fn evict_idle(&self, now: u32, min_idle: u32, budget: &mut usize) -> usize;
+    fn hits(&self) -> u64;
+}
+
+/// Where compute results live: a capacity shared by all the tables of the services created with
+/// it, pruning, and the counters. Cloning is cheap and shares the registry.
+///
+/// ```
+/// use coherent_core::Registry;
+///
+/// let registry = Registry::builder().capacity(10_000).build();
+/// assert_eq!(registry.capacity(), 10_000);
+/// assert_eq!(registry.metrics().entries, 0);
+/// ```
+#[derive(Clone)]
+pub struct Registry {
+    pub(crate) inner: Arc<RegistryInner>,
+}
+
+pub(crate) struct RegistryInner {
+    capacity: usize,
+    pub(crate) counters: Arc<Counters>,
+    len: CachePadded<AtomicIsize>,
+    inserts_since_prune: CachePadded<AtomicUsize>,
+    tables: parking_lot::Mutex<Vec<Weak<dyn Prunable>>>,
+    /// Held by the one caller that prunes; others skip pruning rather than wait.
+    prune_lock: parking_lot::Mutex<()>,
+}
+
+static VERSIONS: AtomicU64 = AtomicU64::new(1);
+
+/// The next process-wide computed version.
+pub(crate) fn next_version() -> u64 {
+    VERSIONS.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Configures a [`Registry`].
+#[derive(Clone, Debug)]
+pub struct RegistryBuilder {
+    capacity: usize,
+}
+
+impl RegistryBuilder {
+    /// The number of entries the registry aims to stay under. Entries that a live computed
+    /// depends on, or that a caller holds, are never evicted, so the bound is soft by exactly
+    /// what the application itself keeps alive. Default: 100,000.
+    #[must_use]
+    pub fn capacity(mut self, capacity: usize) -> Self {
+        self.capacity = capacity.max(1);
+        self
+    }
+
+    /// Builds the registry.
+    pub fn build(self) -> Registry {
+        clock::start();
+        Registry {
+            inner: Arc::new(RegistryInner {
+                capacity: self.capacity,
+                counters: Arc::new(Counters::default()),
+                len: CachePadded::new(AtomicIsize::new(0)),
+                inserts_since_prune: CachePadded::new(AtomicUsize::new(0)),
+                tables: parking_lot::Mutex::new(Vec::new()),
+                prune_lock: parking_lot::Mutex::new(()),
+            }),
+        }
+    }
+}
+
+impl Default for RegistryBuilder {
+    fn default() -> Self {
+        Self { capacity: 100_000 }
+    }
+}
+
+impl Registry {
+    /// A registry with the default settings.
+    pub fn new() -> Self {
+        Self::builder().build()
+    }
+
+    /// Starts configuring a registry.
+    pub fn builder() -> RegistryBuilder {
+        RegistryBuilder::default()
+    }
+
+    /// The process-wide registry used by services that were not given one.
+    pub fn global() -> &'static Registry {
+        static GLOBAL: OnceLock<Registry> = OnceLock::new();
+        GLOBAL.get_or_init(Registry::new)
+    }
+
+    /// The configured capacity.
+    pub fn capacity(&self) -> usize {
+        self.inner.capacity
+    }
+
+    /// The number of entries held now.
+    pub fn len(&self) -> usize {
+        usize::try_from(self.inner.len.load(Ordering::Relaxed)).unwrap_or(0)
+    }
+
+    /// Whether no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A snapshot of the counters.
+    pub fn metrics(&self) -> Metrics {
+        let hits = self.live_tables().iter().map(|t| t.hits()).sum();
+        self.inner.counters.snapshot(hits, self.len())
+    }
+
+    /// Prunes now: removes invalidated entries and unreferenced ones past their keep-alive, then,
+    /// if still over capacity, the least recently used unreferenced ones. Returns how many
+    /// entries were removed.
+    pub fn prune(&self) -> usize {
+        let _guard = self.inner.prune_lock.lock();
+        self.prune_locked()
+    }
+
+    pub(crate) fn register_table(&self, table: Weak<dyn Prunable>) {
+        let mut tables = self.inner.tables.lock();
+        tables.retain(|t| t.strong_count() > 0);
+        tables.push(table);
+    }
+
+    pub(crate) fn counters(&self) -> &Arc<Counters> {
+        &self.inner.counters
+    }
+
+    /// Accounts for a new entry and prunes when the registry passes its high-water mark, or
+    /// when enough inserts have happened that expired entries are worth sweeping.
+    pub(crate) fn on_insert(&self) {
+        let len = self.inner.len.fetch_add(1, Ordering::Relaxed) + 1;
+        let inserts = self
+            .inner
+            .inserts_since_prune
+            .fetch_add(1, Ordering::Relaxed)
+            + 1;
+        let capacity = self.inner.capacity;
+        let slack = (capacity / 4).max(16);
+        let over = usize::try_from(len).unwrap_or(0) > capacity + slack;
+        if over || inserts > capacity.max(1024) {
+            if let Some(_guard) = self.inner.prune_lock.try_lock() {
+                self.prune_locked();
+            }
+        }
+    }
+
+    pub(crate) fn on_remove(&self, n: usize) {
+        self.inner
+            .len
+            .fetch_sub(isize::try_from(n).unwrap_or(isize::MAX), Ordering::Relaxed);
+    }
+
+    fn live_tables(&self) -> Vec<Arc<dyn Prunable>> {
+        self.inner
+            .tables
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect()
+    }
+
+    fn prune_locked(&self) -> usize {
+        self.inner.inserts_since_prune.store(0, Ordering::Relaxed);
+        let now = clock::precise_now();
+        let tables = self.live_tables();
+        let mut removed: usize = tables.iter().map(|t| t.prune_expired(now)).sum();
+        let capacity = self.inner.capacity;
+        let len = self.len();
+        if len > capacity {
+            let mut idle = Vec::new();
+            for table in &tables {
+                table.collect_idle(now, &mut idle);
+            }
+            let excess = (len - capacity).min(idle.len());
+            if excess > 0 {
+                // The `excess`-th longest idle time is the cut: evict at least that idle.
+                let cut = idle.len() - excess;
+                let (_, threshold, _) = idle.select_nth_unstable(cut);
+                let threshold = *threshold;
+                let mut budget = excess;
+                for table in &tables {
+                    removed += table.evict_idle(now, threshold, &mut budget);
+                }
+            }
+        }
+        if removed > 0 {
+            self.inner.counters.record_evictions(removed);
+            tracing::debug!(target: "coherent::evict", removed, "pruned");
+        }
+        removed
+    }
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for Registry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registry")
+            .field("capacity", &self.inner.capacity)
+            .field("len", &self.len())
+            .finish()
+    }
+}

@@ -1,0 +1,200 @@
+//! Compute services: a `ServiceHandle` inside the user's struct owns the tables of its compute
+//! methods, one per method, found by the method's process-wide index without a map lookup.
+
+use std::any::Any;
+use std::fmt;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use crate::options::{ComputeOptions, OutputKind};
+use crate::registry::{Prunable, Registry};
+use crate::sync::Arc;
+use crate::table::Table;
+
+/// A struct whose `#[compute]` methods are memoized. Usually derived:
+///
+/// ```
+/// use coherent_core::{ComputeService, ServiceHandle};
+///
+/// #[derive(Clone)]
+/// struct Greeter {
+///     handle: ServiceHandle,
+/// }
+///
+/// impl ComputeService for Greeter {
+///     fn compute_handle(&self) -> &ServiceHandle {
+///         &self.handle
+///     }
+/// }
+/// ```
+///
+/// A clone of a service is the same service: it shares the handle, hence the cached results.
+pub trait ComputeService: Clone + Send + Sync + 'static {
+    /// The handle that owns this service's cached results.
+    fn compute_handle(&self) -> &ServiceHandle;
+}
+
+/// A compute method, as the macro describes it: its name, options, and a process-wide index.
+pub struct MethodDescriptor {
+    name: &'static str,
+    options: ComputeOptions,
+    index: AtomicUsize,
+}
+
+const UNASSIGNED: usize = usize::MAX;
+const CHUNK: usize = 64;
+const CHUNKS: usize = 64;
+/// The most compute methods one process may declare.
+pub const MAX_METHODS: usize = CHUNK * CHUNKS;
+
+static NEXT_INDEX: AtomicUsize = AtomicUsize::new(0);
+
+impl MethodDescriptor {
+    /// Describes a method; used in a `static` by generated code.
+    pub const fn new(name: &'static str, options: ComputeOptions) -> Self {
+        Self {
+            name,
+            options,
+            index: AtomicUsize::new(UNASSIGNED),
+        }
+    }
+
+    /// The method's name, e.g. `"UserService::get"`.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The method's options.
+    pub fn options(&self) -> &ComputeOptions {
+        &self.options
+    }
+
+    #[inline]
+    fn index(&self) -> usize {
+        let index = self.index.load(Ordering::Relaxed);
+        if index != UNASSIGNED {
+            return index;
+        }
+        self.assign_index()
+    }
+
+    #[cold]
+    fn assign_index(&self) -> usize {
+        let fresh = NEXT_INDEX.fetch_add(1, Ordering::Relaxed);
+        match self
+            .index
+            .compare_exchange(UNASSIGNED, fresh, Ordering::Relaxed, Ordering::Relaxed)
+        {
+            Ok(_) => fresh,
+            Err(taken) => taken,
+        }
+    }
+}
+
+impl fmt::Debug for MethodDescriptor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MethodDescriptor")
+            .field("name", &self.name)
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+type Slot = OnceLock<Arc<dyn Any + Send + Sync>>;
+
+/// The part of a compute service that owns its cached results. Put one in the service struct;
+/// clones share it.
+#[derive(Clone)]
+pub struct ServiceHandle {
+    inner: Arc<HandleInner>,
+}
+
+struct HandleInner {
+    registry: Registry,
+    /// Two levels, allocated on first use, so that a handle costs a few hundred bytes until its
+    /// methods are called, and the hit path finds its table with two loads and no lock.
+    chunks: [OnceLock<Box<[Slot]>>; CHUNKS],
+}
+
+impl ServiceHandle {
+    /// A handle whose results live in the [global registry](Registry::global).
+    pub fn new() -> Self {
+        Self::with_registry(Registry::global())
+    }
+
+    /// A handle whose results live in `registry`.
+    pub fn with_registry(registry: &Registry) -> Self {
+        Self {
+            inner: Arc::new(HandleInner {
+                registry: registry.clone(),
+                chunks: [const { OnceLock::new() }; CHUNKS],
+            }),
+        }
+    }
+
+    /// The registry holding this service's results.
+    pub fn registry(&self) -> &Registry {
+        &self.inner.registry
+    }
+
+    /// The table of `method`, created on first use.
+    ///
+    /// # Panics
+    /// If the process declares more than [`MAX_METHODS`] compute methods, or if one handle is
+    /// shared by services whose same method has different argument or output types.
+    #[inline]
+    pub fn table<K, T>(
+        &self,
+        method: &'static MethodDescriptor,
+        classify: fn(&T) -> OutputKind,
+    ) -> &Table<K, T>
+    where
+        K: Hash + Eq + Clone + Send + Sync + 'static,
+        T: Clone + Send + Sync + 'static,
+    {
+        let index = method.index();
+        assert!(
+            index < MAX_METHODS,
+            "coherent: more than {MAX_METHODS} compute methods in one process"
+        );
+        let chunk = self.inner.chunks[index / CHUNK]
+            .get_or_init(|| (0..CHUNK).map(|_| OnceLock::new()).collect());
+        let table = chunk[index % CHUNK].get_or_init(|| {
+            let table = Arc::new(Table::<K, T>::new(
+                self.inner.registry.clone(),
+                method,
+                classify,
+            ));
+            let weak = Arc::downgrade(&table);
+            self.inner.registry.register_table(weak as _);
+            table as Arc<dyn Any + Send + Sync>
+        });
+        table.downcast_ref::<Table<K, T>>().unwrap_or_else(|| {
+            panic!(
+                "coherent: one ServiceHandle is shared by services whose method {} has different types",
+                method.name()
+            )
+        })
+    }
+}
+
+// Keeps the Weak<dyn Prunable> coercion above honest: a table is prunable.
+const _: fn() = || {
+    fn assert_prunable<P: Prunable>() {}
+    assert_prunable::<Table<u8, u8>>();
+};
+
+impl Default for ServiceHandle {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for ServiceHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServiceHandle")
+            .field("registry", &self.inner.registry)
+            .finish_non_exhaustive()
+    }
+}

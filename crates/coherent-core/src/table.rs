@@ -1,0 +1,336 @@
+//! The per-method table of a service: arguments → the latest computed, in shards behind
+//! read-write locks. A hit is one hash, one shard read lock, one state load and a clone of the
+//! output. A miss inserts a computing entry before the body runs, so concurrent misses for one
+//! key wait for that one body (single flight) and an invalidation that arrives mid-computation
+//! finds the entry to flag (the race rule).
+
+use std::hash::{BuildHasher, Hash};
+
+use crossbeam_utils::CachePadded;
+use hashbrown::HashTable;
+use parking_lot::RwLock;
+
+use crate::clock;
+use crate::computed::{Computed, ComputedInner, Recompute};
+use crate::node::{self, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVALIDATED};
+use crate::options::OutputKind;
+use crate::registry::{next_version, Prunable, Registry};
+use crate::service::MethodDescriptor;
+use crate::sync::{Arc, AtomicU64, Ordering};
+
+struct Entry<K, T> {
+    hash: u64,
+    key: K,
+    computed: Arc<ComputedInner<T>>,
+}
+
+struct Shard<K, T> {
+    map: RwLock<HashTable<Entry<K, T>>>,
+    /// Next to the lock word, which every hit writes anyway: counting costs no extra cache line.
+    hits: AtomicU64,
+}
+
+/// The results of one compute method of one service instance.
+pub struct Table<K, T> {
+    shards: Box<[CachePadded<Shard<K, T>>]>,
+    mask: usize,
+    hasher: foldhash::fast::RandomState,
+    registry: Registry,
+    method: &'static MethodDescriptor,
+    classify: fn(&T) -> OutputKind,
+    keep_alive_ticks: u32,
+}
+
+enum Found<T> {
+    Ready(Arc<ComputedInner<T>>),
+    Wait(Arc<ComputedInner<T>>),
+    Own(Arc<ComputedInner<T>>),
+}
+
+impl<K, T> Table<K, T>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+    T: Clone + Send + Sync + 'static,
+{
+    pub(crate) fn new(
+        registry: Registry,
+        method: &'static MethodDescriptor,
+        classify: fn(&T) -> OutputKind,
+    ) -> Self {
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let count = (cores * 4).next_power_of_two().max(8);
+        let shards = (0..count)
+            .map(|_| {
+                CachePadded::new(Shard {
+                    map: RwLock::new(HashTable::new()),
+                    hits: AtomicU64::new(0),
+                })
+            })
+            .collect();
+        Self {
+            shards,
+            mask: count - 1,
+            hasher: foldhash::fast::RandomState::default(),
+            registry,
+            method,
+            classify,
+            keep_alive_ticks: clock::to_ticks(method.options().keep_alive),
+        }
+    }
+
+    #[inline]
+    fn shard(&self, hash: u64) -> &Shard<K, T> {
+        // High bits: hashbrown indexes buckets with the low ones.
+        &self.shards[(hash >> 40) as usize & self.mask]
+    }
+
+    /// Answers from a consistent cached result, or `None` when the call must go the slow way.
+    /// Allocates nothing (outside a compute body, where it records a dependency).
+    #[inline]
+    pub fn try_hit(&self, key: &K) -> Option<T> {
+        let hash = self.hasher.hash_one(key);
+        let shard = self.shard(hash);
+        let (value, capture) = {
+            let map = shard.map.read();
+            let computed = &map.find(hash, |e| e.key == *key)?.computed;
+            if computed.node.state() != CONSISTENT {
+                return None;
+            }
+            let value = computed.value.get()?.clone();
+            computed.node.touch(clock::now());
+            shard.hits.fetch_add(1, Ordering::Relaxed);
+            // The dependency is recorded after the shard lock is released: recording may
+            // cascade an invalidation, which must never run under a table lock.
+            let capture = crate::context::is_capturing().then(|| computed.clone());
+            (value, capture)
+        };
+        if let Some(computed) = capture {
+            computed.record_use();
+        }
+        tracing::trace!(target: "coherent::hit", method = self.method.name());
+        Some(value)
+    }
+
+    /// The slow path of a call: waits for a running computation of the same key, or runs the
+    /// body. `input` tells the new computed how to call the method again (for
+    /// [`Computed::update`]).
+    pub async fn compute<F, Fut>(
+        &self,
+        key: K,
+        input: impl FnOnce(&K) -> Recompute<T>,
+        body: F,
+    ) -> T
+    where
+        F: FnOnce(K) -> Fut,
+        Fut: std::future::Future<Output = T>,
+    {
+        let computed = self.resolve(key, input, body).await;
+        computed
+            .value
+            .get()
+            .expect("a resolved computed holds its output")
+            .clone()
+    }
+
+    /// Like [`compute`](Self::compute), but answers with the computed itself.
+    pub async fn computed<F, Fut>(
+        &self,
+        key: K,
+        input: impl FnOnce(&K) -> Recompute<T>,
+        body: F,
+    ) -> Computed<T>
+    where
+        F: FnOnce(K) -> Fut,
+        Fut: std::future::Future<Output = T>,
+    {
+        Computed::from_inner(self.resolve(key, input, body).await)
+    }
+
+    async fn resolve<F, Fut>(
+        &self,
+        key: K,
+        input: impl FnOnce(&K) -> Recompute<T>,
+        body: F,
+    ) -> Arc<ComputedInner<T>>
+    where
+        F: FnOnce(K) -> Fut,
+        Fut: std::future::Future<Output = T>,
+    {
+        let hash = self.hasher.hash_one(&key);
+        let shard = self.shard(hash);
+        let mut input = Some(input);
+        let mut body = Some(body);
+        loop {
+            let mut inserted = false;
+            let found = {
+                let mut map = shard.map.write();
+                let mut new_computed = || {
+                    let input = input.take().expect("a call owns at most one computation");
+                    ComputedInner::new(self.new_node(), input(&key))
+                };
+                match map.find_mut(hash, |e| e.key == key) {
+                    Some(entry) => match entry.computed.node.state() {
+                        CONSISTENT => Found::Ready(entry.computed.clone()),
+                        COMPUTING | COMPUTING_INVALIDATED => Found::Wait(entry.computed.clone()),
+                        _ => {
+                            let computed = new_computed();
+                            entry.computed = computed.clone();
+                            Found::Own(computed)
+                        }
+                    },
+                    None => {
+                        let computed = new_computed();
+                        let entry = Entry {
+                            hash,
+                            key: key.clone(),
+                            computed: computed.clone(),
+                        };
+                        map.insert_unique(hash, entry, |e| e.hash);
+                        inserted = true;
+                        Found::Own(computed)
+                    }
+                }
+            };
+            if inserted {
+                // Outside the shard lock: this may prune, which takes shard locks.
+                self.registry.on_insert();
+            }
+            match found {
+                Found::Ready(computed) => {
+                    computed.node.touch(clock::now());
+                    shard.hits.fetch_add(1, Ordering::Relaxed);
+                    computed.record_use();
+                    return computed;
+                }
+                Found::Wait(computed) => {
+                    computed
+                        .node
+                        .wait_for(|s| s == CONSISTENT || s == INVALIDATED)
+                        .await;
+                    // A result born invalidated is only for the callers that started before the
+                    // invalidation; one who merely waited cannot know it did, so it retries.
+                    if computed.node.state() == CONSISTENT {
+                        computed.record_use();
+                        return computed;
+                    }
+                }
+                Found::Own(computed) => {
+                    self.registry.counters().record_miss();
+                    let body = body.take().expect("a call owns at most one computation");
+                    computed
+                        .run(body(key), self.method.options(), self.classify)
+                        .await;
+                    computed.record_use();
+                    return computed;
+                }
+            }
+        }
+    }
+
+    fn new_node(&self) -> Node {
+        Node::new(
+            self.method.name(),
+            next_version(),
+            self.registry.counters().clone(),
+            clock::now(),
+        )
+    }
+
+    fn find(&self, key: &K) -> Option<Arc<ComputedInner<T>>> {
+        let hash = self.hasher.hash_one(key);
+        let map = self.shard(hash).map.read();
+        map.find(hash, |e| e.key == *key)
+            .map(|e| e.computed.clone())
+    }
+
+    /// Invalidates the result for `key` (computing or consistent) and everything depending on
+    /// it. Returns `false` when there was nothing to invalidate.
+    pub fn invalidate(&self, key: &K) -> bool {
+        // Cloned out first: the cascade must not run under the shard lock.
+        match self.find(key) {
+            Some(computed) => node::invalidate(&*computed),
+            None => false,
+        }
+    }
+
+    /// The cached computed for `key`, in whatever state it is, without calling the method.
+    pub fn existing(&self, key: &K) -> Option<Computed<T>> {
+        self.find(key)
+            .filter(|c| c.node.is_done() && c.value.get().is_some())
+            .map(Computed::from_inner)
+    }
+
+    fn is_evictable(entry: &Entry<K, T>) -> bool {
+        // Only the table holds it: no dependant, no caller, no running body.
+        entry.computed.node.state() == CONSISTENT && Arc::strong_count(&entry.computed) == 1
+    }
+
+    fn remove_where(&self, mut remove: impl FnMut(&Entry<K, T>) -> bool) -> usize {
+        let mut removed = 0;
+        for shard in self.shards.iter() {
+            let dropped: Vec<Entry<K, T>> = {
+                let mut map = shard.map.write();
+                map.extract_if(|e| remove(e)).collect()
+            };
+            removed += dropped.len();
+            // Dropped here, outside the lock: dropping a computed releases its dependencies.
+            drop(dropped);
+        }
+        self.registry.on_remove(removed);
+        removed
+    }
+}
+
+impl<K, T> Prunable for Table<K, T>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+    T: Clone + Send + Sync + 'static,
+{
+    fn prune_expired(&self, now: u32) -> usize {
+        let keep_alive = self.keep_alive_ticks;
+        self.remove_where(|e| {
+            e.computed.node.state() == INVALIDATED
+                || (Self::is_evictable(e)
+                    && now.saturating_sub(e.computed.node.last_used()) >= keep_alive)
+        })
+    }
+
+    fn collect_idle(&self, now: u32, out: &mut Vec<u32>) {
+        for shard in self.shards.iter() {
+            let map = shard.map.read();
+            out.extend(
+                map.iter()
+                    .filter(|e| Self::is_evictable(e))
+                    .map(|e| now.saturating_sub(e.computed.node.last_used())),
+            );
+        }
+    }
+
+    fn evict_idle(&self, now: u32, min_idle: u32, budget: &mut usize) -> usize {
+        self.remove_where(|e| {
+            if *budget > 0
+                && Self::is_evictable(e)
+                && now.saturating_sub(e.computed.node.last_used()) >= min_idle
+            {
+                *budget -= 1;
+                true
+            } else {
+                false
+            }
+        })
+    }
+
+    fn hits(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.hits.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+impl<K, T> Drop for Table<K, T> {
+    fn drop(&mut self) {
+        let len: usize = self.shards.iter().map(|s| s.map.read().len()).sum();
+        self.registry.on_remove(len);
+    }
+}

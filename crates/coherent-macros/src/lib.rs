@@ -1,0 +1,42 @@
+//! Procedural macros of Coherent. Use them through the `coherent` crate, which re-exports them.
+//!
+//! - `#[compute_service]` on an `impl` block turns its `#[compute]` async methods into memoized
+//!   compute methods (see `compute_service.rs`);
+//! - `#[derive(ComputeService)]` implements `ComputeService` for a struct holding a
+//!   `ServiceHandle`.
+//!
+//! Generated code calls only `::coherent::plumbing`, so the crate path can be changed with
+//! `#[compute_service(crate = "...")]`.
+
+mod compute_service;
+mod derive;
+mod duration;
+
+use proc_macro::TokenStream;
+
+/// Memoizes the `#[compute]` async methods of an `impl` block.
+///
+/// For a method `async fn get(&self, id: u64) -> R` it generates, next to `get` itself (now
+/// memoized): `get_computed(&self, id) -> Computed<R>`, which answers with the computed behind
+/// the call, and `invalidate_get(&self, id) -> bool`, which invalidates that result and
+/// everything computed from it.
+///
+/// Arguments must be owned values that are `Clone + Hash + Eq + Send + Sync + 'static` (they are
+/// the cache key); `R` must be `Clone + Send + Sync + 'static`; the type must implement
+/// `ComputeService`. Options: `#[compute(keep_alive = "5s", auto_invalidate = "1m",
+/// error_invalidate = "10s", transient_error_invalidate = "500ms")]`.
+#[proc_macro_attribute]
+pub fn compute_service(attr: TokenStream, item: TokenStream) -> TokenStream {
+    compute_service::expand(attr.into(), item.into())
+        .unwrap_or_else(syn::Error::into_compile_error)
+        .into()
+}
+
+/// Implements `ComputeService` for a struct with a field of type `ServiceHandle` (or a field
+/// marked `#[compute_handle]`).
+#[proc_macro_derive(ComputeService, attributes(compute_handle))]
+pub fn derive_compute_service(item: TokenStream) -> TokenStream {
+    derive::expand(item.into())
+        .unwrap_or_else(syn::Error::into_compile_error)
+        .into()
+}
