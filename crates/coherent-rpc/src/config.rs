@@ -1,0 +1,113 @@
+//! Per-endpoint settings: limits, format, compression, keep-alive and timeouts.
+//! A builder over private fields, so new settings never break callers.
+
+use std::time::Duration;
+
+use crate::codec::{CompressionSet, Format};
+use crate::frame::Compression;
+
+/// Settings an endpoint applies to each of its connections.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub(crate) format: Format,
+    pub(crate) compression: Compression,
+    pub(crate) decodes: CompressionSet,
+    pub(crate) compression_threshold: usize,
+    pub(crate) max_message_size: u32,
+    pub(crate) max_inbound_calls: u32,
+    pub(crate) stream_window: u32,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) keepalive_interval: Option<Duration>,
+    pub(crate) idle_timeout: Option<Duration>,
+    pub(crate) write_stall_timeout: Duration,
+    pub(crate) call_timeout: Option<Duration>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            format: Format::Postcard,
+            compression: Compression::None,
+            decodes: CompressionSet::ALL,
+            compression_threshold: 1024,
+            max_message_size: 4 << 20,
+            max_inbound_calls: 1024,
+            stream_window: 64,
+            handshake_timeout: Duration::from_secs(10),
+            keepalive_interval: Some(Duration::from_secs(20)),
+            idle_timeout: Some(Duration::from_secs(60)),
+            write_stall_timeout: Duration::from_secs(30),
+            call_timeout: None,
+        }
+    }
+}
+
+impl Config {
+    /// The serde format this side asks for when it connects (the accepting side follows
+    /// the connecting side's choice). Default: postcard.
+    pub fn format(mut self, format: Format) -> Self {
+        self.format = format;
+        self
+    }
+
+    /// The compression this side applies to payloads of at least `threshold` bytes, when
+    /// the other side can decode it and it makes the payload smaller. Default: none, 1 KiB.
+    pub fn compression(mut self, compression: Compression, threshold: usize) -> Self {
+        self.compression = compression;
+        self.compression_threshold = threshold;
+        self
+    }
+
+    /// The compressions this side accepts from the other. Default: LZ4 and zstd.
+    pub fn decodes(mut self, set: CompressionSet) -> Self {
+        self.decodes = set;
+        self
+    }
+
+    /// The largest payload this side accepts (after decompression). Default: 4 MiB.
+    pub fn max_message_size(mut self, bytes: u32) -> Self {
+        self.max_message_size = bytes;
+        self
+    }
+
+    /// How many calls from the other side may run at once; beyond that a call is answered
+    /// `Overloaded` at once. Default: 1024.
+    pub fn max_inbound_calls(mut self, n: u32) -> Self {
+        self.max_inbound_calls = n;
+        self
+    }
+
+    /// How many items of one stream the producer may send ahead of this side's acks.
+    /// Default: 64. Must be at least 1.
+    pub fn stream_window(mut self, items: u32) -> Self {
+        self.stream_window = items.max(1);
+        self
+    }
+
+    /// How long the handshake may take before the connection is dropped. Default: 10 s.
+    pub fn handshake_timeout(mut self, d: Duration) -> Self {
+        self.handshake_timeout = d;
+        self
+    }
+
+    /// How often this side sends a keep-alive ping, and how long it waits without
+    /// receiving anything before it closes the connection as dead. Default: 20 s and 60 s.
+    pub fn keepalive(mut self, interval: Option<Duration>, idle_timeout: Option<Duration>) -> Self {
+        self.keepalive_interval = interval;
+        self.idle_timeout = idle_timeout;
+        self
+    }
+
+    /// How long one socket write may stall (the other side stopped reading) before the
+    /// connection is closed. Default: 30 s.
+    pub fn write_stall_timeout(mut self, d: Duration) -> Self {
+        self.write_stall_timeout = d;
+        self
+    }
+
+    /// The deadline of calls that set none themselves. Default: none.
+    pub fn call_timeout(mut self, d: Option<Duration>) -> Self {
+        self.call_timeout = d;
+        self
+    }
+}

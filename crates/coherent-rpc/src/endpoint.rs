@@ -1,0 +1,359 @@
+//! An endpoint: the services one side serves, its settings and its auth hook, and the
+//! handshakes through which it connects to or accepts a connection over any byte
+//! stream (TCP, Unix sockets, TLS, an in-memory duplex, a child's stdin/stdout...).
+
+use std::future::Future;
+use std::io;
+use std::sync::Arc;
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
+
+use crate::codec::CompressionSet;
+use crate::config::Config;
+use crate::error::{ErrorCode, RpcError};
+use crate::frame::{Compression, Header, Kind};
+use crate::handshake::{self, Hello};
+use crate::peer::{self, Out, Peer, Settings};
+use crate::service::{BoxFuture, Identity, Registry, Service};
+
+type AuthHook = Arc<dyn Fn(String) -> BoxFuture<Result<Identity, String>> + Send + Sync>;
+
+/// Builds an [`Endpoint`].
+#[derive(Default)]
+pub struct EndpointBuilder {
+    registry: Registry,
+    config: Config,
+    auth: Option<AuthHook>,
+    token: String,
+}
+
+impl EndpointBuilder {
+    /// Serves `service` on every connection of this endpoint.
+    ///
+    /// # Panics
+    /// When one of its method ids collides with an already registered method.
+    pub fn service<S: Service>(mut self, service: S) -> Self {
+        self.registry.add(Arc::new(service));
+        self
+    }
+
+    /// The endpoint's settings.
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Checks the bearer token of every accepted connection (empty when the other side sent
+    /// none). `Ok(identity)` accepts it and makes `identity` visible to handlers through
+    /// `CallContext::identity`; `Err(reason)` rejects it with `Unauthenticated`.
+    pub fn authenticate<F, Fut>(mut self, hook: F) -> Self
+    where
+        F: Fn(String) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Identity, String>> + Send + 'static,
+    {
+        self.auth = Some(Arc::new(move |t| Box::pin(hook(t))));
+        self
+    }
+
+    /// The bearer token this endpoint presents when it connects.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = token.into();
+        self
+    }
+
+    /// The endpoint.
+    pub fn build(self) -> Endpoint {
+        Endpoint {
+            inner: Arc::new(Inner {
+                registry: Arc::new(self.registry),
+                config: self.config,
+                auth: self.auth,
+                token: self.token,
+            }),
+        }
+    }
+}
+
+struct Inner {
+    registry: Arc<Registry>,
+    config: Config,
+    auth: Option<AuthHook>,
+    token: String,
+}
+
+/// One side of the protocol: it can accept connections, make them, or both, and serves
+/// its services on each of them (so calls flow in both directions).
+#[derive(Clone)]
+pub struct Endpoint {
+    inner: Arc<Inner>,
+}
+
+impl Endpoint {
+    /// A builder with no services and the default [`Config`].
+    pub fn builder() -> EndpointBuilder {
+        EndpointBuilder::default()
+    }
+
+    fn hello(&self, token: &str) -> Hello {
+        let c = &self.inner.config;
+        Hello {
+            version: handshake::VERSION,
+            format: c.format,
+            decodes: c.decodes,
+            max_message_size: c.max_message_size,
+            max_inbound_calls: c.max_inbound_calls,
+            stream_window: c.stream_window,
+            token: token.to_owned(),
+        }
+    }
+
+    fn settings(&self, remote: &Hello) -> Settings {
+        let c = &self.inner.config;
+        let send_compression = if remote.decodes.contains(c.compression) {
+            c.compression
+        } else {
+            Compression::None
+        };
+        Settings {
+            format: remote.format,
+            send_compression,
+            compression_threshold: c.compression_threshold,
+            local_max: c.max_message_size,
+            remote_max: remote.max_message_size,
+            max_inbound: c.max_inbound_calls,
+            local_window: c.stream_window,
+            remote_window: remote.stream_window,
+            keepalive_interval: c.keepalive_interval,
+            idle_timeout: c.idle_timeout,
+            write_stall_timeout: c.write_stall_timeout,
+            call_timeout: c.call_timeout,
+        }
+    }
+
+    /// Connects over an established byte stream: sends `Hello`, waits for `HelloAck`.
+    /// The returned handle closes the connection when its last clone is dropped.
+    pub async fn connect<IO>(&self, io: IO) -> Result<Peer, RpcError>
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (mut rd, mut wr) = tokio::io::split(io);
+        let timeout = self.inner.config.handshake_timeout;
+        let hello = self.hello(&self.inner.token);
+        let exchange = async {
+            write_frame(&mut wr, Kind::Hello, &hello.encode()).await?;
+            let mut buf = BytesMut::with_capacity(4096);
+            let (h, payload) = read_frame(&mut rd, &mut buf).await?;
+            match h.kind {
+                Kind::HelloAck => Ok((Hello::decode(&payload)?, buf)),
+                Kind::Close => Err(RpcError::from_payload(&payload)),
+                k => Err(RpcError::protocol(format!("expected HelloAck, got {k:?}"))),
+            }
+        };
+        let (ack, leftover) = tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| {
+                RpcError::disconnected(format!("no handshake answer within {timeout:?}"))
+            })??;
+        let mut settings = self.settings(&ack);
+        // The connecting side chose the format; an answer in another one is a broken peer.
+        if ack.format != hello.format {
+            return Err(RpcError::protocol(
+                "the other side answered in another format",
+            ));
+        }
+        settings.format = hello.format;
+        Ok(Peer::start(
+            rd,
+            wr,
+            leftover,
+            settings,
+            self.inner.registry.clone(),
+            None,
+            true,
+        ))
+    }
+
+    /// Accepts a connection over an established byte stream: reads `Hello`, checks the
+    /// token, answers `HelloAck` (or `Close` with the reason it refuses).
+    pub async fn accept<IO>(&self, io: IO) -> Result<Peer, RpcError>
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (mut rd, mut wr) = tokio::io::split(io);
+        let timeout = self.inner.config.handshake_timeout;
+        let exchange = async {
+            let mut buf = BytesMut::with_capacity(4096);
+            let (h, payload) = read_frame(&mut rd, &mut buf).await?;
+            if h.kind != Kind::Hello {
+                return Err(RpcError::protocol(format!(
+                    "expected Hello, got {:?}",
+                    h.kind
+                )));
+            }
+            let hello = Hello::decode(&payload)?;
+            let identity = match &self.inner.auth {
+                None => None,
+                Some(auth) => Some(
+                    auth(hello.token.clone())
+                        .await
+                        .map_err(|m| RpcError::new(ErrorCode::Unauthenticated, m))?,
+                ),
+            };
+            Ok((hello, identity, buf))
+        };
+        let outcome = match tokio::time::timeout(timeout, exchange).await {
+            Ok(r) => r,
+            Err(_) => Err(RpcError::protocol(format!(
+                "no handshake within {timeout:?}"
+            ))),
+        };
+        let (hello, identity, leftover) = match outcome {
+            Ok(v) => v,
+            Err(e) => {
+                // Best effort: the reason helps a legitimate client; a hostile one may not read.
+                let _ = tokio::time::timeout(timeout, async {
+                    write_frame(&mut wr, Kind::Close, &e.to_payload()).await?;
+                    wr.shutdown().await.map_err(RpcError::from)
+                })
+                .await;
+                return Err(e);
+            }
+        };
+        let mut ack = self.hello("");
+        ack.format = hello.format;
+        tokio::time::timeout(timeout, write_frame(&mut wr, Kind::HelloAck, &ack.encode()))
+            .await
+            .map_err(|_| RpcError::disconnected("handshake answer stalled"))??;
+        Ok(Peer::start(
+            rd,
+            wr,
+            leftover,
+            self.settings(&hello),
+            self.inner.registry.clone(),
+            identity,
+            false,
+        ))
+    }
+
+    /// Connects over TCP (with `TCP_NODELAY`: the writer batches already).
+    pub async fn connect_tcp(&self, addr: impl ToSocketAddrs) -> Result<Peer, RpcError> {
+        let stream = tokio::time::timeout(
+            self.inner.config.handshake_timeout,
+            TcpStream::connect(addr),
+        )
+        .await
+        .map_err(|_| RpcError::disconnected("TCP connect timed out"))??;
+        stream.set_nodelay(true)?;
+        self.connect(stream).await
+    }
+
+    /// Accepts TCP connections until the listener fails, serving each on its own task.
+    /// A connection that fails its handshake is dropped; the others go on.
+    pub async fn serve_tcp(&self, listener: TcpListener) -> io::Result<()> {
+        loop {
+            let (stream, _) = match listener.accept().await {
+                Ok(s) => s,
+                // Out of file descriptors and the like: keep serving the others.
+                Err(e) if is_transient(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            let _ = stream.set_nodelay(true);
+            let this = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = this.accept(stream).await {
+                    tracing::debug!(%e, "handshake failed");
+                }
+            });
+        }
+    }
+
+    /// Connects over a Unix domain socket.
+    #[cfg(unix)]
+    pub async fn connect_unix(&self, path: impl AsRef<std::path::Path>) -> Result<Peer, RpcError> {
+        let stream = tokio::net::UnixStream::connect(path).await?;
+        self.connect(stream).await
+    }
+
+    /// Accepts Unix domain socket connections until the listener fails.
+    #[cfg(unix)]
+    pub async fn serve_unix(&self, listener: tokio::net::UnixListener) -> io::Result<()> {
+        loop {
+            let (stream, _) = match listener.accept().await {
+                Ok(s) => s,
+                Err(e) if is_transient(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            let this = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = this.accept(stream).await {
+                    tracing::debug!(%e, "handshake failed");
+                }
+            });
+        }
+    }
+
+    /// The compressions this endpoint decodes.
+    pub fn decodes(&self) -> CompressionSet {
+        self.inner.config.decodes
+    }
+}
+
+fn is_transient(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::WouldBlock
+    ) || e.raw_os_error().is_some_and(|c| c == 24 || c == 23)
+}
+
+async fn write_frame<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    kind: Kind,
+    payload: &[u8],
+) -> Result<(), RpcError> {
+    let Out::Frame { head, head_len, .. } =
+        peer::encode(kind, Compression::None, 0, 0, Bytes::new())
+    else {
+        unreachable!("encode returns a frame")
+    };
+    // The length field is the last 4 bytes of the envelope.
+    let mut head = head;
+    let n = head_len as usize;
+    head[n - 4..n].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    let mut frame = Vec::with_capacity(n + payload.len());
+    frame.extend_from_slice(&head[..n]);
+    frame.extend_from_slice(payload);
+    wr.write_all(&frame).await?;
+    wr.flush().await?;
+    Ok(())
+}
+
+/// Reads one handshake frame; bytes after it stay in `buf` for the connection's reader.
+async fn read_frame<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    buf: &mut BytesMut,
+) -> Result<(Header, Bytes), RpcError> {
+    let max = (handshake::FIXED_LEN + handshake::MAX_TOKEN_LEN) as u32;
+    loop {
+        if let Some((h, head_len)) =
+            Header::decode(buf, max).map_err(|e| RpcError::protocol(e.to_string()))?
+        {
+            let total = head_len + h.len as usize;
+            if buf.len() >= total {
+                let mut frame = buf.split_to(total);
+                frame.advance(head_len);
+                if h.compression != Compression::None {
+                    return Err(RpcError::protocol("compressed handshake frame"));
+                }
+                return Ok((h, frame.freeze()));
+            }
+        }
+        if rd.read_buf(buf).await? == 0 {
+            return Err(RpcError::disconnected("closed during the handshake"));
+        }
+    }
+}

@@ -1,0 +1,867 @@
+//! One connection after its handshake: the call tables, the single writer task that
+//! coalesces queued frames into few socket writes, the single reader task that routes
+//! each frame, and the `Peer` handle through which both sides make calls.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use futures::FutureExt;
+use parking_lot::Mutex;
+use serde::{de::DeserializeOwned, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot, watch, Notify, Semaphore};
+use tokio::task::AbortHandle;
+use tracing::Instrument;
+
+use crate::codec::{self, Format};
+use crate::error::{ErrorCode, RpcError};
+use crate::frame::{Compression, Header, Kind, MAX_HEADER_LEN};
+use crate::service::{CallContext, Identity, MethodKind, Registry, Response, CONTEXT};
+use crate::stream::ClientStream;
+
+/// Payloads above this are written straight from their buffer instead of being copied
+/// into the batch: copying 10 MB to save one syscall does not pay.
+const DIRECT_WRITE: usize = 32 * 1024;
+/// The writer stops coalescing and writes once a batch reaches this size.
+const BATCH: usize = 64 * 1024;
+/// Below this, the writer yields once before writing so that callers woken by the same
+/// event can add their frames to the batch (a wake-up costs more than a short wait).
+const SMALL_BATCH: usize = 4 * 1024;
+
+/// Settings agreed in the handshake, fixed for the connection's life.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) format: Format,
+    pub(crate) send_compression: Compression,
+    pub(crate) compression_threshold: usize,
+    pub(crate) local_max: u32,
+    pub(crate) remote_max: u32,
+    pub(crate) max_inbound: u32,
+    pub(crate) local_window: u32,
+    pub(crate) remote_window: u32,
+    pub(crate) keepalive_interval: Option<Duration>,
+    pub(crate) idle_timeout: Option<Duration>,
+    pub(crate) write_stall_timeout: Duration,
+    pub(crate) call_timeout: Option<Duration>,
+}
+
+/// An encoded frame waiting for the writer, or the order to stop.
+pub(crate) enum Out {
+    Frame {
+        head: [u8; MAX_HEADER_LEN],
+        head_len: u8,
+        payload: Bytes,
+    },
+    Stop(Option<Box<Out>>),
+}
+
+/// What the reader delivers to a caller waiting on an outbound call.
+pub(crate) enum Pending {
+    Unary(oneshot::Sender<Result<Bytes, RpcError>>),
+    Stream(mpsc::UnboundedSender<Result<Option<Bytes>, RpcError>>),
+}
+
+impl Pending {
+    fn fail(self, e: RpcError) {
+        match self {
+            Pending::Unary(tx) => drop(tx.send(Err(e))),
+            Pending::Stream(tx) => drop(tx.send(Err(e))),
+        }
+    }
+}
+
+/// A call the other side made and this side is running.
+struct Inbound {
+    abort: AbortHandle,
+    credits: Option<Arc<Semaphore>>,
+}
+
+/// Counters of one connection; read them with [`Peer::stats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    calls_out: AtomicU64,
+    calls_in: AtomicU64,
+    errors_in: AtomicU64,
+    bytes_out: AtomicU64,
+    bytes_in: AtomicU64,
+}
+
+/// A snapshot of a connection's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Calls this side made.
+    pub calls_out: u64,
+    /// Calls the other side made.
+    pub calls_in: u64,
+    /// `Error` frames received.
+    pub errors_in: u64,
+    /// Bytes written to the transport.
+    pub bytes_out: u64,
+    /// Bytes read from the transport.
+    pub bytes_in: u64,
+    /// Calls from the other side running now.
+    pub in_flight_in: u64,
+}
+
+pub(crate) struct Shared {
+    out: mpsc::UnboundedSender<Out>,
+    // parking_lot mutexes, not tokio ones: no `.await` happens while either is held.
+    pending: Mutex<HashMap<u64, Pending>>,
+    inbound: Mutex<HashMap<u64, Inbound>>,
+    next_id: AtomicU64,
+    pub(crate) settings: Settings,
+    registry: Arc<Registry>,
+    identity: Option<Identity>,
+    closed: watch::Sender<Option<RpcError>>,
+    /// Bytes handed to the writer and not yet written: the reader stops taking new
+    /// calls above `high_water` so that a peer that stops reading cannot grow this queue.
+    queued: AtomicUsize,
+    high_water: usize,
+    drained: Notify,
+    counters: Counters,
+}
+
+impl Shared {
+    /// Encodes and queues one frame, compressing payloads above the threshold.
+    pub(crate) fn send(
+        &self,
+        kind: Kind,
+        call_id: u64,
+        method_id: u32,
+        payload: Bytes,
+    ) -> Result<(), RpcError> {
+        if payload.len() > self.settings.remote_max as usize {
+            return Err(RpcError::new(
+                ErrorCode::TooLarge,
+                format!(
+                    "message of {} bytes exceeds the other side's limit of {}",
+                    payload.len(),
+                    self.settings.remote_max
+                ),
+            ));
+        }
+        let mut compression = Compression::None;
+        let mut payload = payload;
+        if self.settings.send_compression != Compression::None
+            && payload.len() >= self.settings.compression_threshold
+        {
+            if let Some(c) = codec::compress(self.settings.send_compression, &payload) {
+                compression = self.settings.send_compression;
+                payload = Bytes::from(c);
+            }
+        }
+        let out = encode(kind, compression, call_id, method_id, payload);
+        self.enqueue(out)
+    }
+
+    fn enqueue(&self, out: Out) -> Result<(), RpcError> {
+        if let Out::Frame { payload, .. } = &out {
+            self.queued.fetch_add(payload.len(), Ordering::Relaxed);
+        }
+        self.out
+            .send(out)
+            .map_err(|_| RpcError::disconnected("connection closed"))
+    }
+
+    fn closed_reason(&self) -> Option<RpcError> {
+        self.closed.borrow().clone()
+    }
+
+    /// Closes the connection once: fails every waiting caller, aborts every running
+    /// handler, and tells the writer to stop (after sending `Close` when `tell_remote`).
+    pub(crate) fn shutdown(&self, reason: RpcError, tell_remote: bool) {
+        let first = self.closed.send_if_modified(|c| {
+            if c.is_none() {
+                *c = Some(reason.clone());
+                true
+            } else {
+                false
+            }
+        });
+        if !first {
+            return;
+        }
+        tracing::debug!(%reason, "connection closing");
+        let close = tell_remote.then(|| {
+            Box::new(encode(
+                Kind::Close,
+                Compression::None,
+                0,
+                0,
+                Bytes::from(reason.to_payload()),
+            ))
+        });
+        let _ = self.out.send(Out::Stop(close));
+        let pending: Vec<_> = self.pending.lock().drain().collect();
+        let failure = if reason.code() == ErrorCode::Disconnected {
+            reason.clone()
+        } else {
+            RpcError::disconnected(format!("connection closed: {reason}"))
+        };
+        for (_, p) in pending {
+            p.fail(failure.clone());
+        }
+        let inbound: Vec<_> = self.inbound.lock().drain().collect();
+        for (_, i) in inbound {
+            i.abort.abort();
+        }
+        self.drained.notify_waiters();
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Registers an outbound call; fails if the connection is (or just got) closed.
+    fn register(&self, id: u64, p: Pending) -> Result<(), RpcError> {
+        self.pending.lock().insert(id, p);
+        // Checked after inserting: `shutdown` sets the reason before draining the
+        // table, so a call inserted after the drain sees the reason here.
+        if let Some(reason) = self.closed_reason() {
+            self.pending.lock().remove(&id);
+            return Err(RpcError::disconnected(format!(
+                "connection closed: {reason}"
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn forget_call(&self, id: u64, send_cancel: bool) {
+        if self.pending.lock().remove(&id).is_some() && send_cancel {
+            let _ = self.send(Kind::Cancel, id, 0, Bytes::new());
+        }
+    }
+}
+
+pub(crate) fn encode(
+    kind: Kind,
+    compression: Compression,
+    call_id: u64,
+    method_id: u32,
+    payload: Bytes,
+) -> Out {
+    let mut head = [0u8; MAX_HEADER_LEN];
+    let head_len = Header {
+        kind,
+        compression,
+        call_id,
+        method_id,
+        len: payload.len() as u32,
+    }
+    .encode(&mut head) as u8;
+    Out::Frame {
+        head,
+        head_len,
+        payload,
+    }
+}
+
+/// Options of one call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallOptions {
+    /// How long the caller waits for the reply; on expiry the call is cancelled on the
+    /// callee and fails with `DeadlineExceeded`. `None` uses the endpoint's default.
+    pub timeout: Option<Duration>,
+}
+
+/// A handle to one connection. Clone it freely; calls from clones share the connection.
+///
+/// The handle returned by a connect closes the connection when its last clone is
+/// dropped; the handles an accepting endpoint hands out (and `CallContext::peer`) do not:
+/// that side's connection lives as long as the connecting side keeps it.
+#[derive(Clone)]
+pub struct Peer {
+    pub(crate) shared: Arc<Shared>,
+    _owner: Option<Arc<Owner>>,
+}
+
+impl std::fmt::Debug for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peer")
+            .field("format", &self.shared.settings.format)
+            .field("identity", &self.shared.identity)
+            .field("closed", &self.shared.closed_reason())
+            .finish()
+    }
+}
+
+struct Owner(Arc<Shared>);
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.0.shutdown(
+            RpcError::disconnected("the client dropped the connection"),
+            true,
+        );
+    }
+}
+
+/// Removes the pending entry and tells the callee to stop when a call's future is
+/// dropped before its reply arrived.
+struct CallGuard<'a> {
+    shared: &'a Shared,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.forget_call(self.id, true);
+        }
+    }
+}
+
+impl Peer {
+    /// Makes a unary call: `args` is the tuple of the method's arguments.
+    pub async fn call<A, R>(
+        &self,
+        method_id: u32,
+        args: A,
+        opts: CallOptions,
+    ) -> Result<R, RpcError>
+    where
+        A: Serialize,
+        R: DeserializeOwned,
+    {
+        let s = &*self.shared;
+        let payload = s.settings.format.encode(&args)?;
+        drop(args);
+        let id = s.next_id();
+        let (tx, rx) = oneshot::channel();
+        s.register(id, Pending::Unary(tx))?;
+        let mut guard = CallGuard {
+            shared: s,
+            id,
+            armed: true,
+        };
+        if let Err(e) = s.send(Kind::Call, id, method_id, payload) {
+            s.pending.lock().remove(&id);
+            guard.armed = false;
+            return Err(e);
+        }
+        s.counters.calls_out.fetch_add(1, Ordering::Relaxed);
+        let reply = match opts.timeout.or(s.settings.call_timeout) {
+            None => rx.await,
+            Some(d) => match tokio::time::timeout(d, rx).await {
+                Ok(r) => r,
+                Err(_) => {
+                    return Err(RpcError::new(
+                        ErrorCode::DeadlineExceeded,
+                        format!("no reply within {d:?}"),
+                    ))
+                }
+            },
+        };
+        guard.armed = false;
+        let bytes = reply.map_err(|_| RpcError::disconnected("connection closed"))??;
+        s.settings.format.decode(&bytes)
+    }
+
+    /// Sends a one-way call: no reply, no delivery guarantee beyond the queue.
+    pub fn call_oneway<A: Serialize>(&self, method_id: u32, args: A) -> Result<(), RpcError> {
+        let s = &*self.shared;
+        let payload = s.settings.format.encode(&args)?;
+        let id = s.next_id();
+        s.counters.calls_out.fetch_add(1, Ordering::Relaxed);
+        s.send(Kind::OneWay, id, method_id, payload)
+    }
+
+    /// Starts a streaming call; items arrive on the returned stream under flow control.
+    pub fn call_stream<A, T>(&self, method_id: u32, args: A) -> Result<ClientStream<T>, RpcError>
+    where
+        A: Serialize,
+        T: DeserializeOwned,
+    {
+        let s = &self.shared;
+        let payload = s.settings.format.encode(&args)?;
+        let id = s.next_id();
+        let (tx, rx) = mpsc::unbounded_channel();
+        s.register(id, Pending::Stream(tx))?;
+        if let Err(e) = s.send(Kind::Call, id, method_id, payload) {
+            s.pending.lock().remove(&id);
+            return Err(e);
+        }
+        s.counters.calls_out.fetch_add(1, Ordering::Relaxed);
+        Ok(ClientStream::new(s.clone(), id, rx))
+    }
+
+    /// Who the other side authenticated as (on the accepting side), if anyone.
+    pub fn identity(&self) -> Option<&Identity> {
+        self.shared.identity.as_ref()
+    }
+
+    /// The serde format of this connection.
+    pub fn format(&self) -> Format {
+        self.shared.settings.format
+    }
+
+    /// The largest payload the other side accepts.
+    pub fn remote_max_message_size(&self) -> u32 {
+        self.shared.settings.remote_max
+    }
+
+    /// Closes the connection, telling the other side why.
+    pub fn close(&self) {
+        self.shared
+            .shutdown(RpcError::disconnected("closed by this side"), true);
+    }
+
+    /// Why the connection closed, or `None` while it is open.
+    pub fn close_reason(&self) -> Option<RpcError> {
+        self.shared.closed_reason()
+    }
+
+    /// Waits until the connection is closed and returns why.
+    pub async fn closed(&self) -> RpcError {
+        let mut rx = self.shared.closed.subscribe();
+        loop {
+            if let Some(r) = rx.borrow_and_update().clone() {
+                return r;
+            }
+            if rx.changed().await.is_err() {
+                return RpcError::disconnected("connection dropped");
+            }
+        }
+    }
+
+    /// A snapshot of this connection's counters.
+    pub fn stats(&self) -> Stats {
+        let c = &self.shared.counters;
+        Stats {
+            calls_out: c.calls_out.load(Ordering::Relaxed),
+            calls_in: c.calls_in.load(Ordering::Relaxed),
+            errors_in: c.errors_in.load(Ordering::Relaxed),
+            bytes_out: c.bytes_out.load(Ordering::Relaxed),
+            bytes_in: c.bytes_in.load(Ordering::Relaxed),
+            in_flight_in: self.shared.inbound.lock().len() as u64,
+        }
+    }
+
+    /// Starts the reader and writer tasks of a connection whose handshake is done.
+    pub(crate) fn start<R, W>(
+        rd: R,
+        wr: W,
+        leftover: BytesMut,
+        settings: Settings,
+        registry: Arc<Registry>,
+        identity: Option<Identity>,
+        owned: bool,
+    ) -> Peer
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let high_water = (settings.local_max as usize)
+            .max(settings.remote_max as usize)
+            .saturating_mul(2)
+            .max(16 << 20);
+        let shared = Arc::new(Shared {
+            out: tx,
+            pending: Mutex::new(HashMap::new()),
+            inbound: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            settings,
+            registry,
+            identity,
+            closed: watch::Sender::new(None),
+            queued: AtomicUsize::new(0),
+            high_water,
+            drained: Notify::new(),
+            counters: Counters::default(),
+        });
+        tokio::spawn(write_loop(shared.clone(), rx, wr));
+        tokio::spawn(read_loop(shared.clone(), rd, leftover));
+        let owner = owned.then(|| Arc::new(Owner(shared.clone())));
+        Peer {
+            shared,
+            _owner: owner,
+        }
+    }
+
+    fn unowned(shared: Arc<Shared>) -> Peer {
+        Peer {
+            shared,
+            _owner: None,
+        }
+    }
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(
+    shared: Arc<Shared>,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    mut wr: W,
+) {
+    let mut buf: Vec<u8> = Vec::with_capacity(BATCH + MAX_HEADER_LEN);
+    let stall = shared.settings.write_stall_timeout;
+    let result: Result<(), RpcError> = async {
+        while let Some(first) = rx.recv().await {
+            let mut written_payload = 0usize;
+            let mut stop = push(&mut wr, &mut buf, first, &mut written_payload, stall).await?;
+            let mut yielded = false;
+            while !stop {
+                match rx.try_recv() {
+                    Ok(m) => stop = push(&mut wr, &mut buf, m, &mut written_payload, stall).await?,
+                    Err(_) if !yielded && buf.len() < SMALL_BATCH => {
+                        yielded = true;
+                        tokio::task::yield_now().await;
+                    }
+                    Err(_) => break,
+                }
+                if buf.len() >= BATCH {
+                    break;
+                }
+            }
+            flush(&mut wr, &mut buf, stall).await?;
+            shared
+                .counters
+                .bytes_out
+                .fetch_add(written_payload as u64, Ordering::Relaxed);
+            shared.queued.fetch_sub(written_payload, Ordering::Relaxed);
+            shared.drained.notify_waiters();
+            if stop {
+                let _ = wr.shutdown().await;
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(e) = result {
+        shared.shutdown(e, false);
+    }
+}
+
+/// Appends one queued item to the batch; returns whether it was the order to stop.
+async fn push<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    buf: &mut Vec<u8>,
+    m: Out,
+    written: &mut usize,
+    stall: Duration,
+) -> Result<bool, RpcError> {
+    match m {
+        Out::Frame {
+            head,
+            head_len,
+            payload,
+        } => {
+            buf.extend_from_slice(&head[..head_len as usize]);
+            *written += payload.len();
+            if payload.len() > DIRECT_WRITE {
+                flush(wr, buf, stall).await?;
+                write_all(wr, &payload, stall).await?;
+            } else {
+                buf.extend_from_slice(&payload);
+            }
+            Ok(false)
+        }
+        Out::Stop(close) => {
+            if let Some(close) = close {
+                Box::pin(push(wr, buf, *close, written, stall)).await?;
+            }
+            Ok(true)
+        }
+    }
+}
+
+async fn flush<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    buf: &mut Vec<u8>,
+    stall: Duration,
+) -> Result<(), RpcError> {
+    if !buf.is_empty() {
+        write_all(wr, buf, stall).await?;
+        buf.clear();
+    }
+    wr.flush().await?;
+    Ok(())
+}
+
+async fn write_all<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    bytes: &[u8],
+    stall: Duration,
+) -> Result<(), RpcError> {
+    match tokio::time::timeout(stall, wr.write_all(bytes)).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(RpcError::disconnected(format!(
+            "the other side stopped reading (a write stalled for {stall:?})"
+        ))),
+    }
+}
+
+async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf: BytesMut) {
+    let mut closed = shared.closed.subscribe();
+    let tick = shared
+        .settings
+        .keepalive_interval
+        .or(shared.settings.idle_timeout);
+    let mut ticker = tick.map(|d| {
+        let mut t = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
+    let mut last_recv = tokio::time::Instant::now();
+    let max = shared.settings.local_max;
+    let reason = 'conn: loop {
+        // Route every complete frame in the buffer before reading more.
+        loop {
+            match Header::decode(&buf, max) {
+                Ok(Some((h, head_len))) => {
+                    let total = head_len + h.len as usize;
+                    if buf.len() < total {
+                        buf.reserve(total - buf.len());
+                        break;
+                    }
+                    let mut frame = buf.split_to(total);
+                    frame.advance(head_len);
+                    if let Err(e) = route(&shared, h, frame.freeze()).await {
+                        break 'conn (e, true);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    let code = match e {
+                        crate::frame::FrameError::TooLarge { .. } => ErrorCode::TooLarge,
+                        _ => ErrorCode::Protocol,
+                    };
+                    break 'conn (RpcError::new(code, e.to_string()), true);
+                }
+            }
+        }
+        if buf.capacity() - buf.len() < 4096 {
+            buf.reserve(BATCH);
+        }
+        tokio::select! {
+            r = rd.read_buf(&mut buf) => match r {
+                Ok(0) => break (RpcError::disconnected("the other side closed the connection"), false),
+                Ok(n) => {
+                    shared.counters.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                    last_recv = tokio::time::Instant::now();
+                }
+                Err(e) => break (RpcError::disconnected(e.to_string()), false),
+            },
+            _ = closed.changed() => return,
+            _ = async { ticker.as_mut().expect("ticker").tick().await }, if ticker.is_some() => {
+                if let Some(idle) = shared.settings.idle_timeout {
+                    if last_recv.elapsed() >= idle {
+                        break (RpcError::disconnected(format!("nothing received for {idle:?}: the other side looks dead")), true);
+                    }
+                }
+                if shared.settings.keepalive_interval.is_some() {
+                    let _ = shared.send(Kind::Ping, 0, 0, Bytes::new());
+                }
+            }
+        }
+    };
+    shared.shutdown(reason.0, reason.1);
+}
+
+/// Handles one received frame. An `Err` closes the connection with that reason.
+async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), RpcError> {
+    let s = &**shared;
+    let payload = if h.compression == Compression::None {
+        payload
+    } else {
+        codec::decompress(h.compression, payload, s.settings.local_max)?
+    };
+    match h.kind {
+        Kind::Call | Kind::OneWay => {
+            // Backpressure: a peer that keeps calling but stops reading stalls here.
+            while s.queued.load(Ordering::Relaxed) > s.high_water {
+                let drained = s.drained.notified();
+                if s.queued.load(Ordering::Relaxed) <= s.high_water || s.closed_reason().is_some() {
+                    break;
+                }
+                drained.await;
+            }
+            start_call(shared, h, payload);
+        }
+        Kind::Ok | Kind::Error => {
+            if h.kind == Kind::Error {
+                s.counters.errors_in.fetch_add(1, Ordering::Relaxed);
+            }
+            // An unknown id is a reply to a call this side already gave up on.
+            if let Some(p) = s.pending.lock().remove(&h.call_id) {
+                let r = if h.kind == Kind::Ok {
+                    Ok(payload)
+                } else {
+                    Err(RpcError::from_payload(&payload))
+                };
+                match p {
+                    Pending::Unary(tx) => drop(tx.send(r)),
+                    Pending::Stream(tx) => drop(tx.send(r.map(Some))),
+                }
+            }
+        }
+        Kind::StreamItem => {
+            if let Some(Pending::Stream(tx)) = s.pending.lock().get(&h.call_id) {
+                let _ = tx.send(Ok(Some(payload)));
+            }
+        }
+        Kind::StreamEnd => {
+            if let Some(Pending::Stream(tx)) = s.pending.lock().remove(&h.call_id) {
+                let _ = tx.send(Ok(None));
+            }
+        }
+        Kind::Cancel => {
+            if let Some(i) = s.inbound.lock().remove(&h.call_id) {
+                i.abort.abort();
+            }
+        }
+        Kind::StreamAck => {
+            let Ok(n) = <[u8; 4]>::try_from(&payload[..]) else {
+                return Err(RpcError::protocol("stream ack payload is not 4 bytes"));
+            };
+            let n = u32::from_le_bytes(n) as usize;
+            if let Some(Inbound {
+                credits: Some(c), ..
+            }) = s.inbound.lock().get(&h.call_id)
+            {
+                // Never more credits than the window, whatever the other side claims.
+                let room =
+                    (s.settings.remote_window as usize).saturating_sub(c.available_permits());
+                c.add_permits(n.min(room));
+            }
+        }
+        Kind::Ping => s.send(Kind::Pong, 0, 0, payload)?,
+        Kind::Pong => {}
+        Kind::Close => {
+            let reason = RpcError::from_payload(&payload);
+            let e = RpcError::new(
+                reason.code(),
+                format!("closed by the other side: {}", reason.message()),
+            );
+            // The other side is gone: no point answering its Close with ours.
+            s.shutdown(e.clone(), false);
+            return Err(e);
+        }
+        Kind::Hello | Kind::HelloAck => {
+            return Err(RpcError::protocol("handshake frame after the handshake"));
+        }
+    }
+    Ok(())
+}
+
+fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
+    let s = &**shared;
+    let id = h.call_id;
+    let reply = h.kind == Kind::Call;
+    let fail = |e: RpcError| {
+        if reply {
+            let _ = s.send(Kind::Error, id, 0, Bytes::from(e.to_payload()));
+        }
+    };
+    let Some(entry) = s.registry.get(h.method_id) else {
+        return fail(RpcError::new(
+            ErrorCode::UnknownMethod,
+            format!("no method with id {:#010x}", h.method_id),
+        ));
+    };
+    let mut inbound = s.inbound.lock();
+    if inbound.len() >= s.settings.max_inbound as usize {
+        drop(inbound);
+        return fail(RpcError::new(
+            ErrorCode::Overloaded,
+            format!(
+                "{} calls already running on this connection",
+                s.settings.max_inbound
+            ),
+        ));
+    }
+    if inbound.contains_key(&id) {
+        drop(inbound);
+        return fail(RpcError::protocol(format!(
+            "call id {id} is already running"
+        )));
+    }
+    s.counters.calls_in.fetch_add(1, Ordering::Relaxed);
+    let ctx = CallContext {
+        peer: Peer::unowned(shared.clone()),
+        call_id: id,
+        method_id: h.method_id,
+    };
+    let span = tracing::debug_span!("rpc.serve", call_id = id, method_id = h.method_id);
+    let response = entry.service.call(entry.index, args, s.settings.format);
+    let sh = shared.clone();
+    let (credits, task) = match response {
+        Response::Unary(fut) => {
+            let task = async move {
+                let r = match std::panic::AssertUnwindSafe(fut).catch_unwind().await {
+                    Ok(r) => r,
+                    Err(_) => Err(RpcError::new(ErrorCode::Internal, "the handler panicked")),
+                };
+                // Whoever removes the entry owns the answer: if `Cancel` got it first,
+                // the caller no longer waits.
+                if sh.inbound.lock().remove(&id).is_some() && reply {
+                    let sent = match r {
+                        Ok(bytes) => sh.send(Kind::Ok, id, 0, bytes),
+                        Err(e) => sh.send(Kind::Error, id, 0, Bytes::from(e.to_payload())),
+                    };
+                    if let Err(e) = sent {
+                        let _ = sh.send(Kind::Error, id, 0, Bytes::from(e.to_payload()));
+                    }
+                }
+            };
+            (None, task.boxed())
+        }
+        Response::Stream(fut) => {
+            let credits = Arc::new(Semaphore::new(s.settings.remote_window as usize));
+            let c = credits.clone();
+            let task = async move {
+                let end = std::panic::AssertUnwindSafe(produce(&sh, id, fut, &c))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(RpcError::new(ErrorCode::Internal, "the handler panicked"))
+                    });
+                if sh.inbound.lock().remove(&id).is_some() {
+                    let _ = match end {
+                        Ok(()) => sh.send(Kind::StreamEnd, id, 0, Bytes::new()),
+                        Err(e) => sh.send(Kind::Error, id, 0, Bytes::from(e.to_payload())),
+                    };
+                }
+            };
+            (Some(credits), task.boxed())
+        }
+    };
+    debug_assert!(entry.kind != MethodKind::Stream || credits.is_some());
+    // Spawned while holding the table's lock so that the task, which removes its own
+    // entry when done, always finds it there.
+    let handle = tokio::spawn(CONTEXT.scope(ctx, task).instrument(span));
+    inbound.insert(
+        id,
+        Inbound {
+            abort: handle.abort_handle(),
+            credits,
+        },
+    );
+}
+
+async fn produce(
+    s: &Shared,
+    id: u64,
+    fut: crate::service::BoxFuture<
+        Result<crate::service::ServerStream<Result<Bytes, RpcError>>, RpcError>,
+    >,
+    credits: &Semaphore,
+) -> Result<(), RpcError> {
+    use futures::StreamExt;
+    let mut stream = fut.await?;
+    while let Some(item) = stream.next().await {
+        let bytes = item?;
+        credits
+            .acquire()
+            .await
+            .map_err(|_| RpcError::disconnected("stream closed"))?
+            .forget();
+        s.send(Kind::StreamItem, id, 0, bytes)?;
+    }
+    Ok(())
+}

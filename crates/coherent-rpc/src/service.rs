@@ -1,0 +1,189 @@
+//! What a served method looks like to the connection: the `Service` trait that
+//! `#[service]` implements, the method-id hash, the registry that maps ids to handlers,
+//! and the task-local `CallContext` through which a handler sees who called it.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::Stream;
+
+use crate::codec::Format;
+use crate::error::RpcError;
+use crate::peer::Peer;
+
+/// A boxed, sendable future, as produced by generated dispatchers.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// The stream a streaming method returns: items sent to the caller under flow control.
+pub type ServerStream<T> = Pin<Box<dyn Stream<Item = T> + Send + 'static>>;
+
+/// The stable id of `service.method` on the wire: 32-bit FNV-1a of the UTF-8 bytes of
+/// `"<Service>.<method>"`. `#[service]` computes the same value at compile time.
+pub const fn method_id(full_name: &str) -> u32 {
+    let bytes = full_name.as_bytes();
+    let mut hash: u32 = 0x811c_9dc5;
+    let mut i = 0;
+    while i < bytes.len() {
+        hash ^= bytes[i] as u32;
+        hash = hash.wrapping_mul(0x0100_0193);
+        i += 1;
+    }
+    hash
+}
+
+/// How a method answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MethodKind {
+    /// One reply (`Ok` or `Error`).
+    Unary,
+    /// No reply at all.
+    OneWay,
+    /// Zero or more `StreamItem`s, then `StreamEnd` or `Error`.
+    Stream,
+}
+
+/// One method of a service, as listed by [`Service::methods`].
+#[derive(Debug, Clone, Copy)]
+pub struct MethodInfo {
+    /// `method_id("<Service>.<method>")`.
+    pub id: u32,
+    /// The method's name (without the service).
+    pub name: &'static str,
+    /// How it answers.
+    pub kind: MethodKind,
+}
+
+/// What a dispatcher hands back for one inbound call.
+pub enum Response {
+    /// A unary (or one-way) call: the encoded result.
+    Unary(BoxFuture<Result<Bytes, RpcError>>),
+    /// A streaming call: the stream of encoded items, once the handler produced it.
+    Stream(BoxFuture<Result<ServerStream<Result<Bytes, RpcError>>, RpcError>>),
+}
+
+/// A served service. Implemented by the `<Trait>Server` type that `#[service]` generates;
+/// implement it by hand only to serve something without a trait.
+pub trait Service: Send + Sync + 'static {
+    /// The service's name, the prefix of its method ids.
+    fn name(&self) -> &'static str;
+    /// Its methods; `call`'s `index` indexes this slice.
+    fn methods(&self) -> &'static [MethodInfo];
+    /// Starts method `index` with encoded `args`.
+    fn call(&self, index: usize, args: Bytes, format: Format) -> Response;
+}
+
+#[derive(Clone)]
+pub(crate) struct Entry {
+    pub(crate) service: Arc<dyn Service>,
+    pub(crate) index: usize,
+    pub(crate) kind: MethodKind,
+}
+
+/// Method id → handler, built once per endpoint and shared by its connections.
+#[derive(Clone, Default)]
+pub(crate) struct Registry {
+    methods: HashMap<u32, Entry>,
+}
+
+impl Registry {
+    /// Adds every method of `service`.
+    ///
+    /// # Panics
+    /// When two registered methods hash to the same id: rename one of them.
+    pub(crate) fn add(&mut self, service: Arc<dyn Service>) {
+        for (index, m) in service.methods().iter().enumerate() {
+            let full = format!("{}.{}", service.name(), m.name);
+            assert_eq!(
+                m.id,
+                method_id(&full),
+                "method id of {full} is not its hash"
+            );
+            if let Some(old) = self.methods.get(&m.id) {
+                let other = &old.service.methods()[old.index];
+                panic!(
+                    "method id collision: {full} and {}.{} both hash to {:#010x}",
+                    old.service.name(),
+                    other.name,
+                    m.id
+                );
+            }
+            self.methods.insert(
+                m.id,
+                Entry {
+                    service: service.clone(),
+                    index,
+                    kind: m.kind,
+                },
+            );
+        }
+    }
+
+    pub(crate) fn get(&self, id: u32) -> Option<&Entry> {
+        self.methods.get(&id)
+    }
+}
+
+/// Who a connection authenticated as, from the endpoint's authentication hook.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Identity(Arc<str>);
+
+impl Identity {
+    /// An identity named `name`.
+    pub fn new(name: impl Into<Arc<str>>) -> Self {
+        Self(name.into())
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Identity({})", self.name())
+    }
+}
+
+/// What a running handler knows about its call. Read it with [`CallContext::current`].
+#[derive(Clone)]
+pub struct CallContext {
+    pub(crate) peer: Peer,
+    pub(crate) call_id: u64,
+    pub(crate) method_id: u32,
+}
+
+tokio::task_local! {
+    pub(crate) static CONTEXT: CallContext;
+}
+
+impl CallContext {
+    /// The context of the call whose handler is running on this task, if any.
+    pub fn current() -> Option<CallContext> {
+        CONTEXT.try_with(Clone::clone).ok()
+    }
+
+    /// The connection the call came in on: call the caller's own services through it.
+    pub fn peer(&self) -> &Peer {
+        &self.peer
+    }
+
+    /// Who the caller authenticated as (`None` when the endpoint has no auth hook).
+    pub fn identity(&self) -> Option<&Identity> {
+        self.peer.identity()
+    }
+
+    /// The call's id on its connection.
+    pub fn call_id(&self) -> u64 {
+        self.call_id
+    }
+
+    /// The called method's id.
+    pub fn method_id(&self) -> u32 {
+        self.method_id
+    }
+}

@@ -1,0 +1,178 @@
+//! Unary, one-way and bidirectional calls; typed vs protocol errors; formats; auth.
+
+use coherent_rpc::{Compression, Config, Endpoint, ErrorCode, Format, Identity};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn a_unary_call_returns_the_handlers_result() {
+    let (calc, _, _) = calc_pair().await;
+    assert_eq!(calc.sum(2, 40).await.unwrap(), 42);
+    let user = calc.get_user(7).await.unwrap();
+    assert_eq!(user.id, 7);
+    assert_eq!(user.name, "user 7");
+}
+
+#[tokio::test]
+async fn an_application_error_arrives_as_its_typed_value() {
+    let (calc, _, _) = calc_pair().await;
+    assert_eq!(calc.div(9, 3).await.unwrap(), Ok(3));
+    assert_eq!(calc.div(9, 0).await.unwrap(), Err(DivError::ByZero));
+}
+
+#[tokio::test]
+async fn many_concurrent_calls_share_one_connection() {
+    let (calc, _, _) = calc_pair().await;
+    let calls = (0..500).map(|i| {
+        let calc = calc.clone();
+        tokio::spawn(async move { calc.sum(i, i).await.unwrap() })
+    });
+    for (i, h) in calls.enumerate() {
+        assert_eq!(h.await.unwrap(), 2 * i as i32);
+    }
+    assert_eq!(calc.peer().stats().calls_out, 500);
+}
+
+#[tokio::test]
+async fn a_panicking_handler_becomes_an_internal_error_and_the_connection_lives_on() {
+    let (calc, _, _) = calc_pair().await;
+    let err = calc.panics().await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Internal);
+    assert_eq!(calc.sum(1, 1).await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn a_one_way_call_runs_without_a_reply() {
+    let (calc, probe, _) = calc_pair().await;
+    calc.record(5).unwrap();
+    calc.record(6).unwrap();
+    eventually("both one-way calls ran", || {
+        probe.recorded.lock().len() == 2
+    })
+    .await;
+    let mut got = calc.recorded().await.unwrap();
+    got.sort();
+    assert_eq!(got, vec![5, 6]);
+}
+
+#[tokio::test]
+async fn the_server_can_call_services_the_client_exposes_on_the_same_connection() {
+    let (server, _) = calc_server(Config::default());
+    let client = Endpoint::builder()
+        .service(DoublerServer::new(DoublerImpl))
+        .build();
+    let (c, _s) = pair(&server, &client).await.unwrap();
+    assert_eq!(CalcClient::new(c).ask_back(20).await.unwrap(), 41);
+}
+
+#[tokio::test]
+async fn a_server_side_peer_can_call_the_client_directly() {
+    let (server, _) = calc_server(Config::default());
+    let client = Endpoint::builder()
+        .service(DoublerServer::new(DoublerImpl))
+        .build();
+    let (_c, s) = pair(&server, &client).await.unwrap();
+    assert_eq!(DoublerClient::new(s).double(21).await.unwrap(), 42);
+}
+
+#[tokio::test]
+async fn messagepack_is_negotiated_when_the_client_asks_for_it() {
+    let (server, _) = calc_server(Config::default());
+    let client = Endpoint::builder()
+        .config(Config::default().format(Format::MessagePack))
+        .build();
+    let (c, s) = pair(&server, &client).await.unwrap();
+    assert_eq!(s.format(), Format::MessagePack);
+    let calc = CalcClient::new(c);
+    assert_eq!(calc.get_user(3).await.unwrap().name, "user 3");
+    assert_eq!(calc.div(1, 0).await.unwrap(), Err(DivError::ByZero));
+}
+
+#[tokio::test]
+async fn compressed_payloads_round_trip_with_lz4_and_zstd() {
+    for c in [Compression::Lz4, Compression::Zstd] {
+        let cfg = Config::default().compression(c, 64);
+        let (server, _) = calc_server(cfg.clone());
+        let client = Endpoint::builder().config(cfg).build();
+        let (c, _s) = pair(&server, &client).await.unwrap();
+        let calc = CalcClient::new(c);
+        let text: Vec<u8> = b"coherent ".iter().copied().cycle().take(100_000).collect();
+        assert_eq!(calc.echo(text.clone()).await.unwrap(), text);
+        // Compression shows in the bytes actually written.
+        assert!(calc.peer().stats().bytes_out < 50_000);
+    }
+}
+
+#[tokio::test]
+async fn compression_falls_back_to_none_when_the_other_side_cannot_decode_it() {
+    let (server, _) = calc_server(Config::default().decodes(coherent_rpc::CompressionSet::NONE));
+    let client = Endpoint::builder()
+        .config(Config::default().compression(Compression::Zstd, 16))
+        .build();
+    let (c, _s) = pair(&server, &client).await.unwrap();
+    let data = vec![0u8; 10_000];
+    assert_eq!(CalcClient::new(c).echo(data.clone()).await.unwrap(), data);
+}
+
+#[tokio::test]
+async fn the_authenticated_identity_is_visible_to_handlers() {
+    let server = Endpoint::builder()
+        .service(CalcServer::new(CalcImpl::default()))
+        .authenticate(|token| async move {
+            match token.strip_prefix("secret-") {
+                Some(name) => Ok(Identity::new(name)),
+                None => Err("bad token".to_owned()),
+            }
+        })
+        .build();
+    let client = Endpoint::builder().token("secret-alice").build();
+    let (c, s) = pair(&server, &client).await.unwrap();
+    assert_eq!(s.identity().map(|i| i.name()), Some("alice"));
+    assert_eq!(
+        CalcClient::new(c).whoami().await.unwrap().as_deref(),
+        Some("alice")
+    );
+}
+
+#[tokio::test]
+async fn a_refused_token_fails_the_connect_with_unauthenticated() {
+    let server = Endpoint::builder()
+        .service(CalcServer::new(CalcImpl::default()))
+        .authenticate(|token| async move {
+            if token == "good" {
+                Ok(Identity::new("ok"))
+            } else {
+                Err(format!("token {token:?} is not known"))
+            }
+        })
+        .build();
+    let client = Endpoint::builder().token("bad").build();
+    let err = pair(&server, &client).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Unauthenticated);
+    assert!(err.message().contains("not known"), "{err}");
+}
+
+#[tokio::test]
+async fn calls_after_close_fail_with_disconnected() {
+    let (calc, _, server_side) = calc_pair().await;
+    calc.peer().close();
+    let err = calc.sum(1, 2).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Disconnected);
+    assert_eq!(server_side.closed().await.code(), ErrorCode::Disconnected);
+}
+
+#[tokio::test]
+async fn calls_in_flight_fail_with_disconnected_when_the_server_goes_away() {
+    let (calc, probe, server_side) = calc_pair().await;
+    let call = tokio::spawn({
+        let calc = calc.clone();
+        async move { calc.wait_for_release().await }
+    });
+    eventually("the handler started", || {
+        probe.started.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    server_side.close();
+    let err = call.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Disconnected);
+}

@@ -1,0 +1,332 @@
+//! Hostile bytes against an accepting endpoint: every case gets an error reply or a
+//! close with a reason, and never a panic or a hang.
+
+use std::time::Duration;
+
+use coherent_rpc::frame::{Compression, Header, Kind, MAX_HEADER_LEN};
+use coherent_rpc::handshake::Hello;
+use coherent_rpc::{method_id, CompressionSet, Config, Endpoint, ErrorCode, Format, RpcError};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+use crate::support::*;
+
+/// A connection driven byte by byte from the test.
+struct Raw {
+    io: DuplexStream,
+    buf: Vec<u8>,
+}
+
+fn frame_bytes(kind: Kind, call_id: u64, method_id: u32, payload: &[u8]) -> Vec<u8> {
+    let mut head = [0u8; MAX_HEADER_LEN];
+    let n = Header {
+        kind,
+        compression: Compression::None,
+        call_id,
+        method_id,
+        len: payload.len() as u32,
+    }
+    .encode(&mut head);
+    let mut out = head[..n].to_vec();
+    out.extend_from_slice(payload);
+    out
+}
+
+fn hello() -> Hello {
+    Hello {
+        version: 1,
+        format: Format::Postcard,
+        decodes: CompressionSet::ALL,
+        max_message_size: 1 << 20,
+        max_inbound_calls: 16,
+        stream_window: 16,
+        token: String::new(),
+    }
+}
+
+impl Raw {
+    /// Connects without a handshake.
+    fn unshaken(server: &Endpoint) -> Raw {
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let server = server.clone();
+        tokio::spawn(async move { server.accept(a).await });
+        Raw {
+            io: b,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Connects and completes a valid handshake.
+    async fn connected(server: &Endpoint) -> Raw {
+        let mut raw = Raw::unshaken(server);
+        raw.send(&frame_bytes(Kind::Hello, 0, 0, &hello().encode()))
+            .await;
+        let (h, payload) = raw.next().await.expect("HelloAck");
+        assert_eq!(h.kind, Kind::HelloAck);
+        Hello::decode(&payload).unwrap();
+        raw
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        // The server may already have closed; what it said is read by `next`.
+        let _ = self.io.write_all(bytes).await;
+    }
+
+    /// The next frame the server sends, or `None` once it closed the connection.
+    async fn next(&mut self) -> Option<(Header, Vec<u8>)> {
+        loop {
+            if let Some((h, n)) = Header::decode(&self.buf, u32::MAX).unwrap() {
+                if self.buf.len() >= n + h.len as usize {
+                    let payload = self.buf[n..n + h.len as usize].to_vec();
+                    self.buf.drain(..n + h.len as usize);
+                    if h.kind == Kind::Ping {
+                        continue;
+                    }
+                    return Some((h, payload));
+                }
+            }
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_secs(10), self.io.read(&mut chunk))
+                .await
+                .expect("the server answered")
+                .unwrap_or(0);
+            if n == 0 {
+                return None;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// Reads until the server closes, returning the reason of its `Close` frame.
+    async fn close_reason(&mut self) -> RpcError {
+        while let Some((h, payload)) = self.next().await {
+            if h.kind == Kind::Close {
+                let code = u16::from_le_bytes([payload[0], payload[1]]);
+                let msg = String::from_utf8_lossy(&payload[2..]).into_owned();
+                return RpcError::new(ErrorCode::from_u16(code), msg);
+            }
+        }
+        panic!("closed without a Close frame");
+    }
+}
+
+fn server() -> Endpoint {
+    calc_server(Config::default().max_message_size(1 << 20)).0
+}
+
+fn sum_id() -> u32 {
+    method_id("Calc.sum")
+}
+
+async fn still_serves(server: &Endpoint) {
+    let (c, _s) = pair(server, &Endpoint::builder().build()).await.unwrap();
+    assert_eq!(CalcClient::new(c).sum(1, 2).await.unwrap(), 3);
+}
+
+#[tokio::test]
+async fn an_unknown_method_id_gets_an_unknown_method_error_and_the_connection_lives_on() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    raw.send(&frame_bytes(Kind::Call, 1, 0xDEAD_BEEF, &[]))
+        .await;
+    let (h, payload) = raw.next().await.unwrap();
+    assert_eq!((h.kind, h.call_id), (Kind::Error, 1));
+    assert_eq!(
+        u16::from_le_bytes([payload[0], payload[1]]),
+        ErrorCode::UnknownMethod.as_u16()
+    );
+    // postcard (2, 40): zigzag varints 4 and 80.
+    raw.send(&frame_bytes(Kind::Call, 2, sum_id(), &[4, 80]))
+        .await;
+    let (h, payload) = raw.next().await.unwrap();
+    assert_eq!((h.kind, h.call_id, payload), (Kind::Ok, 2, vec![84]));
+}
+
+#[tokio::test]
+async fn undecodable_arguments_get_a_bad_arguments_error() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    raw.send(&frame_bytes(Kind::Call, 1, sum_id(), &[0xFF]))
+        .await;
+    let (h, payload) = raw.next().await.unwrap();
+    assert_eq!((h.kind, h.call_id), (Kind::Error, 1));
+    assert_eq!(
+        u16::from_le_bytes([payload[0], payload[1]]),
+        ErrorCode::BadArguments.as_u16()
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_frame_kind_closes_the_connection_with_a_protocol_reason() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    raw.send(&[0x0F, 1, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    let reason = raw.close_reason().await;
+    assert_eq!(reason.code(), ErrorCode::Protocol);
+    assert!(reason.message().contains("kind"), "{reason}");
+    still_serves(&server).await;
+}
+
+#[tokio::test]
+async fn a_huge_declared_length_closes_with_too_large_without_waiting_for_the_bytes() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    let mut bytes = vec![Kind::Call as u8, 1];
+    bytes.extend_from_slice(&sum_id().to_le_bytes());
+    bytes.extend_from_slice(&u32::MAX.to_le_bytes());
+    raw.send(&bytes).await;
+    assert_eq!(raw.close_reason().await.code(), ErrorCode::TooLarge);
+    still_serves(&server).await;
+}
+
+#[tokio::test]
+async fn a_malformed_call_id_varint_closes_with_a_protocol_reason() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    raw.send(&[
+        Kind::Call as u8,
+        0xFF,
+        0xFF,
+        0xFF,
+        0xFF,
+        0xFF,
+        0xFF,
+        0xFF,
+        0xFF,
+        0xFF,
+        0xFF,
+        0xFF,
+    ])
+    .await;
+    assert_eq!(raw.close_reason().await.code(), ErrorCode::Protocol);
+}
+
+#[tokio::test]
+async fn reserved_flag_bits_close_with_a_protocol_reason() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    raw.send(&[Kind::Call as u8 | 0x40, 1, 0, 0, 0, 0, 0, 0, 0, 0])
+        .await;
+    assert_eq!(raw.close_reason().await.code(), ErrorCode::Protocol);
+}
+
+#[tokio::test]
+async fn a_corrupt_compressed_payload_closes_with_a_protocol_reason() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    // LZ4 flag, a size prefix of 100 bytes and a block that does not decode to it.
+    let mut bytes = frame_bytes(Kind::Call, 1, sum_id(), &[100, 0, 0, 0, 0xF0, 0xFF, 0xFF]);
+    bytes[0] |= (Compression::Lz4 as u8) << 4;
+    raw.send(&bytes).await;
+    assert_eq!(raw.close_reason().await.code(), ErrorCode::Protocol);
+}
+
+#[tokio::test]
+async fn a_compressed_payload_that_would_inflate_past_the_limit_closes_with_too_large() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    let mut bytes = frame_bytes(Kind::Call, 1, sum_id(), &[0, 0, 0, 0x40, 0, 0]);
+    bytes[0] |= (Compression::Lz4 as u8) << 4;
+    raw.send(&bytes).await;
+    assert_eq!(raw.close_reason().await.code(), ErrorCode::TooLarge);
+}
+
+#[tokio::test]
+async fn a_duplicate_running_call_id_gets_a_protocol_error() {
+    let (server, probe) = calc_server(Config::default());
+    let mut raw = Raw::connected(&server).await;
+    let wait = method_id("Calc.wait_for_release");
+    raw.send(&frame_bytes(Kind::Call, 5, wait, &[])).await;
+    eventually("the handler started", || {
+        probe.started.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    raw.send(&frame_bytes(Kind::Call, 5, wait, &[])).await;
+    let (h, payload) = raw.next().await.unwrap();
+    assert_eq!((h.kind, h.call_id), (Kind::Error, 5));
+    assert_eq!(
+        u16::from_le_bytes([payload[0], payload[1]]),
+        ErrorCode::Protocol.as_u16()
+    );
+}
+
+#[tokio::test]
+async fn a_stream_ack_of_the_wrong_size_closes_with_a_protocol_reason() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    raw.send(&frame_bytes(Kind::StreamAck, 1, 0, &[1, 2])).await;
+    assert_eq!(raw.close_reason().await.code(), ErrorCode::Protocol);
+}
+
+#[tokio::test]
+async fn a_second_hello_closes_with_a_protocol_reason() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    raw.send(&frame_bytes(Kind::Hello, 0, 0, &hello().encode()))
+        .await;
+    assert_eq!(raw.close_reason().await.code(), ErrorCode::Protocol);
+}
+
+#[tokio::test]
+async fn garbage_instead_of_a_handshake_is_refused_with_a_reason() {
+    let server = server();
+    let mut raw = Raw::unshaken(&server);
+    raw.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert_eq!(raw.close_reason().await.code(), ErrorCode::Protocol);
+    still_serves(&server).await;
+}
+
+#[tokio::test]
+async fn a_handshake_with_an_unknown_version_is_refused_as_unsupported() {
+    let server = server();
+    let mut raw = Raw::unshaken(&server);
+    let mut payload = hello().encode();
+    payload[4] = 99;
+    raw.send(&frame_bytes(Kind::Hello, 0, 0, &payload)).await;
+    assert_eq!(
+        raw.close_reason().await.code(),
+        ErrorCode::UnsupportedVersion
+    );
+}
+
+#[tokio::test]
+async fn a_truncated_handshake_is_refused_with_a_reason() {
+    let server = server();
+    let mut raw = Raw::unshaken(&server);
+    let payload = hello().encode();
+    raw.send(&frame_bytes(Kind::Hello, 0, 0, &payload[..10]))
+        .await;
+    assert_eq!(raw.close_reason().await.code(), ErrorCode::Protocol);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_never_sends_its_handshake_is_dropped_at_the_timeout() {
+    let (server, _) = calc_server(Config::default().handshake_timeout(Duration::from_secs(1)));
+    let mut raw = Raw::unshaken(&server);
+    let reason = raw.close_reason().await;
+    assert_eq!(reason.code(), ErrorCode::Protocol);
+    assert!(reason.message().contains("handshake"), "{reason}");
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_off_while_others_are_served() {
+    let (server, _) =
+        calc_server(Config::default().write_stall_timeout(Duration::from_millis(200)));
+    let mut raw = Raw::connected(&server).await;
+    // Ask for ~32 MB of replies and never read them.
+    let echo = method_id("Calc.echo");
+    let mut payload = vec![0x80, 0x80, 0x10]; // postcard length 262144
+    payload.extend(std::iter::repeat_n(1u8, 262_144));
+    for id in 1..=128 {
+        raw.send(&frame_bytes(Kind::Call, id, echo, &payload)).await;
+    }
+    still_serves(&server).await;
+    // The stalled connection ends: reading now drains whatever was sent, then EOF.
+    let mut frames = 0;
+    while raw.next().await.is_some() {
+        frames += 1;
+    }
+    assert!(
+        frames < 128,
+        "every reply got through: the writer never stalled"
+    );
+}

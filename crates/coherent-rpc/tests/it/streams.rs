@@ -1,0 +1,86 @@
+//! Server streams: order, end, flow control and cancellation.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use coherent_rpc::{Config, Endpoint};
+use futures::StreamExt;
+
+use crate::support::*;
+
+#[tokio::test]
+async fn a_stream_delivers_every_item_in_order_then_ends() {
+    let (calc, _, _) = calc_pair().await;
+    let mut stream = calc.items(1800, 100).unwrap();
+    let mut n = 0i64;
+    while let Some(item) = stream.next().await {
+        let item = item.unwrap();
+        assert_eq!(item.index, n);
+        assert_eq!(item.data.len(), 100);
+        n += 1;
+    }
+    assert_eq!(n, 1800);
+}
+
+#[tokio::test]
+async fn a_consumer_that_stops_reading_holds_the_producer_to_its_window() {
+    let (server, probe) = calc_server(Config::default());
+    let client = Endpoint::builder()
+        .config(Config::default().stream_window(8))
+        .build();
+    let (c, _s) = pair(&server, &client).await.unwrap();
+    let calc = CalcClient::new(c);
+    let mut stream = calc.items(1000, 10).unwrap();
+    eventually("the window filled", || {
+        probe.produced.load(Ordering::SeqCst) >= 8
+    })
+    .await;
+    // Give a runaway producer the chance to overrun (a settle, not a timing assertion).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The producer pulls one item, then waits for the credit to send it.
+    assert!(probe.produced.load(Ordering::SeqCst) <= 9);
+    let mut n = 0;
+    while let Some(item) = stream.next().await {
+        item.unwrap();
+        n += 1;
+    }
+    assert_eq!(n, 1000);
+}
+
+#[tokio::test]
+async fn dropping_a_stream_cancels_its_producer() {
+    let (server, probe) = calc_server(Config::default());
+    let client = Endpoint::builder()
+        .config(Config::default().stream_window(4))
+        .build();
+    let (c, s) = pair(&server, &client).await.unwrap();
+    let calc = CalcClient::new(c);
+    let mut stream = calc.items(1_000_000, 1).unwrap();
+    stream.next().await.unwrap().unwrap();
+    assert_eq!(s.stats().in_flight_in, 1);
+    drop(stream);
+    eventually("the producer stopped", || s.stats().in_flight_in == 0).await;
+    assert!(probe.produced.load(Ordering::SeqCst) < 1000);
+    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+}
+
+#[tokio::test]
+async fn several_streams_and_calls_interleave_on_one_connection() {
+    let (calc, _, _) = calc_pair().await;
+    let tasks: Vec<_> = (0..4)
+        .map(|k| {
+            let calc = calc.clone();
+            tokio::spawn(async move {
+                let items: Vec<_> = calc.items(300, k * 10).unwrap().collect().await;
+                assert_eq!(items.len(), 300);
+                assert!(items
+                    .into_iter()
+                    .all(|i| i.unwrap().data.len() == (k * 10) as usize));
+                calc.sum(k as i32, 1).await.unwrap()
+            })
+        })
+        .collect();
+    for (k, t) in tasks.into_iter().enumerate() {
+        assert_eq!(t.await.unwrap(), k as i32 + 1);
+    }
+}

@@ -1,0 +1,203 @@
+//! Services and connection helpers shared by the tests.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use coherent_rpc::{service, CallContext, Endpoint, Peer, RpcError, ServerStream};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum DivError {
+    ByZero,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct User {
+    pub id: u64,
+    pub version: u64,
+    pub created_at: i64,
+    pub modified_at: i64,
+    pub name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Item {
+    pub index: i64,
+    pub data: Vec<u8>,
+}
+
+#[service]
+pub trait Calc {
+    async fn sum(&self, a: i32, b: i32) -> i32;
+    async fn div(&self, a: i32, b: i32) -> Result<i32, DivError>;
+    async fn get_user(&self, id: u64) -> User;
+    async fn echo(&self, data: Vec<u8>) -> Vec<u8>;
+    async fn whoami(&self) -> Option<String>;
+    async fn sleep_forever(&self) -> ();
+    async fn wait_for_release(&self) -> ();
+    async fn panics(&self) -> ();
+    async fn ask_back(&self, x: i32) -> i32;
+    #[oneway]
+    async fn record(&self, v: u32);
+    async fn recorded(&self) -> Vec<u32>;
+    async fn items(&self, count: u32, size: u32) -> ServerStream<Item>;
+}
+
+#[service]
+pub trait Doubler {
+    async fn double(&self, x: i32) -> i32;
+}
+
+/// What the tests observe of the server's handlers.
+#[derive(Default)]
+pub(crate) struct Probe {
+    pub started: AtomicUsize,
+    pub dropped: AtomicUsize,
+    pub produced: AtomicUsize,
+    pub release: Notify,
+    pub recorded: parking_lot::Mutex<Vec<u32>>,
+    pub recorded_changed: Notify,
+}
+
+struct DropCounter(Arc<Probe>);
+
+impl Drop for DropCounter {
+    fn drop(&mut self) {
+        self.0.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[derive(Clone, Default)]
+pub(crate) struct CalcImpl {
+    pub probe: Arc<Probe>,
+}
+
+impl Calc for CalcImpl {
+    async fn sum(&self, a: i32, b: i32) -> i32 {
+        a.wrapping_add(b)
+    }
+
+    async fn div(&self, a: i32, b: i32) -> Result<i32, DivError> {
+        if b == 0 {
+            Err(DivError::ByZero)
+        } else {
+            Ok(a / b)
+        }
+    }
+
+    async fn get_user(&self, id: u64) -> User {
+        User {
+            id,
+            version: 3,
+            created_at: 1_700_000_000,
+            modified_at: 1_700_000_100,
+            name: format!("user {id}"),
+        }
+    }
+
+    async fn echo(&self, data: Vec<u8>) -> Vec<u8> {
+        data
+    }
+
+    async fn whoami(&self) -> Option<String> {
+        CallContext::current().and_then(|c| c.identity().map(|i| i.name().to_owned()))
+    }
+
+    async fn sleep_forever(&self) {
+        let _guard = DropCounter(self.probe.clone());
+        self.probe.started.fetch_add(1, Ordering::SeqCst);
+        std::future::pending::<()>().await;
+    }
+
+    async fn wait_for_release(&self) {
+        // Registered before it counts as started, so that a release right after the
+        // count is seen cannot be missed.
+        let released = self.probe.release.notified();
+        self.probe.started.fetch_add(1, Ordering::SeqCst);
+        released.await;
+    }
+
+    async fn panics(&self) {
+        panic!("this handler panics on purpose");
+    }
+
+    async fn ask_back(&self, x: i32) -> i32 {
+        let ctx = CallContext::current().expect("inside a call");
+        let doubler = DoublerClient::new(ctx.peer().clone());
+        doubler.double(x).await.unwrap_or(-1) + 1
+    }
+
+    async fn record(&self, v: u32) {
+        self.probe.recorded.lock().push(v);
+        self.probe.recorded_changed.notify_waiters();
+    }
+
+    async fn recorded(&self) -> Vec<u32> {
+        self.probe.recorded.lock().clone()
+    }
+
+    async fn items(&self, count: u32, size: u32) -> ServerStream<Item> {
+        let probe = self.probe.clone();
+        Box::pin(futures::stream::iter(0..count).map(move |i| {
+            probe.produced.fetch_add(1, Ordering::SeqCst);
+            Item {
+                index: i64::from(i),
+                data: vec![(i % 251) as u8; size as usize],
+            }
+        }))
+    }
+}
+
+use futures::StreamExt;
+
+pub(crate) struct DoublerImpl;
+
+impl Doubler for DoublerImpl {
+    async fn double(&self, x: i32) -> i32 {
+        x * 2
+    }
+}
+
+/// A server endpoint serving `CalcImpl` (and its probe).
+pub(crate) fn calc_server(config: coherent_rpc::Config) -> (Endpoint, Arc<Probe>) {
+    let calc = CalcImpl::default();
+    let probe = calc.probe.clone();
+    let ep = Endpoint::builder()
+        .service(CalcServer::new(calc))
+        .config(config)
+        .build();
+    (ep, probe)
+}
+
+/// Connects `client` to `server` over an in-memory duplex; returns (client side, server side).
+pub(crate) async fn pair(server: &Endpoint, client: &Endpoint) -> Result<(Peer, Peer), RpcError> {
+    let (a, b) = tokio::io::duplex(256 * 1024);
+    let server = server.clone();
+    let accepted = tokio::spawn(async move { server.accept(a).await });
+    let c = client.connect(b).await?;
+    let s = accepted.await.expect("accept task")?;
+    Ok((c, s))
+}
+
+/// A default client endpoint connected to a default Calc server.
+pub(crate) async fn calc_pair() -> (CalcClient, Arc<Probe>, Peer) {
+    let (server, probe) = calc_server(coherent_rpc::Config::default());
+    let (c, s) = pair(&server, &Endpoint::builder().build())
+        .await
+        .expect("pair");
+    (CalcClient::new(c), probe, s)
+}
+
+/// Polls `cond` until it holds, failing after a generous bound (not a timing assertion:
+/// it only keeps a broken test from hanging).
+pub(crate) async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..2000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("never happened: {what}");
+}

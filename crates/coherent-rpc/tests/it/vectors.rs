@@ -1,0 +1,164 @@
+//! The wire format against tests/vectors.json, written from PROTOCOL.md by an independent
+//! generator (tests/gen_vectors.py): what a second implementation must agree with.
+
+use coherent_rpc::frame::{read_varint, write_varint, Compression, FrameError, Header, Kind};
+use coherent_rpc::handshake::Hello;
+use coherent_rpc::{method_id, ErrorCode, Format};
+use serde_json::Value;
+
+fn vectors() -> Value {
+    serde_json::from_str(include_str!("../vectors.json")).expect("vectors.json parses")
+}
+
+fn hex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+fn kind(name: &str) -> Kind {
+    match name {
+        "Hello" => Kind::Hello,
+        "HelloAck" => Kind::HelloAck,
+        "Call" => Kind::Call,
+        "OneWay" => Kind::OneWay,
+        "Ok" => Kind::Ok,
+        "Error" => Kind::Error,
+        "Cancel" => Kind::Cancel,
+        "StreamItem" => Kind::StreamItem,
+        "StreamEnd" => Kind::StreamEnd,
+        "StreamAck" => Kind::StreamAck,
+        "Ping" => Kind::Ping,
+        "Pong" => Kind::Pong,
+        "Close" => Kind::Close,
+        other => panic!("unknown kind {other}"),
+    }
+}
+
+#[test]
+fn method_ids_match_the_vectors() {
+    for v in vectors()["method_ids"].as_array().unwrap() {
+        assert_eq!(
+            u64::from(method_id(v["name"].as_str().unwrap())),
+            v["id"].as_u64().unwrap(),
+            "{v}"
+        );
+    }
+}
+
+#[test]
+fn varints_match_the_vectors_both_ways() {
+    for v in vectors()["varints"].as_array().unwrap() {
+        let value: u64 = v["value"].as_str().unwrap().parse().unwrap();
+        let bytes = hex(v["bytes"].as_str().unwrap());
+        let mut buf = [0u8; 10];
+        let n = write_varint(value, &mut buf);
+        assert_eq!(&buf[..n], &bytes[..], "{v}");
+        assert_eq!(read_varint(&bytes), Ok(Some((value, bytes.len()))), "{v}");
+    }
+}
+
+#[test]
+fn frames_encode_and_decode_to_the_vectors() {
+    for v in vectors()["frames"].as_array().unwrap() {
+        let bytes = hex(v["bytes"].as_str().unwrap());
+        let payload = hex(v["payload"].as_str().unwrap());
+        let header = Header {
+            kind: kind(v["kind"].as_str().unwrap()),
+            compression: match v["compression"].as_str().unwrap() {
+                "None" => Compression::None,
+                "Lz4" => Compression::Lz4,
+                "Zstd" => Compression::Zstd,
+                c => panic!("{c}"),
+            },
+            call_id: v["call_id"].as_str().unwrap().parse().unwrap(),
+            method_id: v["method_id"].as_u64().unwrap() as u32,
+            len: payload.len() as u32,
+        };
+        let mut head = [0u8; 19];
+        let n = header.encode(&mut head);
+        assert_eq!(&head[..n], &bytes[..n], "{}", v["name"]);
+        assert_eq!(&bytes[n..], &payload[..], "{}", v["name"]);
+        assert_eq!(
+            Header::decode(&bytes, u32::MAX),
+            Ok(Some((header, n))),
+            "{}",
+            v["name"]
+        );
+    }
+}
+
+#[test]
+fn invalid_frames_are_refused_with_the_vectors_error() {
+    for v in vectors()["invalid_frames"].as_array().unwrap() {
+        let bytes = hex(v["bytes"].as_str().unwrap());
+        let max = v["max_len"].as_u64().map_or(u32::MAX, |m| m as u32);
+        let err = Header::decode(&bytes, max).expect_err(v["name"].as_str().unwrap());
+        let name = match err {
+            FrameError::UnknownKind(_) => "UnknownKind",
+            FrameError::BadFlags(_) => "BadFlags",
+            FrameError::BadVarint => "BadVarint",
+            FrameError::TooLarge { .. } => "TooLarge",
+            _ => "other",
+        };
+        assert_eq!(name, v["error"].as_str().unwrap(), "{}", v["name"]);
+    }
+}
+
+#[test]
+fn incomplete_frames_ask_for_more_bytes() {
+    for v in vectors()["incomplete_frames"].as_array().unwrap() {
+        let bytes = hex(v["bytes"].as_str().unwrap());
+        assert_eq!(Header::decode(&bytes, u32::MAX), Ok(None), "{}", v["name"]);
+    }
+}
+
+#[test]
+fn handshakes_encode_and_decode_to_the_vectors() {
+    for v in vectors()["hellos"].as_array().unwrap() {
+        let bytes = hex(v["bytes"].as_str().unwrap());
+        let hello = Hello::decode(&bytes).unwrap();
+        let format = match v["format"].as_str().unwrap() {
+            "Postcard" => Format::Postcard,
+            _ => Format::MessagePack,
+        };
+        assert_eq!(hello.format, format);
+        assert_eq!(
+            u64::from(hello.max_message_size),
+            v["max_message_size"].as_u64().unwrap()
+        );
+        assert_eq!(
+            u64::from(hello.max_inbound_calls),
+            v["max_inbound_calls"].as_u64().unwrap()
+        );
+        assert_eq!(
+            u64::from(hello.stream_window),
+            v["stream_window"].as_u64().unwrap()
+        );
+        assert_eq!(hello.token, v["token"].as_str().unwrap());
+        assert_eq!(hello.encode(), bytes, "{}", v["name"]);
+    }
+}
+
+#[test]
+fn invalid_handshakes_are_refused_with_the_vectors_code() {
+    for v in vectors()["invalid_hellos"].as_array().unwrap() {
+        let bytes = hex(v["bytes"].as_str().unwrap());
+        let err = Hello::decode(&bytes).expect_err(v["name"].as_str().unwrap());
+        assert_eq!(
+            u64::from(err.code().as_u16()),
+            v["code"].as_u64().unwrap(),
+            "{}",
+            v["name"]
+        );
+    }
+}
+
+#[test]
+fn error_codes_match_the_vectors() {
+    for v in vectors()["errors"].as_array().unwrap() {
+        let code = ErrorCode::from_u16(v["code"].as_u64().unwrap() as u16);
+        assert_eq!(format!("{code:?}"), v["name"].as_str().unwrap());
+    }
+}
