@@ -294,13 +294,17 @@ impl Endpoint {
         }
     }
 
+    pub(crate) fn config_ref(&self) -> &Config {
+        &self.inner.config
+    }
+
     /// The compressions this endpoint decodes.
     pub fn decodes(&self) -> CompressionSet {
         self.inner.config.decodes
     }
 }
 
-fn is_transient(e: &io::Error) -> bool {
+pub(crate) fn is_transient(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::ConnectionAborted

@@ -39,6 +39,8 @@ pub mod handshake;
 mod peer;
 mod service;
 mod stream;
+#[cfg(feature = "tls")]
+pub mod tls;
 
 pub use codec::{decompress, CompressionSet, Format};
 pub use coherent_rpc_macros::service;

@@ -16,7 +16,7 @@ struct Raw {
     buf: Vec<u8>,
 }
 
-fn frame_bytes(kind: Kind, call_id: u64, method_id: u32, payload: &[u8]) -> Vec<u8> {
+pub(crate) fn frame_bytes(kind: Kind, call_id: u64, method_id: u32, payload: &[u8]) -> Vec<u8> {
     let mut head = [0u8; MAX_HEADER_LEN];
     let n = Header {
         kind,
@@ -31,7 +31,7 @@ fn frame_bytes(kind: Kind, call_id: u64, method_id: u32, payload: &[u8]) -> Vec<
     out
 }
 
-fn hello() -> Hello {
+pub(crate) fn hello() -> Hello {
     Hello {
         version: 1,
         format: Format::Postcard,

@@ -3,8 +3,11 @@
 mod calls;
 mod cancellation;
 mod hostile;
+mod keepalive;
 mod limits;
 mod streams;
 mod support;
+#[cfg(feature = "tls")]
+mod tls;
 mod transports;
 mod vectors;

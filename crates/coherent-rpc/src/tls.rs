@@ -1,0 +1,73 @@
+//! TLS over TCP through rustls: the same handshake and frames inside a TLS session.
+//! Certificates and client-certificate verification are rustls configurations, built by
+//! the application; this module only wires them to an endpoint.
+
+use std::io;
+use std::sync::Arc;
+
+use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+pub use tokio_rustls::rustls;
+
+use crate::endpoint::Endpoint;
+use crate::error::RpcError;
+use crate::peer::Peer;
+
+impl Endpoint {
+    /// Connects over TCP, then TLS as `server_name` with `config`, then the handshake.
+    pub async fn connect_tls(
+        &self,
+        addr: impl ToSocketAddrs,
+        server_name: &str,
+        config: Arc<rustls::ClientConfig>,
+    ) -> Result<Peer, RpcError> {
+        let name = rustls::pki_types::ServerName::try_from(server_name.to_owned())
+            .map_err(|e| RpcError::disconnected(format!("bad TLS server name: {e}")))?;
+        let timeout = self.config_ref().handshake_timeout;
+        let tls = tokio::time::timeout(timeout, async {
+            let tcp = TcpStream::connect(addr).await?;
+            tcp.set_nodelay(true)?;
+            TlsConnector::from(config).connect(name, tcp).await
+        })
+        .await
+        .map_err(|_| RpcError::disconnected("TLS connect timed out"))??;
+        self.connect(tls).await
+    }
+
+    /// Accepts one TLS connection on an accepted TCP stream.
+    pub async fn accept_tls(
+        &self,
+        tcp: TcpStream,
+        config: Arc<rustls::ServerConfig>,
+    ) -> Result<Peer, RpcError> {
+        let _ = tcp.set_nodelay(true);
+        let timeout = self.config_ref().handshake_timeout;
+        let tls = tokio::time::timeout(timeout, TlsAcceptor::from(config).accept(tcp))
+            .await
+            .map_err(|_| RpcError::protocol("TLS handshake timed out"))??;
+        self.accept(tls).await
+    }
+
+    /// Accepts TLS connections until the listener fails, each on its own task.
+    pub async fn serve_tls(
+        &self,
+        listener: TcpListener,
+        config: Arc<rustls::ServerConfig>,
+    ) -> io::Result<()> {
+        loop {
+            let (tcp, _) = match listener.accept().await {
+                Ok(s) => s,
+                Err(e) if crate::endpoint::is_transient(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            let this = self.clone();
+            let config = config.clone();
+            tokio::spawn(async move {
+                if let Err(e) = this.accept_tls(tcp, config).await {
+                    tracing::debug!(%e, "TLS connection failed");
+                }
+            });
+        }
+    }
+}
