@@ -14,7 +14,8 @@ use syn::{
 ///
 /// Every method is `async fn name(&self, arg: T, ...) -> R` with owned serde types.
 /// A method returning `ServerStream<T>` streams `T`s to the caller; a method marked
-/// `#[oneway]` returns `()` and gets no reply. Method ids are the 32-bit FNV-1a hash of
+/// `#[oneway]` returns `()` and gets no reply; one marked `#[idempotent]` is resent by a
+/// reconnecting caller when its connection drops mid-call. Method ids are the 32-bit FNV-1a hash of
 /// `"<Trait>.<method>"`.
 #[proc_macro_attribute]
 pub fn service(attr: TokenStream, item: TokenStream) -> TokenStream {
@@ -41,6 +42,7 @@ struct Method {
     args: Vec<(Ident, Type)>,
     output: Type,
     kind: Kind,
+    idempotent: bool,
     attrs: Vec<syn::Attribute>,
 }
 
@@ -127,10 +129,11 @@ fn parse_method(f: &syn::TraitItemFn) -> syn::Result<Method> {
     } else {
         Kind::Unary
     };
+    let idempotent = f.attrs.iter().any(|a| a.path().is_ident("idempotent"));
     let attrs = f
         .attrs
         .iter()
-        .filter(|a| !a.path().is_ident("oneway"))
+        .filter(|a| !a.path().is_ident("oneway") && !a.path().is_ident("idempotent"))
         .cloned()
         .collect();
     Ok(Method {
@@ -138,6 +141,7 @@ fn parse_method(f: &syn::TraitItemFn) -> syn::Result<Method> {
         args,
         output,
         kind,
+        idempotent,
         attrs,
     })
 }
@@ -227,25 +231,28 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
         let arg_names: Vec<_> = m.args.iter().map(|(n, _)| n).collect();
         let output = &m.output;
         let doc = format!("Calls `{service_name}.{name}` on the other side.");
+        let idempotent = m.idempotent;
         match &m.kind {
             Kind::Unary => quote! {
                 #[doc = #doc]
                 pub async fn #name(&self, #(#args),*) -> ::core::result::Result<#output, #krate::RpcError> {
-                    self.peer.call(#id, (#(#arg_names,)*), self.options).await
+                    let mut options = self.options;
+                    options.idempotent |= #idempotent;
+                    #krate::Caller::call(&self.caller, #id, (#(#arg_names,)*), options).await
                 }
             },
             Kind::OneWay => quote! {
                 #[doc = #doc]
                 #[doc = ""]
                 #[doc = "One-way: returns once the call is queued; no reply comes back."]
-                pub fn #name(&self, #(#args),*) -> ::core::result::Result<(), #krate::RpcError> {
-                    self.peer.call_oneway(#id, (#(#arg_names,)*))
+                pub async fn #name(&self, #(#args),*) -> ::core::result::Result<(), #krate::RpcError> {
+                    #krate::Caller::call_oneway(&self.caller, #id, (#(#arg_names,)*)).await
                 }
             },
             Kind::Stream(item) => quote! {
                 #[doc = #doc]
-                pub fn #name(&self, #(#args),*) -> ::core::result::Result<#krate::ClientStream<#item>, #krate::RpcError> {
-                    self.peer.call_stream(#id, (#(#arg_names,)*))
+                pub async fn #name(&self, #(#args),*) -> ::core::result::Result<#krate::ClientStream<#item>, #krate::RpcError> {
+                    #krate::Caller::call_stream(&self.caller, #id, (#(#arg_names,)*)).await
                 }
             },
         }
@@ -317,15 +324,15 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
 
         #[doc = #client_doc]
         #[derive(Clone)]
-        #vis struct #client {
-            peer: #krate::Peer,
+        #vis struct #client<C = #krate::Peer> {
+            caller: C,
             options: #krate::CallOptions,
         }
 
-        impl #client {
-            /// A client calling over `peer`.
-            pub fn new(peer: #krate::Peer) -> Self {
-                Self { peer, options: ::core::default::Default::default() }
+        impl<C: #krate::Caller> #client<C> {
+            /// A client calling through `caller` (a `Peer`, or a `Reconnecting` caller).
+            pub fn new(caller: C) -> Self {
+                Self { caller, options: ::core::default::Default::default() }
             }
 
             /// The same client with these call options.
@@ -340,9 +347,9 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
                 self
             }
 
-            /// The connection this client calls over.
-            pub fn peer(&self) -> &#krate::Peer {
-                &self.peer
+            /// What this client calls through.
+            pub fn caller(&self) -> &C {
+                &self.caller
             }
 
             #(#client_methods)*

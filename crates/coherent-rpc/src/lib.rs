@@ -30,6 +30,8 @@
 //! # }
 //! ```
 
+pub mod blocking;
+mod caller;
 mod codec;
 mod config;
 mod endpoint;
@@ -37,11 +39,13 @@ mod error;
 pub mod frame;
 pub mod handshake;
 mod peer;
+mod reconnect;
 mod service;
 mod stream;
 #[cfg(feature = "tls")]
 pub mod tls;
 
+pub use caller::Caller;
 pub use codec::{decompress, CompressionSet, Format};
 pub use coherent_rpc_macros::service;
 pub use config::Config;
@@ -49,6 +53,7 @@ pub use endpoint::{Endpoint, EndpointBuilder};
 pub use error::{ErrorCode, RpcError};
 pub use frame::Compression;
 pub use peer::{CallOptions, Peer, Stats};
+pub use reconnect::{Backoff, Reconnecting};
 pub use service::{
     method_id, BoxFuture, CallContext, Identity, MethodInfo, MethodKind, Response, ServerStream,
     Service,

@@ -266,6 +266,9 @@ pub struct CallOptions {
     /// How long the caller waits for the reply; on expiry the call is cancelled on the
     /// callee and fails with `DeadlineExceeded`. `None` uses the endpoint's default.
     pub timeout: Option<Duration>,
+    /// Whether running the call twice is harmless: a reconnecting caller resends such a
+    /// call when the connection drops while it is in flight (set by `#[idempotent]`).
+    pub idempotent: bool,
 }
 
 /// A handle to one connection. Clone it freely; calls from clones share the connection.
@@ -328,9 +331,21 @@ impl Peer {
         A: Serialize,
         R: DeserializeOwned,
     {
-        let s = &*self.shared;
-        let payload = s.settings.format.encode(&args)?;
+        let format = self.shared.settings.format;
+        let payload = format.encode(&args)?;
         drop(args);
+        let bytes = self.call_bytes(method_id, payload, opts).await?;
+        format.decode(&bytes)
+    }
+
+    /// Makes a unary call with already encoded arguments and returns the encoded result.
+    pub async fn call_bytes(
+        &self,
+        method_id: u32,
+        payload: Bytes,
+        opts: CallOptions,
+    ) -> Result<Bytes, RpcError> {
+        let s = &*self.shared;
         let id = s.next_id();
         let (tx, rx) = oneshot::channel();
         s.register(id, Pending::Unary(tx))?;
@@ -358,8 +373,7 @@ impl Peer {
             },
         };
         guard.armed = false;
-        let bytes = reply.map_err(|_| RpcError::disconnected("connection closed"))??;
-        s.settings.format.decode(&bytes)
+        reply.map_err(|_| RpcError::disconnected("connection closed"))?
     }
 
     /// Sends a one-way call: no reply, no delivery guarantee beyond the queue.

@@ -30,7 +30,7 @@ async fn many_concurrent_calls_share_one_connection() {
     for (i, h) in calls.enumerate() {
         assert_eq!(h.await.unwrap(), 2 * i as i32);
     }
-    assert_eq!(calc.peer().stats().calls_out, 500);
+    assert_eq!(calc.caller().stats().calls_out, 500);
 }
 
 #[tokio::test]
@@ -44,8 +44,8 @@ async fn a_panicking_handler_becomes_an_internal_error_and_the_connection_lives_
 #[tokio::test]
 async fn a_one_way_call_runs_without_a_reply() {
     let (calc, probe, _) = calc_pair().await;
-    calc.record(5).unwrap();
-    calc.record(6).unwrap();
+    calc.record(5).await.unwrap();
+    calc.record(6).await.unwrap();
     eventually("both one-way calls ran", || {
         probe.recorded.lock().len() == 2
     })
@@ -99,7 +99,7 @@ async fn compressed_payloads_round_trip_with_lz4_and_zstd() {
         let text: Vec<u8> = b"coherent ".iter().copied().cycle().take(100_000).collect();
         assert_eq!(calc.echo(text.clone()).await.unwrap(), text);
         // Compression shows in the bytes actually written.
-        assert!(calc.peer().stats().bytes_out < 50_000);
+        assert!(calc.caller().stats().bytes_out < 50_000);
     }
 }
 
@@ -155,7 +155,7 @@ async fn a_refused_token_fails_the_connect_with_unauthenticated() {
 #[tokio::test]
 async fn calls_after_close_fail_with_disconnected() {
     let (calc, _, server_side) = calc_pair().await;
-    calc.peer().close();
+    calc.caller().close();
     let err = calc.sum(1, 2).await.unwrap_err();
     assert_eq!(err.code(), ErrorCode::Disconnected);
     assert_eq!(server_side.closed().await.code(), ErrorCode::Disconnected);

@@ -5,6 +5,7 @@ mod cancellation;
 mod hostile;
 mod keepalive;
 mod limits;
+mod reconnect;
 mod streams;
 mod support;
 #[cfg(feature = "tls")]

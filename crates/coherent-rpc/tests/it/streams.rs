@@ -11,7 +11,7 @@ use crate::support::*;
 #[tokio::test]
 async fn a_stream_delivers_every_item_in_order_then_ends() {
     let (calc, _, _) = calc_pair().await;
-    let mut stream = calc.items(1800, 100).unwrap();
+    let mut stream = calc.items(1800, 100).await.unwrap();
     let mut n = 0i64;
     while let Some(item) = stream.next().await {
         let item = item.unwrap();
@@ -30,7 +30,7 @@ async fn a_consumer_that_stops_reading_holds_the_producer_to_its_window() {
         .build();
     let (c, _s) = pair(&server, &client).await.unwrap();
     let calc = CalcClient::new(c);
-    let mut stream = calc.items(1000, 10).unwrap();
+    let mut stream = calc.items(1000, 10).await.unwrap();
     eventually("the window filled", || {
         probe.produced.load(Ordering::SeqCst) >= 8
     })
@@ -55,7 +55,7 @@ async fn dropping_a_stream_cancels_its_producer() {
         .build();
     let (c, s) = pair(&server, &client).await.unwrap();
     let calc = CalcClient::new(c);
-    let mut stream = calc.items(1_000_000, 1).unwrap();
+    let mut stream = calc.items(1_000_000, 1).await.unwrap();
     stream.next().await.unwrap().unwrap();
     assert_eq!(s.stats().in_flight_in, 1);
     drop(stream);
@@ -71,7 +71,7 @@ async fn several_streams_and_calls_interleave_on_one_connection() {
         .map(|k| {
             let calc = calc.clone();
             tokio::spawn(async move {
-                let items: Vec<_> = calc.items(300, k * 10).unwrap().collect().await;
+                let items: Vec<_> = calc.items(300, k * 10).await.unwrap().collect().await;
                 assert_eq!(items.len(), 300);
                 assert!(items
                     .into_iter()

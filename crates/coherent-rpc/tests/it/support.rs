@@ -43,6 +43,9 @@ pub trait Calc {
     async fn record(&self, v: u32);
     async fn recorded(&self) -> Vec<u32>;
     async fn items(&self, count: u32, size: u32) -> ServerStream<Item>;
+    /// Hangs on its first run, answers the run count afterwards.
+    #[idempotent]
+    async fn hang_first_time(&self) -> usize;
 }
 
 #[service]
@@ -136,6 +139,14 @@ impl Calc for CalcImpl {
 
     async fn recorded(&self) -> Vec<u32> {
         self.probe.recorded.lock().clone()
+    }
+
+    async fn hang_first_time(&self) -> usize {
+        let n = self.probe.started.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == 1 {
+            std::future::pending::<()>().await;
+        }
+        n
     }
 
     async fn items(&self, count: u32, size: u32) -> ServerStream<Item> {
