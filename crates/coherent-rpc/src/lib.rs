@@ -44,6 +44,8 @@ mod service;
 mod stream;
 #[cfg(feature = "tls")]
 pub mod tls;
+#[cfg(feature = "websocket")]
+mod websocket;
 
 pub use caller::Caller;
 pub use codec::{decompress, CompressionSet, Format};

@@ -12,3 +12,4 @@ mod support;
 mod tls;
 mod transports;
 mod vectors;
+mod websocket;
