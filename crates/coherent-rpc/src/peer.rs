@@ -61,14 +61,19 @@ pub(crate) enum Out {
 /// What the reader delivers to a caller waiting on an outbound call.
 pub(crate) enum Pending {
     Unary(oneshot::Sender<Result<Bytes, RpcError>>),
-    Stream(mpsc::UnboundedSender<Result<Option<Bytes>, RpcError>>),
+    Stream(
+        mpsc::UnboundedSender<Result<Option<Bytes>, RpcError>>,
+        /// Items received and not yet consumed: never more than the window from an
+        /// honest producer, so more is a protocol violation, not a reason to buffer.
+        Arc<std::sync::atomic::AtomicU32>,
+    ),
 }
 
 impl Pending {
     fn fail(self, e: RpcError) {
         match self {
             Pending::Unary(tx) => drop(tx.send(Err(e))),
-            Pending::Stream(tx) => drop(tx.send(Err(e))),
+            Pending::Stream(tx, _) => drop(tx.send(Err(e))),
         }
     }
 }
@@ -395,13 +400,14 @@ impl Peer {
         let payload = s.settings.format.encode(&args)?;
         let id = s.next_id();
         let (tx, rx) = mpsc::unbounded_channel();
-        s.register(id, Pending::Stream(tx))?;
+        let buffered = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        s.register(id, Pending::Stream(tx, buffered.clone()))?;
         if let Err(e) = s.send(Kind::Call, id, method_id, payload) {
             s.pending.lock().remove(&id);
             return Err(e);
         }
         s.counters.calls_out.fetch_add(1, Ordering::Relaxed);
-        Ok(ClientStream::new(s.clone(), id, rx))
+        Ok(ClientStream::new(s.clone(), id, rx, buffered))
     }
 
     /// Who the other side authenticated as (on the accepting side), if anyone.
@@ -710,17 +716,23 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
                 };
                 match p {
                     Pending::Unary(tx) => drop(tx.send(r)),
-                    Pending::Stream(tx) => drop(tx.send(r.map(Some))),
+                    Pending::Stream(tx, _) => drop(tx.send(r.map(Some))),
                 }
             }
         }
         Kind::StreamItem => {
-            if let Some(Pending::Stream(tx)) = s.pending.lock().get(&h.call_id) {
+            if let Some(Pending::Stream(tx, buffered)) = s.pending.lock().get(&h.call_id) {
+                if buffered.fetch_add(1, Ordering::Relaxed) >= s.settings.local_window {
+                    return Err(RpcError::protocol(format!(
+                        "stream {} sent more than its window of {} items",
+                        h.call_id, s.settings.local_window
+                    )));
+                }
                 let _ = tx.send(Ok(Some(payload)));
             }
         }
         Kind::StreamEnd => {
-            if let Some(Pending::Stream(tx)) = s.pending.lock().remove(&h.call_id) {
+            if let Some(Pending::Stream(tx, _)) = s.pending.lock().remove(&h.call_id) {
                 let _ = tx.send(Ok(None));
             }
         }

@@ -4,6 +4,7 @@
 
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -22,6 +23,7 @@ pub struct ClientStream<T> {
     shared: Arc<Shared>,
     id: u64,
     rx: mpsc::UnboundedReceiver<Result<Option<Bytes>, RpcError>>,
+    buffered: Arc<AtomicU32>,
     unacked: u32,
     done: bool,
     _item: PhantomData<fn() -> T>,
@@ -32,11 +34,13 @@ impl<T> ClientStream<T> {
         shared: Arc<Shared>,
         id: u64,
         rx: mpsc::UnboundedReceiver<Result<Option<Bytes>, RpcError>>,
+        buffered: Arc<AtomicU32>,
     ) -> Self {
         Self {
             shared,
             id,
             rx,
+            buffered,
             unacked: 0,
             done: false,
             _item: PhantomData,
@@ -67,6 +71,7 @@ impl<T: DeserializeOwned> Stream for ClientStream<T> {
                 Poll::Ready(Some(Err(e)))
             }
             Poll::Ready(Some(Ok(Some(bytes)))) => {
+                this.buffered.fetch_sub(1, Ordering::Relaxed);
                 this.unacked += 1;
                 // Ack at half the window: the producer keeps sending while the ack travels.
                 let window = this.shared.settings.local_window;

@@ -330,3 +330,46 @@ async fn a_client_that_stops_reading_is_cut_off_while_others_are_served() {
         "every reply got through: the writer never stalled"
     );
 }
+
+#[tokio::test]
+async fn a_producer_that_ignores_the_stream_window_is_cut_off() {
+    // The "server" answers a stream call with more items than the client's window.
+    let (a, mut b) = tokio::io::duplex(1 << 20);
+    let server = tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        let mut got = Vec::new();
+        // Handshake, then the call.
+        while Header::decode(&got, 1 << 20).unwrap().is_none() {
+            let n = b.read(&mut buf).await.unwrap();
+            got.extend_from_slice(&buf[..n]);
+        }
+        b.write_all(&frame_bytes(Kind::HelloAck, 0, 0, &hello().encode()))
+            .await
+            .unwrap();
+        let mut flood = Vec::new();
+        for _ in 0..100 {
+            // postcard Item { index: 0, data: [] }
+            flood.extend_from_slice(&frame_bytes(Kind::StreamItem, 1, 0, &[0, 0]));
+        }
+        b.write_all(&flood).await.unwrap();
+        while b.read(&mut buf).await.unwrap_or(0) > 0 {}
+    });
+    let client = Endpoint::builder()
+        .config(Config::default().stream_window(8))
+        .build();
+    let peer = client.connect(a).await.unwrap();
+    let mut items = CalcClient::new(peer.clone()).items(1, 0).await.unwrap();
+    use futures::StreamExt;
+    let mut ok = 0;
+    let err = loop {
+        match items.next().await {
+            Some(Ok(_)) => ok += 1,
+            Some(Err(e)) => break e,
+            None => panic!("the stream ended normally"),
+        }
+    };
+    assert!(ok <= 8, "{ok} items got through");
+    assert_eq!(err.code(), ErrorCode::Disconnected);
+    assert!(peer.closed().await.message().contains("window"));
+    server.abort();
+}
