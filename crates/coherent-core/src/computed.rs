@@ -65,11 +65,11 @@ impl<T: Clone + Send + Sync + 'static> ComputedInner<T> {
     ) where
         F: Future<Output = T>,
     {
-        let abandon = AbandonOnDrop(Some(self.clone() as Arc<dyn AnyComputed>));
+        let mut abandon = AbandonOnDrop(Some(self.clone() as Arc<dyn AnyComputed>));
         let output = Capture::new(Some(self.clone() as Arc<dyn AnyComputed>), body).await;
         let kind = classify(&output);
         let _ = self.value.set(output);
-        std::mem::forget(abandon);
+        abandon.0 = None; // completed: nothing to abandon
         let state = self.node.complete();
         tracing::debug!(
             target: "coherent::compute",

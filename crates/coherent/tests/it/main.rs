@@ -1,0 +1,14 @@
+//! Integration tests of the compute core through the facade and its macros. One binary, one
+//! module per concern; the names of the tests say what they prove.
+
+mod alloc;
+mod churn;
+mod graph;
+mod options;
+mod postgres;
+mod race;
+mod single_flight;
+mod sqlite;
+mod states;
+mod stress;
+mod support;
