@@ -1,0 +1,30 @@
+//! Feeds arbitrary bytes to the frame decoder the way a connection's reader does: decode
+//! an envelope, take its payload, decompress it under a limit, repeat. Nothing may panic,
+//! and every envelope that decodes must re-encode to the same bytes.
+#![no_main]
+
+use bytes::Bytes;
+use coherent_rpc::frame::{Compression, Header, MAX_HEADER_LEN};
+use libfuzzer_sys::fuzz_target;
+
+const MAX: u32 = 1 << 20;
+
+fuzz_target!(|data: &[u8]| {
+    let mut rest = data;
+    while let Ok(Some((h, n))) = Header::decode(rest, MAX) {
+        let mut head = [0u8; MAX_HEADER_LEN];
+        let m = h.encode(&mut head);
+        assert_eq!(&head[..m], &rest[..n], "decoded envelope does not re-encode");
+        let end = n + h.len as usize;
+        if rest.len() < end {
+            break;
+        }
+        let payload = Bytes::copy_from_slice(&rest[n..end]);
+        if h.compression != Compression::None {
+            if let Ok(out) = coherent_rpc::decompress(h.compression, payload, MAX) {
+                assert!(out.len() <= MAX as usize);
+            }
+        }
+        rest = &rest[end..];
+    }
+});
