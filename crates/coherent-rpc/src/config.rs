@@ -32,7 +32,7 @@ impl Default for Config {
             compression_threshold: 1024,
             max_message_size: 4 << 20,
             max_inbound_calls: 1024,
-            stream_window: 64,
+            stream_window: 256,
             handshake_timeout: Duration::from_secs(10),
             keepalive_interval: Some(Duration::from_secs(20)),
             idle_timeout: Some(Duration::from_secs(60)),
@@ -78,7 +78,7 @@ impl Config {
     }
 
     /// How many items of one stream the producer may send ahead of this side's acks.
-    /// Default: 64. Must be at least 1.
+    /// Default: 256. Must be at least 1.
     pub fn stream_window(mut self, items: u32) -> Self {
         self.stream_window = items.max(1);
         self

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
+use std::future::Future;
+
 use futures::FutureExt;
 use parking_lot::Mutex;
 use serde::{de::DeserializeOwned, Serialize};
@@ -55,6 +57,9 @@ pub(crate) enum Out {
         head_len: u8,
         payload: Bytes,
     },
+    /// Frames queued together (a stream producer's batch): one queue operation and one
+    /// writer wake-up for all of them.
+    Many(Vec<Out>),
     Stop(Option<Box<Out>>),
 }
 
@@ -139,6 +144,18 @@ impl Shared {
         method_id: u32,
         payload: Bytes,
     ) -> Result<(), RpcError> {
+        let out = self.prepare(kind, call_id, method_id, payload)?;
+        self.enqueue(out)
+    }
+
+    /// Encodes one frame (checking the other side's limit, compressing) without queuing it.
+    fn prepare(
+        &self,
+        kind: Kind,
+        call_id: u64,
+        method_id: u32,
+        payload: Bytes,
+    ) -> Result<Out, RpcError> {
         if payload.len() > self.settings.remote_max as usize {
             return Err(RpcError::new(
                 ErrorCode::TooLarge,
@@ -159,14 +176,22 @@ impl Shared {
                 payload = Bytes::from(c);
             }
         }
-        let out = encode(kind, compression, call_id, method_id, payload);
-        self.enqueue(out)
+        Ok(encode(kind, compression, call_id, method_id, payload))
     }
 
     fn enqueue(&self, out: Out) -> Result<(), RpcError> {
-        if let Out::Frame { payload, .. } = &out {
-            self.queued.fetch_add(payload.len(), Ordering::Relaxed);
-        }
+        let bytes = match &out {
+            Out::Frame { payload, .. } => payload.len(),
+            Out::Many(frames) => frames
+                .iter()
+                .map(|f| match f {
+                    Out::Frame { payload, .. } => payload.len(),
+                    _ => 0,
+                })
+                .sum(),
+            Out::Stop(_) => 0,
+        };
+        self.queued.fetch_add(bytes, Ordering::Relaxed);
         self.out
             .send(out)
             .map_err(|_| RpcError::disconnected("connection closed"))
@@ -581,6 +606,12 @@ async fn push<W: AsyncWrite + Unpin>(
             }
             Ok(false)
         }
+        Out::Many(frames) => {
+            for f in frames {
+                Box::pin(push(wr, buf, f, written, stall)).await?;
+            }
+            Ok(false)
+        }
         Out::Stop(close) => {
             if let Some(close) = close {
                 Box::pin(push(wr, buf, *close, written, stall)).await?;
@@ -790,7 +821,7 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
             format!("no method with id {:#010x}", h.method_id),
         ));
     };
-    let mut inbound = s.inbound.lock();
+    let inbound = s.inbound.lock();
     if inbound.len() >= s.settings.max_inbound as usize {
         drop(inbound);
         return fail(RpcError::new(
@@ -814,25 +845,32 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
         method_id: h.method_id,
     };
     let span = tracing::debug_span!("rpc.serve", call_id = id, method_id = h.method_id);
+    // Unlocked while the handler runs inline: a handler may look at this connection.
+    drop(inbound);
     let response = entry.service.call(entry.index, args, s.settings.format);
-    let sh = shared.clone();
     let (credits, task) = match response {
         Response::Unary(fut) => {
+            let mut fut =
+                Box::pin(CONTEXT.scope(ctx, std::panic::AssertUnwindSafe(fut).catch_unwind()));
+            // Most handlers finish without waiting: answering inline saves a task spawn and
+            // a wake-up per call. One that waits is polled again by its task, which
+            // registers the real waker.
+            let polled = {
+                let _entered = span.enter();
+                let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+                fut.as_mut().poll(&mut cx)
+            };
+            if let std::task::Poll::Ready(r) = polled {
+                answer(s, id, reply, r);
+                return;
+            }
+            let sh = shared.clone();
             let task = async move {
-                let r = match std::panic::AssertUnwindSafe(fut).catch_unwind().await {
-                    Ok(r) => r,
-                    Err(_) => Err(RpcError::new(ErrorCode::Internal, "the handler panicked")),
-                };
+                let r = fut.await;
                 // Whoever removes the entry owns the answer: if `Cancel` got it first,
                 // the caller no longer waits.
-                if sh.inbound.lock().remove(&id).is_some() && reply {
-                    let sent = match r {
-                        Ok(bytes) => sh.send(Kind::Ok, id, 0, bytes),
-                        Err(e) => sh.send(Kind::Error, id, 0, Bytes::from(e.to_payload())),
-                    };
-                    if let Err(e) = sent {
-                        let _ = sh.send(Kind::Error, id, 0, Bytes::from(e.to_payload()));
-                    }
+                if sh.inbound.lock().remove(&id).is_some() {
+                    answer(&sh, id, reply, r);
                 }
             };
             (None, task.boxed())
@@ -840,6 +878,7 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
         Response::Stream(fut) => {
             let credits = Arc::new(Semaphore::new(s.settings.remote_window as usize));
             let c = credits.clone();
+            let sh = shared.clone();
             let task = async move {
                 let end = std::panic::AssertUnwindSafe(produce(&sh, id, fut, &c))
                     .catch_unwind()
@@ -854,13 +893,15 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
                     };
                 }
             };
-            (Some(credits), task.boxed())
+            (Some(credits), CONTEXT.scope(ctx, task).boxed())
         }
     };
     debug_assert!(entry.kind != MethodKind::Stream || credits.is_some());
     // Spawned while holding the table's lock so that the task, which removes its own
-    // entry when done, always finds it there.
-    let handle = tokio::spawn(CONTEXT.scope(ctx, task).instrument(span));
+    // entry when done, always finds it there. Only this reader inserts, so the checks
+    // made above still hold.
+    let mut inbound = s.inbound.lock();
+    let handle = tokio::spawn(task.instrument(span));
     inbound.insert(
         id,
         Inbound {
@@ -868,6 +909,21 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
             credits,
         },
     );
+}
+
+/// Sends a unary call's answer (nothing for a one-way call).
+fn answer(s: &Shared, id: u64, reply: bool, r: std::thread::Result<Result<Bytes, RpcError>>) {
+    if !reply {
+        return;
+    }
+    let r = r.unwrap_or_else(|_| Err(RpcError::new(ErrorCode::Internal, "the handler panicked")));
+    let sent = match r {
+        Ok(bytes) => s.send(Kind::Ok, id, 0, bytes),
+        Err(e) => s.send(Kind::Error, id, 0, Bytes::from(e.to_payload())),
+    };
+    if let Err(e) = sent {
+        let _ = s.send(Kind::Error, id, 0, Bytes::from(e.to_payload()));
+    }
 }
 
 async fn produce(
@@ -880,14 +936,47 @@ async fn produce(
 ) -> Result<(), RpcError> {
     use futures::StreamExt;
     let mut stream = fut.await?;
-    while let Some(item) = stream.next().await {
+    // Items that are ready at once go to the writer together.
+    let mut batch: Vec<Out> = Vec::new();
+    let mut batch_bytes = 0usize;
+    let flush = |batch: &mut Vec<Out>, batch_bytes: &mut usize| -> Result<(), RpcError> {
+        *batch_bytes = 0;
+        match batch.len() {
+            0 => Ok(()),
+            1 => s.enqueue(batch.pop().expect("one frame")),
+            _ => s.enqueue(Out::Many(std::mem::take(batch))),
+        }
+    };
+    loop {
+        let item = if batch.is_empty() {
+            stream.next().await
+        } else {
+            match stream.next().now_or_never() {
+                Some(item) => item,
+                None => {
+                    flush(&mut batch, &mut batch_bytes)?;
+                    continue;
+                }
+            }
+        };
+        let Some(item) = item else { break };
         let bytes = item?;
-        credits
-            .acquire()
-            .await
-            .map_err(|_| RpcError::disconnected("stream closed"))?
-            .forget();
-        s.send(Kind::StreamItem, id, 0, bytes)?;
+        match credits.try_acquire() {
+            Ok(permit) => permit.forget(),
+            Err(_) => {
+                flush(&mut batch, &mut batch_bytes)?;
+                credits
+                    .acquire()
+                    .await
+                    .map_err(|_| RpcError::disconnected("stream closed"))?
+                    .forget();
+            }
+        }
+        batch_bytes += bytes.len();
+        batch.push(s.prepare(Kind::StreamItem, id, 0, bytes)?);
+        if batch.len() >= 64 || batch_bytes >= 32 * 1024 {
+            flush(&mut batch, &mut batch_bytes)?;
+        }
     }
-    Ok(())
+    flush(&mut batch, &mut batch_bytes)
 }
