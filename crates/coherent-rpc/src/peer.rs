@@ -67,7 +67,7 @@ pub(crate) enum Out {
 pub(crate) enum Pending {
     Unary(oneshot::Sender<Result<Bytes, RpcError>>),
     Stream(
-        mpsc::UnboundedSender<Result<Option<Bytes>, RpcError>>,
+        mpsc::UnboundedSender<crate::stream::Event>,
         /// Items received and not yet consumed: never more than the window from an
         /// honest producer, so more is a protocol violation, not a reason to buffer.
         Arc<std::sync::atomic::AtomicU32>,
@@ -78,7 +78,7 @@ impl Pending {
     fn fail(self, e: RpcError) {
         match self {
             Pending::Unary(tx) => drop(tx.send(Err(e))),
-            Pending::Stream(tx, _) => drop(tx.send(Err(e))),
+            Pending::Stream(tx, _) => drop(tx.send(crate::stream::Event::Failed(e))),
         }
     }
 }
@@ -660,6 +660,7 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
     });
     let mut last_recv = tokio::time::Instant::now();
     let max = shared.settings.local_max;
+    let mut items: Vec<(u64, Vec<Bytes>)> = Vec::new();
     let reason = 'conn: loop {
         // Route every complete frame in the buffer before reading more.
         loop {
@@ -672,11 +673,14 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
                     }
                     let mut frame = buf.split_to(total);
                     frame.advance(head_len);
-                    if let Err(e) = route(&shared, h, frame.freeze()).await {
+                    if let Err(e) = route(&shared, h, frame.freeze(), &mut items).await {
                         break 'conn (e, true);
                     }
                 }
-                Ok(None) => break,
+                Ok(None) => {
+                    deliver_items(&shared, &mut items);
+                    break;
+                }
                 Err(e) => {
                     let code = match e {
                         crate::frame::FrameError::TooLarge { .. } => ErrorCode::TooLarge,
@@ -715,8 +719,17 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
 }
 
 /// Handles one received frame. An `Err` closes the connection with that reason.
-async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), RpcError> {
+async fn route(
+    shared: &Arc<Shared>,
+    h: Header,
+    payload: Bytes,
+    items: &mut Vec<(u64, Vec<Bytes>)>,
+) -> Result<(), RpcError> {
     let s = &**shared;
+    if h.kind != Kind::StreamItem {
+        // Items batched so far come before whatever this frame says (an end, an error).
+        deliver_items(s, items);
+    }
     let payload = if h.compression == Compression::None {
         payload
     } else {
@@ -747,24 +760,31 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
                 };
                 match p {
                     Pending::Unary(tx) => drop(tx.send(r)),
-                    Pending::Stream(tx, _) => drop(tx.send(r.map(Some))),
+                    Pending::Stream(tx, _) => drop(tx.send(match r {
+                        Ok(item) => crate::stream::Event::Items(vec![item]),
+                        Err(e) => crate::stream::Event::Failed(e),
+                    })),
                 }
             }
         }
         Kind::StreamItem => {
-            if let Some(Pending::Stream(tx, buffered)) = s.pending.lock().get(&h.call_id) {
+            if let Some(Pending::Stream(_, buffered)) = s.pending.lock().get(&h.call_id) {
                 if buffered.fetch_add(1, Ordering::Relaxed) >= s.settings.local_window {
                     return Err(RpcError::protocol(format!(
                         "stream {} sent more than its window of {} items",
                         h.call_id, s.settings.local_window
                     )));
                 }
-                let _ = tx.send(Ok(Some(payload)));
+                // Delivered when this read's frames are routed: one wake-up per batch.
+                match items.last_mut() {
+                    Some((id, batch)) if *id == h.call_id => batch.push(payload),
+                    _ => items.push((h.call_id, vec![payload])),
+                }
             }
         }
         Kind::StreamEnd => {
             if let Some(Pending::Stream(tx, _)) = s.pending.lock().remove(&h.call_id) {
-                let _ = tx.send(Ok(None));
+                let _ = tx.send(crate::stream::Event::End);
             }
         }
         Kind::Cancel => {
@@ -804,6 +824,19 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
         }
     }
     Ok(())
+}
+
+/// Hands the stream items gathered from one read to their consumers.
+fn deliver_items(s: &Shared, items: &mut Vec<(u64, Vec<Bytes>)>) {
+    if items.is_empty() {
+        return;
+    }
+    let pending = s.pending.lock();
+    for (id, batch) in items.drain(..) {
+        if let Some(Pending::Stream(tx, _)) = pending.get(&id) {
+            let _ = tx.send(crate::stream::Event::Items(batch));
+        }
+    }
 }
 
 fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {

@@ -17,12 +17,23 @@ use crate::error::RpcError;
 use crate::frame::Kind;
 use crate::peer::Shared;
 
+/// What the connection's reader hands a stream's consumer.
+pub(crate) enum Event {
+    /// Items, in order (all those that arrived in one read).
+    Items(Vec<Bytes>),
+    /// The producer's normal end.
+    End,
+    /// The stream failed (an `Error` frame, or the connection closed).
+    Failed(RpcError),
+}
+
 /// Items of a streaming call, in order, then `None` at its end. An `Err` item is the
 /// last one.
 pub struct ClientStream<T> {
     shared: Arc<Shared>,
     id: u64,
-    rx: mpsc::UnboundedReceiver<Result<Option<Bytes>, RpcError>>,
+    rx: mpsc::UnboundedReceiver<Event>,
+    ready: std::vec::IntoIter<Bytes>,
     buffered: Arc<AtomicU32>,
     unacked: u32,
     done: bool,
@@ -33,13 +44,14 @@ impl<T> ClientStream<T> {
     pub(crate) fn new(
         shared: Arc<Shared>,
         id: u64,
-        rx: mpsc::UnboundedReceiver<Result<Option<Bytes>, RpcError>>,
+        rx: mpsc::UnboundedReceiver<Event>,
         buffered: Arc<AtomicU32>,
     ) -> Self {
         Self {
             shared,
             id,
             rx,
+            ready: Vec::new().into_iter(),
             buffered,
             unacked: 0,
             done: false,
@@ -56,21 +68,8 @@ impl<T: DeserializeOwned> Stream for ClientStream<T> {
             return Poll::Ready(None);
         }
         let this = &mut *self;
-        match this.rx.poll_recv(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(None) => {
-                this.done = true;
-                Poll::Ready(Some(Err(RpcError::disconnected("connection closed"))))
-            }
-            Poll::Ready(Some(Ok(None))) => {
-                this.done = true;
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Err(e))) => {
-                this.done = true;
-                Poll::Ready(Some(Err(e)))
-            }
-            Poll::Ready(Some(Ok(Some(bytes)))) => {
+        loop {
+            if let Some(bytes) = this.ready.next() {
                 this.buffered.fetch_sub(1, Ordering::Relaxed);
                 this.unacked += 1;
                 // Ack at half the window: the producer keeps sending while the ack travels.
@@ -84,7 +83,23 @@ impl<T: DeserializeOwned> Stream for ClientStream<T> {
                         Bytes::copy_from_slice(&n.to_le_bytes()),
                     );
                 }
-                Poll::Ready(Some(this.shared.settings.format.decode(&bytes)))
+                return Poll::Ready(Some(this.shared.settings.format.decode(&bytes)));
+            }
+            match this.rx.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Event::Items(items))) => this.ready = items.into_iter(),
+                Poll::Ready(Some(Event::End)) => {
+                    this.done = true;
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Some(Event::Failed(e))) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(RpcError::disconnected("connection closed"))));
+                }
             }
         }
     }
