@@ -37,9 +37,17 @@ impl Format {
 
     /// Serializes `value` in this format.
     pub fn encode<T: Serialize + ?Sized>(self, value: &T) -> Result<Bytes, RpcError> {
+        // Room for a typical small message up front: growing from empty reallocates
+        // several times for anything but the tiniest value.
+        let buf = Vec::with_capacity(64);
         let out = match self {
-            Self::Postcard => postcard::to_stdvec(value).map_err(|e| e.to_string()),
-            Self::MessagePack => rmp_serde::to_vec(value).map_err(|e| e.to_string()),
+            Self::Postcard => postcard::to_extend(value, buf).map_err(|e| e.to_string()),
+            Self::MessagePack => {
+                let mut buf = buf;
+                rmp_serde::encode::write(&mut buf, value)
+                    .map(|()| buf)
+                    .map_err(|e| e.to_string())
+            }
         };
         out.map(Bytes::from)
             .map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))

@@ -970,14 +970,14 @@ async fn produce(
     use futures::StreamExt;
     let mut stream = fut.await?;
     // Items that are ready at once go to the writer together.
-    let mut batch: Vec<Out> = Vec::new();
+    let mut batch: Vec<Out> = Vec::with_capacity(64);
     let mut batch_bytes = 0usize;
     let flush = |batch: &mut Vec<Out>, batch_bytes: &mut usize| -> Result<(), RpcError> {
         *batch_bytes = 0;
         match batch.len() {
             0 => Ok(()),
             1 => s.enqueue(batch.pop().expect("one frame")),
-            _ => s.enqueue(Out::Many(std::mem::take(batch))),
+            _ => s.enqueue(Out::Many(std::mem::replace(batch, Vec::with_capacity(64)))),
         }
     };
     loop {
