@@ -1,1 +1,86 @@
-fn main() {}
+//! `coherent-bench`: Coherent's benchmark suites, each measuring ours against real peers in the
+//! same run, on the same machine, and reporting ratios.
+//!
+//! ```text
+//! cargo run --release -p coherent-bench -- local [--json out.json] [--quick] [--seconds N]
+//! ```
+
+mod local;
+mod report;
+mod rpc;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+/// Command-line options shared by every suite.
+#[derive(Parser, Debug)]
+#[command(
+    name = "coherent-bench",
+    about = "Coherent's benchmarks, measured side by side with peers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    suite: Suite,
+    /// Write the results as JSON to this file.
+    #[arg(long, global = true)]
+    json: Option<PathBuf>,
+    /// Run every case for a fraction of a second (a smoke run, for CI).
+    #[arg(long, global = true)]
+    quick: bool,
+    /// Seconds per measured run (each case: a warm-up, then the best of 3 runs).
+    #[arg(long, global = true, default_value_t = 3.0)]
+    seconds: f64,
+}
+
+#[derive(Subcommand, Debug, Clone, Copy)]
+enum Suite {
+    /// The compute core in one process: a user service over SQLite and PostgreSQL, direct vs
+    /// cached, against a concurrent map, moka and quick_cache.
+    Local,
+    /// The RPC protocol against tonic, tarpc, HTTP JSON and a raw TCP limit: calls, streams,
+    /// latency and 10 MB payloads.
+    Rpc,
+}
+
+/// How long and how often each case runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Timing {
+    pub(crate) run: Duration,
+    pub(crate) warmup: Duration,
+    pub(crate) runs: usize,
+}
+
+impl Timing {
+    fn from_cli(cli: &Cli) -> Self {
+        if cli.quick {
+            Self {
+                run: Duration::from_millis(150),
+                warmup: Duration::from_millis(50),
+                runs: 1,
+            }
+        } else {
+            Self {
+                run: Duration::from_secs_f64(cli.seconds.max(0.1)),
+                warmup: Duration::from_secs_f64((cli.seconds / 3.0).max(0.1)),
+                runs: 3,
+            }
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let timing = Timing::from_cli(&cli);
+    let report = match cli.suite {
+        Suite::Local => local::run(timing)?,
+        Suite::Rpc => rpc::run(timing)?,
+    };
+    report.print_table();
+    if let Some(path) = &cli.json {
+        report.write_json(path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}

@@ -737,14 +737,7 @@ async fn route(
     };
     match h.kind {
         Kind::Call | Kind::OneWay => {
-            // Backpressure: a peer that keeps calling but stops reading stalls here.
-            while s.queued.load(Ordering::Relaxed) > s.high_water {
-                let drained = s.drained.notified();
-                if s.queued.load(Ordering::Relaxed) <= s.high_water || s.closed_reason().is_some() {
-                    break;
-                }
-                drained.await;
-            }
+            wait_for_room(s).await;
             start_call(shared, h, payload);
         }
         Kind::Ok | Kind::Error => {
@@ -761,7 +754,9 @@ async fn route(
                 match p {
                     Pending::Unary(tx) => drop(tx.send(r)),
                     Pending::Stream(tx, _) => drop(tx.send(match r {
-                        Ok(item) => crate::stream::Event::Items(vec![item]),
+                        Ok(_) => crate::stream::Event::Failed(RpcError::protocol(
+                            "an Ok frame answered a streaming call",
+                        )),
                         Err(e) => crate::stream::Event::Failed(e),
                     })),
                 }
@@ -807,7 +802,10 @@ async fn route(
                 c.add_permits(n.min(room));
             }
         }
-        Kind::Ping => s.send(Kind::Pong, 0, 0, payload)?,
+        Kind::Ping => {
+            wait_for_room(s).await;
+            s.send(Kind::Pong, 0, 0, payload)?;
+        }
         Kind::Pong => {}
         Kind::Close => {
             let reason = RpcError::from_payload(&payload);
@@ -824,6 +822,18 @@ async fn route(
         }
     }
     Ok(())
+}
+
+/// Backpressure for frames that make this side write (calls, pings): a peer that keeps
+/// sending them but stops reading stalls here instead of growing the writer's queue.
+async fn wait_for_room(s: &Shared) {
+    while s.queued.load(Ordering::Relaxed) > s.high_water {
+        let drained = s.drained.notified();
+        if s.queued.load(Ordering::Relaxed) <= s.high_water || s.closed_reason().is_some() {
+            break;
+        }
+        drained.await;
+    }
 }
 
 /// Hands the stream items gathered from one read to their consumers.

@@ -53,3 +53,8 @@ pub use coherent_macros::{compute_service, ComputeService};
 
 #[doc(hidden)]
 pub use coherent_core::plumbing;
+
+/// The README's code blocks, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;

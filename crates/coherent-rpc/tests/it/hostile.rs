@@ -373,3 +373,23 @@ async fn a_producer_that_ignores_the_stream_window_is_cut_off() {
     assert!(peer.closed().await.message().contains("window"));
     server.abort();
 }
+
+#[tokio::test]
+async fn a_ping_flood_from_a_client_that_stops_reading_is_cut_off() {
+    let (server, _) =
+        calc_server(Config::default().write_stall_timeout(Duration::from_millis(200)));
+    let mut raw = Raw::connected(&server).await;
+    let ping = vec![0u8; 256 * 1024];
+    for _ in 0..128 {
+        raw.send(&frame_bytes(Kind::Ping, 0, 0, &ping)).await;
+    }
+    still_serves(&server).await;
+    let mut frames = 0;
+    while raw.next().await.is_some() {
+        frames += 1;
+    }
+    assert!(
+        frames < 128,
+        "every pong got through: the writer never stalled"
+    );
+}

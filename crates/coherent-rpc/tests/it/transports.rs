@@ -40,3 +40,21 @@ async fn calls_work_over_a_unix_socket() {
     assert_eq!(CalcClient::new(peer).sum(20, 22).await.unwrap(), 42);
     let _ = std::fs::remove_file(&path);
 }
+
+#[tokio::test]
+async fn calls_work_over_two_one_way_pipes_joined_like_a_child_processes_stdio() {
+    // A child's stdout is what we read, its stdin what we write: two one-way pipes.
+    // `simplex` returns (read end, write end).
+    let (server_in, client_out) = tokio::io::simplex(64 * 1024);
+    let (client_in, server_out) = tokio::io::simplex(64 * 1024);
+    let (server, _) = calc_server(Config::default());
+    let accepted =
+        tokio::spawn(async move { server.accept(tokio::io::join(server_in, server_out)).await });
+    let peer = coherent_rpc::Endpoint::builder()
+        .build()
+        .connect(tokio::io::join(client_in, client_out))
+        .await
+        .unwrap();
+    let _server_side = accepted.await.unwrap().unwrap();
+    assert_eq!(CalcClient::new(peer).sum(2, 2).await.unwrap(), 4);
+}

@@ -1,0 +1,356 @@
+//! The `local` suite: `UserService.get(id)` over 1,000 users in SQLite (a WAL file) and
+//! PostgreSQL, direct (a query per call) and cached (a compute method), with one reader, and
+//! with 20 readers per core plus a mutator that writes through the service every 10 ms while
+//! every read is checked against the version committed before it started. Peers: a concurrent
+//! map, moka and quick_cache, on the same keys and the same value type.
+
+mod peers;
+mod service;
+mod store;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use coherent::Registry;
+use tokio::runtime::Runtime;
+
+use crate::report::{cores, progress, Report, Row};
+use crate::Timing;
+use service::UserService;
+use store::{Store, StoreError, User, USERS};
+
+/// Calls between two checks of the stop flag (and, with many readers, a yield).
+const BATCH: u32 = 64;
+const READERS_PER_CORE: usize = 20;
+const MUTATOR_PERIOD: Duration = Duration::from_millis(10);
+
+/// A cheap deterministic generator of user ids.
+#[derive(Clone, Copy)]
+struct Ids(u64);
+
+impl Ids {
+    #[inline]
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) % USERS + 1
+    }
+}
+
+/// The latest version of each user whose write has returned.
+struct Committed(Vec<AtomicU64>);
+
+impl Committed {
+    fn new() -> Arc<Self> {
+        Arc::new(Self((0..=USERS).map(|_| AtomicU64::new(0)).collect()))
+    }
+
+    fn floor(&self, id: u64) -> u64 {
+        self.0[id as usize].load(Ordering::Acquire)
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct Outcome {
+    calls: u64,
+    stale: u64,
+    elapsed: Duration,
+    writes: u64,
+    invalidations: u64,
+}
+
+impl Outcome {
+    fn rate(&self) -> f64 {
+        self.calls as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// Something readers call: the direct store, the compute service, or a peer cache.
+trait Getter: Send + Sync + 'static {
+    fn get(&self, id: u64) -> impl Future<Output = Result<Arc<User>, StoreError>> + Send;
+}
+
+impl Getter for Store {
+    async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
+        Store::get(self, id).await
+    }
+}
+
+impl Getter for UserService {
+    #[inline]
+    async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
+        UserService::get(self, id).await
+    }
+}
+
+/// How a mutator writes: through the service (which invalidates), or straight to the store.
+#[derive(Clone)]
+enum Writer {
+    Service(UserService),
+    Store(Arc<Store>),
+}
+
+impl Writer {
+    async fn update(&self, id: u64, version: u64) -> Result<(), StoreError> {
+        match self {
+            Writer::Service(service) => service.update(id, version).await,
+            Writer::Store(store) => store.update(id, version).await,
+        }
+    }
+}
+
+async fn read_loop<G: Getter>(
+    getter: Arc<G>,
+    committed: Arc<Committed>,
+    stop: Arc<AtomicBool>,
+    seed: u64,
+    check: bool,
+) -> (u64, u64) {
+    let mut ids = Ids(seed | 1);
+    let (mut calls, mut stale) = (0u64, 0u64);
+    while !stop.load(Ordering::Relaxed) {
+        for _ in 0..BATCH {
+            let id = ids.next();
+            let floor = if check { committed.floor(id) } else { 0 };
+            let user = getter.get(id).await.expect("the store answers");
+            if user.version < floor {
+                stale += 1;
+            }
+            calls += 1;
+        }
+        if check {
+            // Hits never wait: without a yield, readers would starve the mutator.
+            tokio::task::yield_now().await;
+        }
+    }
+    (calls, stale)
+}
+
+/// Runs `readers` reader tasks (and the mutator, if any) for `duration`.
+async fn run_once<G: Getter>(
+    getter: &Arc<G>,
+    readers: usize,
+    writer: Option<&Writer>,
+    registry: Option<&Registry>,
+    committed: &Arc<Committed>,
+    duration: Duration,
+) -> Outcome {
+    let stop = Arc::new(AtomicBool::new(false));
+    let before = registry.map(Registry::metrics);
+    let check = writer.is_some();
+    let tasks: Vec<_> = (0..readers)
+        .map(|i| {
+            tokio::spawn(read_loop(
+                getter.clone(),
+                committed.clone(),
+                stop.clone(),
+                0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i as u64 + 1),
+                check,
+            ))
+        })
+        .collect();
+    let mutator = writer.map(|writer| {
+        let (writer, committed, stop) = (writer.clone(), committed.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut ids = Ids(0xDEAD_BEEF);
+            let mut tick = tokio::time::interval(MUTATOR_PERIOD);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut writes = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                let id = ids.next();
+                let version = committed.floor(id) + 1;
+                writer
+                    .update(id, version)
+                    .await
+                    .expect("the store accepts the write");
+                committed.0[id as usize].store(version, Ordering::Release);
+                writes += 1;
+            }
+            writes
+        })
+    });
+    let started = Instant::now();
+    tokio::time::sleep(duration).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut outcome = Outcome::default();
+    for task in tasks {
+        let (calls, stale) = task.await.expect("a reader task");
+        outcome.calls += calls;
+        outcome.stale += stale;
+    }
+    outcome.elapsed = started.elapsed();
+    if let Some(mutator) = mutator {
+        outcome.writes = mutator.await.expect("the mutator task");
+    }
+    if let (Some(registry), Some(before)) = (registry, before) {
+        outcome.invalidations = registry.metrics().since(&before).invalidations;
+    }
+    outcome
+}
+
+/// A warm-up, then the best of `timing.runs`; stale reads are summed over every run.
+async fn best_of<G: Getter>(
+    timing: Timing,
+    getter: &Arc<G>,
+    readers: usize,
+    writer: Option<&Writer>,
+    registry: Option<&Registry>,
+    committed: &Arc<Committed>,
+) -> (Outcome, u64) {
+    let warmup = run_once(getter, readers, writer, registry, committed, timing.warmup).await;
+    let mut stale = warmup.stale;
+    let mut best = Outcome::default();
+    for _ in 0..timing.runs {
+        let outcome = run_once(getter, readers, writer, registry, committed, timing.run).await;
+        stale += outcome.stale;
+        if best.calls == 0 || outcome.rate() > best.rate() {
+            best = outcome;
+        }
+    }
+    (best, stale)
+}
+
+fn mutator_row(name: String, best: Outcome, stale: u64, cached: bool) -> Row {
+    let seconds = best.elapsed.as_secs_f64();
+    let mut row = Row::new(name, best.rate(), "calls/s")
+        .with("stale_reads", stale)
+        .with("writes", best.writes);
+    if cached {
+        row = row.with("invalidations", best.invalidations).with(
+            "invalidations_per_s",
+            (best.invalidations as f64 / seconds).round(),
+        );
+    }
+    row
+}
+
+/// One store's four rows.
+async fn store_rows(
+    prefix: &str,
+    store: Arc<Store>,
+    timing: Timing,
+    report: &mut Report,
+    bar: &indicatif::ProgressBar,
+) {
+    let many = READERS_PER_CORE * cores();
+
+    bar.set_message(format!("{prefix}.direct.1reader"));
+    let committed = Committed::new();
+    let (best, _) = best_of(timing, &store, 1, None, None, &committed).await;
+    report.push(Row::new(
+        format!("{prefix}.direct.1reader"),
+        best.rate(),
+        "calls/s",
+    ));
+    bar.inc(1);
+
+    bar.set_message(format!("{prefix}.cached.1reader"));
+    let registry = Registry::new();
+    let service = Arc::new(UserService::new(store.clone(), &registry));
+    let (best, _) = best_of(timing, &service, 1, None, Some(&registry), &committed).await;
+    report.push(
+        Row::new(format!("{prefix}.cached.1reader"), best.rate(), "calls/s")
+            .compared_to(&format!("{prefix}.direct.1reader")),
+    );
+    bar.inc(1);
+
+    bar.set_message(format!("{prefix}.direct.readers+mutator"));
+    let writer = Writer::Store(store.clone());
+    let (best, stale) = best_of(timing, &store, many, Some(&writer), None, &committed).await;
+    report.push(mutator_row(
+        format!("{prefix}.direct.readers+mutator"),
+        best,
+        stale,
+        false,
+    ));
+    bar.inc(1);
+
+    bar.set_message(format!("{prefix}.cached.readers+mutator"));
+    let writer = Writer::Service((*service).clone());
+    let (best, stale) = best_of(
+        timing,
+        &service,
+        many,
+        Some(&writer),
+        Some(&registry),
+        &committed,
+    )
+    .await;
+    report.push(
+        mutator_row(
+            format!("{prefix}.cached.readers+mutator"),
+            best,
+            stale,
+            true,
+        )
+        .compared_to(&format!("{prefix}.cached.1reader")),
+    );
+    bar.inc(1);
+}
+
+/// Runs the suite.
+pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
+    let runtime: Runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores())
+        .enable_all()
+        .build()?;
+    runtime.block_on(run_async(timing))
+}
+
+async fn run_async(timing: Timing) -> anyhow::Result<Report> {
+    let mut report = Report::new("local");
+    let bar = progress(11);
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("users.db");
+    let sqlite = Arc::new(Store::sqlite(&path, (cores() * 2) as u32)?);
+    store_rows("sqlite", sqlite, timing, &mut report, &bar).await;
+    report.note(format!(
+        "sqlite: a WAL-mode file ({}) through an r2d2 pool",
+        path.display()
+    ));
+
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    match Store::postgres(&url, cores() * 4).await {
+        Ok(Some(postgres)) => {
+            store_rows("postgres", Arc::new(postgres), timing, &mut report, &bar).await;
+            report.note("postgres: tokio-postgres through a deadpool pool");
+        }
+        Ok(None) | Err(_) => {
+            bar.inc(4);
+            report.note(format!("postgres rows skipped: {url} is not reachable"));
+        }
+    }
+
+    for (name, make) in peers::all() {
+        bar.set_message(format!("peer.{name}.1reader"));
+        let committed = Committed::new();
+        let (best, _) = match make() {
+            peers::Peer::Map(p) => best_of(timing, &p, 1, None, None, &committed).await,
+            peers::Peer::Moka(p) => best_of(timing, &p, 1, None, None, &committed).await,
+            peers::Peer::QuickCache(p) => best_of(timing, &p, 1, None, None, &committed).await,
+        };
+        let row = Row::new(format!("peer.{name}.1reader"), best.rate(), "calls/s");
+        report.push(row);
+        bar.inc(1);
+    }
+    // Ours against each peer.
+    let cached = report.value("sqlite.cached.1reader");
+    for peer in ["map", "moka", "quickcache"] {
+        let name = format!("peer.{peer}.1reader");
+        if let (Some(ours), Some(theirs)) = (cached, report.value(&name)) {
+            report.note(format!(
+                "sqlite.cached.1reader / {name} = {:.2}",
+                ours / theirs
+            ));
+        }
+    }
+    report.note(peers::SETTINGS);
+    bar.finish_and_clear();
+    Ok(report)
+}

@@ -1,0 +1,72 @@
+//! The peers: what a Rust user would otherwise put in front of the store. Each holds the same
+//! 1,000 `Arc<User>` values and answers `get(id)` with a clone, like ours.
+
+use std::sync::Arc;
+
+use super::store::{seed_user, StoreError, User, USERS};
+use super::Getter;
+
+/// How each peer is configured, printed under the table.
+pub(crate) const SETTINGS: &str = "peers: map = dashmap::DashMap (default shards, foldhash); \
+moka = moka::sync::Cache (capacity 10,000); quickcache = quick_cache::sync::Cache (capacity 10,000)";
+
+pub(crate) struct Map(dashmap::DashMap<u64, Arc<User>, foldhash::fast::RandomState>);
+pub(crate) struct Moka(moka::sync::Cache<u64, Arc<User>>);
+pub(crate) struct QuickCache(quick_cache::sync::Cache<u64, Arc<User>>);
+
+impl Getter for Map {
+    #[inline]
+    async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
+        Ok(self.0.get(&id).expect("prefilled").clone())
+    }
+}
+
+impl Getter for Moka {
+    #[inline]
+    async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
+        Ok(self.0.get(&id).expect("prefilled"))
+    }
+}
+
+impl Getter for QuickCache {
+    #[inline]
+    async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
+        Ok(self.0.get(&id).expect("prefilled"))
+    }
+}
+
+fn users() -> impl Iterator<Item = (u64, Arc<User>)> {
+    (1..=USERS).map(|id| (id, Arc::new(seed_user(id))))
+}
+
+/// A peer, type-erased for the suite's loop.
+pub(crate) enum Peer {
+    Map(Arc<Map>),
+    Moka(Arc<Moka>),
+    QuickCache(Arc<QuickCache>),
+}
+
+/// A peer's name and how to build it, prefilled.
+pub(crate) type PeerMaker = (&'static str, fn() -> Peer);
+
+pub(crate) fn all() -> Vec<PeerMaker> {
+    vec![
+        ("map", || {
+            let map = dashmap::DashMap::with_hasher(foldhash::fast::RandomState::default());
+            users().for_each(|(id, user)| {
+                map.insert(id, user);
+            });
+            Peer::Map(Arc::new(Map(map)))
+        }),
+        ("moka", || {
+            let cache = moka::sync::Cache::new(10_000);
+            users().for_each(|(id, user)| cache.insert(id, user));
+            Peer::Moka(Arc::new(Moka(cache)))
+        }),
+        ("quickcache", || {
+            let cache = quick_cache::sync::Cache::new(10_000);
+            users().for_each(|(id, user)| cache.insert(id, user));
+            Peer::QuickCache(Arc::new(QuickCache(cache)))
+        }),
+    ]
+}

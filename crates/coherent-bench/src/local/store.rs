@@ -1,0 +1,230 @@
+//! The two stores of the user service, each with an honest direct repository method: a pooled
+//! connection, a cached prepared statement, a row mapped to the struct.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use r2d2_sqlite::SqliteConnectionManager;
+use rusqlite::params;
+
+/// The value every peer caches and every call returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct User {
+    pub(crate) id: u64,
+    pub(crate) version: u64,
+    pub(crate) name: String,
+    pub(crate) email: String,
+    pub(crate) created_at: i64,
+    pub(crate) modified_at: i64,
+}
+
+pub(crate) const USERS: u64 = 1_000;
+
+pub(crate) type StoreError = Arc<str>;
+
+fn now_micros() -> i64 {
+    let micros = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros();
+    i64::try_from(micros).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn seed_user(id: u64) -> User {
+    User {
+        id,
+        version: 0,
+        name: format!("User {id}"),
+        email: format!("user{id}@example.com"),
+        created_at: 1_700_000_000_000_000,
+        modified_at: 1_700_000_000_000_000,
+    }
+}
+
+fn to_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+fn to_u64(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+const PG_SELECT: &str =
+    "SELECT id, version, name, email, created_at, modified_at FROM users WHERE id = $1";
+const PG_UPDATE: &str = "UPDATE users SET version = $2, name = $3, modified_at = $4 WHERE id = $1";
+const SQLITE_SELECT: &str =
+    "SELECT id, version, name, email, created_at, modified_at FROM users WHERE id = ?1";
+const SQLITE_UPDATE: &str =
+    "UPDATE users SET version = ?2, name = ?3, modified_at = ?4 WHERE id = ?1";
+
+/// Where the users live.
+pub(crate) enum Store {
+    Sqlite(r2d2::Pool<SqliteConnectionManager>),
+    Postgres(deadpool_postgres::Pool),
+}
+
+impl Store {
+    /// A SQLite database file in WAL mode, created with 1,000 users.
+    pub(crate) fn sqlite(path: &Path, pool_size: u32) -> anyhow::Result<Self> {
+        let manager = SqliteConnectionManager::file(path).with_init(|c| {
+            c.execute_batch(
+                "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA busy_timeout = 5000;",
+            )
+        });
+        let pool = r2d2::Pool::builder().max_size(pool_size).build(manager)?;
+        let mut conn = pool.get()?;
+        let tx = conn.transaction()?;
+        tx.execute_batch(
+            "CREATE TABLE users (id INTEGER PRIMARY KEY, version INTEGER NOT NULL, name TEXT NOT NULL,
+                                 email TEXT NOT NULL, created_at INTEGER NOT NULL, modified_at INTEGER NOT NULL);",
+        )?;
+        {
+            let mut insert = tx.prepare("INSERT INTO users VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?;
+            for id in 1..=USERS {
+                let u = seed_user(id);
+                insert.execute(params![
+                    to_i64(u.id),
+                    to_i64(u.version),
+                    u.name,
+                    u.email,
+                    u.created_at,
+                    u.modified_at
+                ])?;
+            }
+        }
+        tx.commit()?;
+        drop(conn);
+        Ok(Store::Sqlite(pool))
+    }
+
+    /// PostgreSQL at `url`, with a fresh table of 1,000 users; `None` when it is not reachable.
+    pub(crate) async fn postgres(url: &str, pool_size: usize) -> anyhow::Result<Option<Self>> {
+        let config: tokio_postgres::Config = url.parse().context("DATABASE_URL")?;
+        let manager = deadpool_postgres::Manager::from_config(
+            config,
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+            },
+        );
+        let pool = deadpool_postgres::Pool::builder(manager)
+            .max_size(pool_size)
+            .build()?;
+        let client = match tokio::time::timeout(Duration::from_secs(3), pool.get()).await {
+            Ok(Ok(client)) => client,
+            _ => return Ok(None),
+        };
+        client
+            .batch_execute(
+                "DROP TABLE IF EXISTS users;
+                 CREATE TABLE users (id BIGINT PRIMARY KEY, version BIGINT NOT NULL, name TEXT NOT NULL,
+                                     email TEXT NOT NULL, created_at BIGINT NOT NULL, modified_at BIGINT NOT NULL);",
+            )
+            .await?;
+        let insert = client
+            .prepare("INSERT INTO users VALUES ($1, $2, $3, $4, $5, $6)")
+            .await?;
+        for id in 1..=USERS {
+            let u = seed_user(id);
+            client
+                .execute(
+                    &insert,
+                    &[
+                        &to_i64(u.id),
+                        &to_i64(u.version),
+                        &u.name,
+                        &u.email,
+                        &u.created_at,
+                        &u.modified_at,
+                    ],
+                )
+                .await?;
+        }
+        drop(client);
+        Ok(Some(Store::Postgres(pool)))
+    }
+
+    /// The direct repository method: one query per call.
+    pub(crate) async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
+        match self {
+            Store::Sqlite(pool) => {
+                let conn = pool.get().map_err(|e| StoreError::from(e.to_string()))?;
+                let mut query = conn
+                    .prepare_cached(SQLITE_SELECT)
+                    .map_err(|e| StoreError::from(e.to_string()))?;
+                query
+                    .query_row(params![to_i64(id)], |row| {
+                        Ok(Arc::new(User {
+                            id: to_u64(row.get(0)?),
+                            version: to_u64(row.get(1)?),
+                            name: row.get(2)?,
+                            email: row.get(3)?,
+                            created_at: row.get(4)?,
+                            modified_at: row.get(5)?,
+                        }))
+                    })
+                    .map_err(|e| StoreError::from(e.to_string()))
+            }
+            Store::Postgres(pool) => {
+                let client = pool
+                    .get()
+                    .await
+                    .map_err(|e| StoreError::from(e.to_string()))?;
+                let query = client
+                    .prepare_cached(PG_SELECT)
+                    .await
+                    .map_err(|e| StoreError::from(e.to_string()))?;
+                let row = client
+                    .query_one(&query, &[&to_i64(id)])
+                    .await
+                    .map_err(|e| StoreError::from(e.to_string()))?;
+                Ok(Arc::new(User {
+                    id: to_u64(row.get(0)),
+                    version: to_u64(row.get(1)),
+                    name: row.get(2),
+                    email: row.get(3),
+                    created_at: row.get(4),
+                    modified_at: row.get(5),
+                }))
+            }
+        }
+    }
+
+    /// Writes a new version of a user.
+    pub(crate) async fn update(&self, id: u64, version: u64) -> Result<(), StoreError> {
+        let name = format!("User {id} v{version}");
+        let modified_at = now_micros();
+        match self {
+            Store::Sqlite(pool) => {
+                let conn = pool.get().map_err(|e| StoreError::from(e.to_string()))?;
+                let mut update = conn
+                    .prepare_cached(SQLITE_UPDATE)
+                    .map_err(|e| StoreError::from(e.to_string()))?;
+                update
+                    .execute(params![to_i64(id), to_i64(version), name, modified_at])
+                    .map_err(|e| StoreError::from(e.to_string()))?;
+                Ok(())
+            }
+            Store::Postgres(pool) => {
+                let client = pool
+                    .get()
+                    .await
+                    .map_err(|e| StoreError::from(e.to_string()))?;
+                let update = client
+                    .prepare_cached(PG_UPDATE)
+                    .await
+                    .map_err(|e| StoreError::from(e.to_string()))?;
+                client
+                    .execute(
+                        &update,
+                        &[&to_i64(id), &to_i64(version), &name, &modified_at],
+                    )
+                    .await
+                    .map_err(|e| StoreError::from(e.to_string()))?;
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! Results of a suite: rows with stable names, a table with ratios on stdout, JSON on request,
+//! and the progress bar on stderr.
+
+use std::path::Path;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Map, Value};
+
+/// One measured result.
+#[derive(Clone, Debug)]
+pub(crate) struct Row {
+    pub(crate) name: String,
+    pub(crate) value: f64,
+    pub(crate) unit: &'static str,
+    /// Extra fields, e.g. `stale_reads` and `invalidations` on mutator rows.
+    pub(crate) extra: Map<String, Value>,
+    /// The row this one is compared with in the table (`name ÷ baseline`).
+    pub(crate) baseline: Option<String>,
+}
+
+impl Row {
+    pub(crate) fn new(name: impl Into<String>, value: f64, unit: &'static str) -> Self {
+        Self {
+            name: name.into(),
+            value,
+            unit,
+            extra: Map::new(),
+            baseline: None,
+        }
+    }
+
+    pub(crate) fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.extra.insert(key.to_owned(), value.into());
+        self
+    }
+
+    pub(crate) fn compared_to(mut self, baseline: &str) -> Self {
+        self.baseline = Some(baseline.to_owned());
+        self
+    }
+}
+
+/// A suite's results.
+pub(crate) struct Report {
+    suite: &'static str,
+    rows: Vec<Row>,
+    notes: Vec<String>,
+}
+
+impl Report {
+    pub(crate) fn new(suite: &'static str) -> Self {
+        Self {
+            suite,
+            rows: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+
+    pub(crate) fn push(&mut self, row: Row) {
+        self.rows.push(row);
+    }
+
+    /// A line printed under the table (a skipped store, the settings of a peer).
+    pub(crate) fn note(&mut self, note: impl Into<String>) {
+        self.notes.push(note.into());
+    }
+
+    pub(crate) fn value(&self, name: &str) -> Option<f64> {
+        self.rows.iter().find(|r| r.name == name).map(|r| r.value)
+    }
+
+    pub(crate) fn print_table(&self) {
+        let cores = cores();
+        println!("\nsuite {} on {cores} cores\n", self.suite);
+        let width = self
+            .rows
+            .iter()
+            .map(|r| r.name.len())
+            .max()
+            .unwrap_or(4)
+            .max(4);
+        println!(
+            "{:<width$}  {:>16}  {:<8}  {:<40}  extra",
+            "name", "value", "unit", "ratio"
+        );
+        for row in &self.rows {
+            let ratio = row
+                .baseline
+                .as_deref()
+                .and_then(|b| self.value(b).map(|v| (b, v)))
+                .filter(|(_, v)| *v > 0.0)
+                .map(|(b, v)| format!("{:.2}x {b}", row.value / v))
+                .unwrap_or_default();
+            let extra = row
+                .extra
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            println!(
+                "{:<width$}  {:>16}  {:<8}  {:<40}  {extra}",
+                row.name,
+                format_value(row.value),
+                row.unit,
+                ratio
+            );
+        }
+        for note in &self.notes {
+            println!("note: {note}");
+        }
+    }
+
+    pub(crate) fn write_json(&self, path: &Path) -> anyhow::Result<()> {
+        let results: Vec<Value> = self
+            .rows
+            .iter()
+            .map(|r| {
+                let mut object = Map::new();
+                object.insert("name".into(), json!(r.name));
+                object.insert("value".into(), json!(r.value));
+                object.insert("unit".into(), json!(r.unit));
+                for (k, v) in &r.extra {
+                    object.insert(k.clone(), v.clone());
+                }
+                Value::Object(object)
+            })
+            .collect();
+        let document = json!({
+            "suite": self.suite,
+            "cores": cores(),
+            "results": results,
+            "notes": self.notes,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&document)? + "\n")?;
+        Ok(())
+    }
+}
+
+fn format_value(value: f64) -> String {
+    if value >= 1e6 {
+        format!("{:.2}M", value / 1e6)
+    } else if value >= 1e3 {
+        format!("{:.2}K", value / 1e3)
+    } else {
+        format!("{value:.2}")
+    }
+}
+
+pub(crate) fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The progress bar: one step per case.
+pub(crate) fn progress(cases: u64) -> ProgressBar {
+    let bar = ProgressBar::new(cases);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+            .expect("a valid template"),
+    );
+    bar
+}

@@ -1,0 +1,87 @@
+//! How every case is timed, whatever the peer: concurrent callers in a loop for a fixed
+//! time (warm-up, then best of N), sequential latency samples, and percentiles.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::Timing;
+
+pub(crate) type BoxFut = Pin<Box<dyn Future<Output = anyhow::Result<u64>> + Send>>;
+
+/// Makes one unit of work for caller `i`; the future returns how many units it did
+/// (1 for a call, the item count for a stream call).
+pub(crate) type Work = Arc<dyn Fn(usize) -> BoxFut + Send + Sync>;
+
+async fn one_run(work: &Work, callers: usize, run: Duration) -> anyhow::Result<f64> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..callers)
+        .map(|i| {
+            let (work, stop, done) = (work.clone(), stop.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut n = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    n += work(i).await?;
+                }
+                done.fetch_add(n, Ordering::Relaxed);
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    tokio::time::sleep(run).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await??;
+    }
+    Ok(done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Units per second: a warm-up, then the best of `timing.runs` runs.
+pub(crate) async fn throughput(timing: Timing, callers: usize, work: Work) -> anyhow::Result<f64> {
+    one_run(&work, callers, timing.warmup).await?;
+    let mut best = 0f64;
+    for _ in 0..timing.runs {
+        best = best.max(one_run(&work, callers, timing.run).await?);
+    }
+    Ok(best)
+}
+
+/// Runs `sample` repeatedly (for about `timing.run`, at least `min` times and at most
+/// `max`) and returns each sample's microseconds, sorted.
+pub(crate) async fn samples<F, Fut>(
+    timing: Timing,
+    min: usize,
+    max: usize,
+    mut sample: F,
+) -> anyhow::Result<Vec<f64>>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<f64>>,
+{
+    for _ in 0..min.min(10) {
+        sample().await?;
+    }
+    let start = Instant::now();
+    let mut out = Vec::new();
+    while out.len() < max && (out.len() < min || start.elapsed() < timing.run) {
+        out.push(sample().await?);
+    }
+    out.sort_by(f64::total_cmp);
+    Ok(out)
+}
+
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+pub(crate) fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}

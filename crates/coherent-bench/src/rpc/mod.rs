@@ -1,0 +1,357 @@
+//! The `rpc` suite: our protocol against tonic, tarpc, HTTP JSON and a raw TCP limit, all
+//! served and called in this process over loopback, each peer at its best measured setting.
+//! Result names are the stable ones of issue 3 (`calls.sum.coherent`, ...).
+
+mod coherent;
+mod harness;
+mod http;
+mod model;
+mod peer;
+mod rawtcp;
+mod tarpc_peer;
+mod tonic_peer;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use coherent_rpc::Compression;
+use indicatif::ProgressBar;
+
+use crate::report::{progress, Report, Row};
+use crate::Timing;
+use coherent::Coherent;
+use harness::{micros, percentile, samples, throughput, Work};
+use http::Http;
+use model::PayloadKind;
+use peer::Peer;
+use rawtcp::RawTcp;
+use tarpc_peer::Tarpc;
+use tonic_peer::Tonic;
+
+#[derive(Clone, Copy)]
+enum Call {
+    Sum,
+    GetUser,
+    SayHello,
+}
+
+impl Call {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Sum => "sum",
+            Self::GetUser => "getuser",
+            Self::SayHello => "sayhello",
+        }
+    }
+}
+
+/// (callers, connections) settings tried per peer; the best counts. `--quick` tries the first.
+fn settings(peer: &str) -> &'static [(usize, usize)] {
+    match peer {
+        "http" => &[(50, 50), (16, 16)],
+        "tonic" | "tarpc" => &[(200, 2), (1000, 4), (200, 1)],
+        _ => &[(200, 2), (1000, 2), (200, 1)],
+    }
+}
+
+/// Runs the suite on its own multi-threaded runtime (one worker per core).
+pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(run_async(timing))
+}
+
+struct Servers {
+    coherent: SocketAddr,
+    rawtcp: SocketAddr,
+    tarpc: SocketAddr,
+    tonic: SocketAddr,
+    http: SocketAddr,
+}
+
+async fn run_async(timing: Timing) -> anyhow::Result<Report> {
+    let quick = timing.runs == 1;
+    let mut report = Report::new("rpc");
+    let s = Servers {
+        coherent: coherent::start(Compression::None).await?,
+        rawtcp: rawtcp::start().await?,
+        tarpc: tarpc_peer::start().await?,
+        tonic: tonic_peer::start().await?,
+        http: http::start().await?,
+    };
+    let bar = progress(15 + 6 + 10 + 10 + 11);
+
+    for call in [Call::Sum, Call::GetUser, Call::SayHello] {
+        calls::<Coherent>(&mut report, &bar, timing, quick, s.coherent, call).await?;
+        calls::<Tonic>(&mut report, &bar, timing, quick, s.tonic, call).await?;
+        calls::<Tarpc>(&mut report, &bar, timing, quick, s.tarpc, call).await?;
+        calls::<Http>(&mut report, &bar, timing, quick, s.http, call).await?;
+        calls::<RawTcp>(&mut report, &bar, timing, quick, s.rawtcp, call).await?;
+    }
+
+    for (size, label) in [(1u32, "1"), (100, "100"), (10_240, "10k")] {
+        streams(&mut report, &bar, timing, quick, &s, size, label).await?;
+    }
+
+    latency::<Coherent>(&mut report, &bar, timing, s.coherent).await?;
+    latency::<Tonic>(&mut report, &bar, timing, s.tonic).await?;
+    latency::<Tarpc>(&mut report, &bar, timing, s.tarpc).await?;
+    latency::<Http>(&mut report, &bar, timing, s.http).await?;
+    latency::<RawTcp>(&mut report, &bar, timing, s.rawtcp).await?;
+
+    payloads(&mut report, &bar, timing, &s).await?;
+    bar.finish_and_clear();
+
+    report.note("every peer serves and calls in this process over 127.0.0.1; ratios compare coherent with tonic (other peers: with coherent)");
+    report.note("calls: each peer's best of (callers, connections) settings, shown in its row; coherent/rawtcp tried (200,2) (1000,2) (200,1), tonic/tarpc (200,2) (1000,4) (200,1), http (50,50) (16,16)");
+    report.note("coherent: postcard, no compression, default limits but 16 MB messages; tonic: HTTP/2, TCP_NODELAY, 8 MB windows; tarpc: bincode serde transport, requests spawned; http: axum + hyper pool, JSON; rawtcp: length-prefixed postcard frames, one batching writer and one reader per connection, answers computed inline");
+    report.note(
+        "payload: 10 MiB echoed per round trip by one caller; MB/s = 10.49 MB x round trips/s",
+    );
+    Ok(report)
+}
+
+async fn connect_all<P: Peer>(addr: SocketAddr, n: usize) -> anyhow::Result<Vec<P>> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(P::connect(addr).await?);
+    }
+    Ok(out)
+}
+
+fn call_work<P: Peer>(clients: Vec<P>, call: Call) -> Work {
+    let clients = Arc::new(clients);
+    Arc::new(move |i| {
+        let c = clients[i % clients.len()].clone();
+        Box::pin(async move {
+            match call {
+                Call::Sum => {
+                    let r = c.sum(i as i32, 1).await?;
+                    anyhow::ensure!(r == i as i32 + 1, "wrong sum");
+                }
+                Call::GetUser => {
+                    let u = c.get_user(i as i64).await?;
+                    anyhow::ensure!(u == model::user(i as i64), "wrong user");
+                }
+                Call::SayHello => {
+                    let h = model::hello();
+                    let r = c.say_hello(h.clone()).await?;
+                    anyhow::ensure!(r == h, "the echo differs from the request");
+                }
+            }
+            Ok(1)
+        })
+    })
+}
+
+async fn calls<P: Peer>(
+    report: &mut Report,
+    bar: &ProgressBar,
+    timing: Timing,
+    quick: bool,
+    addr: SocketAddr,
+    call: Call,
+) -> anyhow::Result<()> {
+    let name = format!("calls.{}.{}", call.name(), P::NAME);
+    bar.set_message(name.clone());
+    let tried = if quick {
+        &settings(P::NAME)[..1]
+    } else {
+        settings(P::NAME)
+    };
+    let mut best = (0f64, 0, 0);
+    for &(callers, connections) in tried {
+        let clients = connect_all::<P>(addr, connections).await?;
+        let v = throughput(timing, callers, call_work(clients, call)).await?;
+        if v > best.0 {
+            best = (v, callers, connections);
+        }
+    }
+    let mut row = Row::new(name, best.0, "calls/s")
+        .with("callers", best.1)
+        .with("connections", best.2);
+    row = if P::NAME == "coherent" {
+        row.compared_to(&format!("calls.{}.tonic", call.name()))
+    } else {
+        row.compared_to(&format!("calls.{}.coherent", call.name()))
+    };
+    report.push(row);
+    bar.inc(1);
+    Ok(())
+}
+
+async fn streams(
+    report: &mut Report,
+    bar: &ProgressBar,
+    timing: Timing,
+    quick: bool,
+    s: &Servers,
+    size: u32,
+    label: &str,
+) -> anyhow::Result<()> {
+    let tried: &[(usize, usize)] = if quick { &[(4, 1)] } else { &[(4, 1), (16, 2)] };
+    for peer in ["coherent", "tonic"] {
+        let name = format!("streams.{label}.{peer}");
+        bar.set_message(name.clone());
+        let mut best = (0f64, 0, 0);
+        for &(callers, connections) in tried {
+            let work: Work = if peer == "coherent" {
+                let clients = Arc::new(connect_all::<Coherent>(s.coherent, connections).await?);
+                Arc::new(move |i| {
+                    let c = clients[i % clients.len()].clone();
+                    Box::pin(async move { c.items(model::STREAM_ITEMS, size).await })
+                })
+            } else {
+                let clients = Arc::new(connect_all::<Tonic>(s.tonic, connections).await?);
+                Arc::new(move |i| {
+                    let c = clients[i % clients.len()].clone();
+                    Box::pin(async move { c.items(model::STREAM_ITEMS, size).await })
+                })
+            };
+            let v = throughput(timing, callers, work).await?;
+            if v > best.0 {
+                best = (v, callers, connections);
+            }
+        }
+        let mut row = Row::new(name, best.0, "items/s")
+            .with("streams", best.1)
+            .with("connections", best.2);
+        if peer == "coherent" {
+            row = row.compared_to(&format!("streams.{label}.tonic"));
+        }
+        report.push(row);
+        bar.inc(1);
+    }
+    Ok(())
+}
+
+async fn latency<P: Peer>(
+    report: &mut Report,
+    bar: &ProgressBar,
+    timing: Timing,
+    addr: SocketAddr,
+) -> anyhow::Result<()> {
+    bar.set_message(format!("latency.connect_call.{}", P::NAME));
+    let (mut connects, mut calls, mut totals) = (Vec::new(), Vec::new(), Vec::new());
+    let start = Instant::now();
+    while totals.len() < 5_000 && (totals.len() < 50 || start.elapsed() < timing.run) {
+        let t0 = Instant::now();
+        let c = P::connect(addr).await?;
+        let t1 = Instant::now();
+        anyhow::ensure!(c.sum(1, 2).await? == 3);
+        let t2 = Instant::now();
+        drop(c);
+        connects.push(micros(t1 - t0));
+        calls.push(micros(t2 - t1));
+        totals.push(micros(t2 - t0));
+    }
+    totals.sort_by(f64::total_cmp);
+    connects.sort_by(f64::total_cmp);
+    calls.sort_by(f64::total_cmp);
+    let mut row = Row::new(
+        format!("latency.connect_call.{}", P::NAME),
+        percentile(&totals, 0.5),
+        "us",
+    )
+    .with("connect_us", percentile(&connects, 0.5))
+    .with("call_us", percentile(&calls, 0.5))
+    .with("samples", totals.len());
+    if P::NAME == "coherent" {
+        row = row.compared_to("latency.connect_call.tonic");
+    }
+    report.push(row);
+    bar.inc(1);
+
+    bar.set_message(format!("latency.rtt.{}", P::NAME));
+    let c = P::connect(addr).await?;
+    let rtts = samples(timing, 1_000, 10_000_000, || {
+        let c = &c;
+        async move {
+            let t0 = Instant::now();
+            anyhow::ensure!(c.sum(1, 2).await? == 3);
+            Ok(micros(t0.elapsed()))
+        }
+    })
+    .await?;
+    for (p, label) in [(0.5, "rtt_p50"), (0.99, "rtt_p99")] {
+        let mut row = Row::new(
+            format!("latency.{label}.{}", P::NAME),
+            percentile(&rtts, p),
+            "us",
+        )
+        .with("samples", rtts.len());
+        if P::NAME == "coherent" {
+            row = row.compared_to(&format!("latency.{label}.tonic"));
+        }
+        report.push(row);
+    }
+    bar.inc(1);
+    Ok(())
+}
+
+async fn payloads(
+    report: &mut Report,
+    bar: &ProgressBar,
+    timing: Timing,
+    s: &Servers,
+) -> anyhow::Result<()> {
+    let mb = model::PAYLOAD_LEN as f64 / 1e6;
+    let data: Vec<_> = PayloadKind::ALL
+        .iter()
+        .map(|k| (*k, k.make(model::PAYLOAD_LEN)))
+        .collect();
+    for (compression, label) in [
+        (Compression::None, "none"),
+        (Compression::Lz4, "lz4"),
+        (Compression::Zstd, "zstd"),
+    ] {
+        let addr = if compression == Compression::None {
+            s.coherent
+        } else {
+            coherent::start(compression).await?
+        };
+        let client = Coherent(coherent::connect_with(addr, compression).await?);
+        for (kind, bytes) in &data {
+            let name = format!("payload.10mb.{}.{label}.coherent", kind.name());
+            bar.set_message(name.clone());
+            let (c, bytes) = (client.clone(), bytes.clone());
+            let work: Work = Arc::new(move |_| {
+                let (c, bytes) = (c.clone(), bytes.clone());
+                Box::pin(async move {
+                    let back = c.echo(bytes.clone()).await?;
+                    anyhow::ensure!(back == bytes, "the echo differs");
+                    Ok(1)
+                })
+            });
+            let v = throughput(timing, 1, work).await? * mb;
+            let mut row = Row::new(name, v, "MB/s");
+            if compression == Compression::None {
+                row = row.compared_to(&format!("payload.10mb.{}.none.tonic", kind.name()));
+            }
+            report.push(row);
+            bar.inc(1);
+        }
+    }
+    for (gzip, label) in [(false, "none"), (true, "gzip")] {
+        let client = Tonic(tonic_peer::connect_with(s.tonic, gzip).await?);
+        for (kind, bytes) in &data {
+            let name = format!("payload.10mb.{}.{label}.tonic", kind.name());
+            bar.set_message(name.clone());
+            let (c, bytes) = (client.clone(), bytes.clone());
+            let work: Work = Arc::new(move |_| {
+                let (c, bytes) = (c.clone(), bytes.clone());
+                Box::pin(async move {
+                    let back = c.echo(bytes.clone()).await?;
+                    anyhow::ensure!(back == bytes, "the echo differs");
+                    Ok(1)
+                })
+            });
+            let v = throughput(timing, 1, work).await? * mb;
+            report.push(Row::new(name, v, "MB/s"));
+            bar.inc(1);
+        }
+    }
+    Ok(())
+}
