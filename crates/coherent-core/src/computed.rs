@@ -19,9 +19,12 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// `None` when its source is gone (a dropped state).
 pub type Recompute<T> = Arc<dyn Fn() -> BoxFuture<'static, Option<Computed<T>>> + Send + Sync>;
 
+/// `repr(C)`, value first: a hit reads the value and the state at the start of the node, one
+/// run of adjacent cache lines instead of lines scattered by the compiler's field order.
+#[repr(C)]
 pub(crate) struct ComputedInner<T> {
-    pub(crate) node: Node,
     pub(crate) value: OnceLock<T>,
+    pub(crate) node: Node,
     input: Recompute<T>,
 }
 

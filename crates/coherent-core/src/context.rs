@@ -29,6 +29,7 @@ pub(crate) fn record(dependency: impl FnOnce() -> Arc<dyn AnyComputed>) {
 }
 
 /// Whether a compute body is being polled on this thread.
+#[inline]
 pub(crate) fn is_capturing() -> bool {
     CURRENT.with(|current| {
         let dependant = current.take();

@@ -23,6 +23,9 @@ pub(crate) trait AnyComputed: Send + Sync + 'static {
 /// A callback run once, when the computed is invalidated.
 pub(crate) type InvalidationCallback = Box<dyn FnOnce() + Send>;
 
+/// `repr(C)`: the fields a hit reads (`state`, `last_used`) come first, so that they sit right
+/// after the value in `ComputedInner` and a hit reads adjacent cache lines.
+#[repr(C)]
 pub(crate) struct Node {
     state: AtomicU8,
     /// Coarse clock tick of the last use, written only when the tick changes.
@@ -273,5 +276,123 @@ pub(crate) fn record_use(dependant: &Arc<dyn AnyComputed>, dependency: Arc<dyn A
         dependant.node().add_dependency(dependency);
     } else {
         invalidate(&**dependant);
+    }
+}
+
+/// Model-checked interleavings of the state machine: every schedule loom can produce of
+/// completion, invalidation, edge registration and callbacks. Run with
+/// `RUSTFLAGS="--cfg loom" cargo test -p coherent-core --release --lib`.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::atomic::AtomicUsize;
+    use loom::thread;
+
+    struct TestComputed(Node);
+
+    impl AnyComputed for TestComputed {
+        fn node(&self) -> &Node {
+            &self.0
+        }
+    }
+
+    fn computing(name: &'static str) -> Arc<dyn AnyComputed> {
+        Arc::new(TestComputed(Node::new(name, 1, Arc::default(), 0)))
+    }
+
+    fn consistent(name: &'static str) -> Arc<dyn AnyComputed> {
+        let c = computing(name);
+        assert_eq!(c.node().complete(), CONSISTENT);
+        c
+    }
+
+    fn counting_callback(node: &Node) -> Arc<AtomicUsize> {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counter = calls.clone();
+        node.on_invalidated(Box::new(move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+        }));
+        calls
+    }
+
+    #[test]
+    fn a_dependency_invalidated_while_the_body_completes_leaves_no_consistent_dependant() {
+        loom::model(|| {
+            let dependency = consistent("dependency");
+            let dependant = computing("dependant");
+            record_use(&dependant, dependency.clone());
+            let writer = thread::spawn(move || assert!(invalidate(&*dependency)));
+            dependant.node().complete();
+            writer.join().unwrap();
+            assert_eq!(dependant.node().state(), INVALIDATED);
+        });
+    }
+
+    #[test]
+    fn a_dependency_invalidated_while_its_use_is_recorded_still_invalidates_the_dependant() {
+        loom::model(|| {
+            let dependency = consistent("dependency");
+            let dependant = computing("dependant");
+            let writer = {
+                let dependency = dependency.clone();
+                thread::spawn(move || assert!(invalidate(&*dependency)))
+            };
+            record_use(&dependant, dependency);
+            writer.join().unwrap();
+            assert_eq!(dependant.node().complete(), INVALIDATED);
+            assert_eq!(dependant.node().state(), INVALIDATED);
+        });
+    }
+
+    #[test]
+    fn both_sides_of_a_diamond_invalidated_at_once_invalidate_the_top_exactly_once() {
+        loom::model(|| {
+            let left = consistent("left");
+            let right = consistent("right");
+            let top = computing("top");
+            record_use(&top, left.clone());
+            record_use(&top, right.clone());
+            assert_eq!(top.node().complete(), CONSISTENT);
+            let calls = counting_callback(top.node());
+            let other = thread::spawn(move || invalidate(&*right));
+            let here = invalidate(&*left);
+            let there = other.join().unwrap();
+            assert!(
+                here && there,
+                "each side was consistent, so each call invalidated it"
+            );
+            assert_eq!(top.node().state(), INVALIDATED);
+            assert_eq!(calls.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    #[test]
+    fn racing_invalidations_of_one_computed_cascade_once() {
+        loom::model(|| {
+            let shared = consistent("shared");
+            let calls = counting_callback(shared.node());
+            let other = {
+                let shared = shared.clone();
+                thread::spawn(move || invalidate(&*shared))
+            };
+            let here = invalidate(&*shared);
+            let there = other.join().unwrap();
+            assert!(here ^ there, "exactly one caller performs the invalidation");
+            assert_eq!(calls.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    #[test]
+    fn a_callback_registered_while_invalidating_runs_exactly_once() {
+        loom::model(|| {
+            let computed = consistent("computed");
+            let other = {
+                let computed = computed.clone();
+                thread::spawn(move || invalidate(&*computed))
+            };
+            let calls = counting_callback(computed.node());
+            other.join().unwrap();
+            assert_eq!(calls.load(Ordering::SeqCst), 1);
+        });
     }
 }

@@ -1,7 +1,7 @@
 //! Compute services: a `ServiceHandle` inside the user's struct owns the tables of its compute
 //! methods, one per method, found by the method's process-wide index without a map lookup.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::fmt;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -101,7 +101,9 @@ impl fmt::Debug for MethodDescriptor {
     }
 }
 
-type Slot = OnceLock<Arc<dyn Any + Send + Sync>>;
+/// A method's table, with its type id beside it: checking the id inline costs a compare, where
+/// `downcast_ref` would make a virtual call on every hit.
+type Slot = OnceLock<(TypeId, Arc<dyn Any + Send + Sync>)>;
 
 /// The part of a compute service that owns its cached results. Put one in the service struct;
 /// clones share it.
@@ -160,7 +162,7 @@ impl ServiceHandle {
         );
         let chunk = self.inner.chunks[index / CHUNK]
             .get_or_init(|| (0..CHUNK).map(|_| OnceLock::new()).collect());
-        let table = chunk[index % CHUNK].get_or_init(|| {
+        let (type_id, table) = chunk[index % CHUNK].get_or_init(|| {
             let table = Arc::new(Table::<K, T>::new(
                 self.inner.registry.clone(),
                 method,
@@ -168,14 +170,20 @@ impl ServiceHandle {
             ));
             let weak = Arc::downgrade(&table);
             self.inner.registry.register_table(weak as _);
-            table as Arc<dyn Any + Send + Sync>
-        });
-        table.downcast_ref::<Table<K, T>>().unwrap_or_else(|| {
-            panic!(
-                "coherent: one ServiceHandle is shared by services whose method {} has different types",
-                method.name()
+            (
+                TypeId::of::<Table<K, T>>(),
+                table as Arc<dyn Any + Send + Sync>,
             )
-        })
+        });
+        assert!(
+            *type_id == TypeId::of::<Table<K, T>>(),
+            "coherent: one ServiceHandle is shared by services whose method {} has different types",
+            method.name()
+        );
+        // SAFETY: the slot's value was created as a `Table<K, T>` (its type id, stored with it,
+        // matches), so the data pointer of the `Arc<dyn Any>` points to one, alive as long as
+        // the slot, which outlives the returned borrow of `self`.
+        unsafe { &*Arc::as_ptr(table).cast::<Table<K, T>>() }
     }
 }
 

@@ -1,14 +1,15 @@
 //! The per-method table of a service: arguments → the latest computed, in shards behind
-//! read-write locks. A hit is one hash, one shard read lock, one state load and a clone of the
-//! output. A miss inserts a computing entry before the body runs, so concurrent misses for one
+//! thread-striped read-write locks (`striped.rs`). A hit is one hash, a read lock on this
+//! thread's stripe, one state load and a clone of the output: it writes no cache line that
+//! another core's hits write. A miss inserts a computing entry before the body runs, so concurrent misses for one
 //! key wait for that one body (single flight) and an invalidation that arrives mid-computation
 //! finds the entry to flag (the race rule).
 
 use std::hash::{BuildHasher, Hash};
 
+use crate::striped::StripedRwLock;
 use crossbeam_utils::CachePadded;
 use hashbrown::HashTable;
-use parking_lot::RwLock;
 
 use crate::clock;
 use crate::computed::{Computed, ComputedInner, Recompute};
@@ -16,7 +17,7 @@ use crate::node::{self, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVA
 use crate::options::OutputKind;
 use crate::registry::{next_version, Prunable, Registry};
 use crate::service::MethodDescriptor;
-use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::sync::Arc;
 
 struct Entry<K, T> {
     hash: u64,
@@ -25,10 +26,13 @@ struct Entry<K, T> {
 }
 
 struct Shard<K, T> {
-    map: RwLock<HashTable<Entry<K, T>>>,
-    /// Next to the lock word, which every hit writes anyway: counting costs no extra cache line.
-    hits: AtomicU64,
+    /// Hits are counted on the stripe the reader locked (see `Stripe::count_hit`).
+    map: StripedRwLock<HashTable<Entry<K, T>>>,
 }
+
+/// Shards only let misses of different keys insert in parallel (a hit locks one stripe, never a
+/// whole shard), so a few are enough; each costs a cache line per stripe.
+const SHARDS: usize = 4;
 
 /// The results of one compute method of one service instance.
 pub struct Table<K, T> {
@@ -57,19 +61,16 @@ where
         method: &'static MethodDescriptor,
         classify: fn(&T) -> OutputKind,
     ) -> Self {
-        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-        let count = (cores * 4).next_power_of_two().max(8);
-        let shards = (0..count)
+        let shards = (0..SHARDS)
             .map(|_| {
                 CachePadded::new(Shard {
-                    map: RwLock::new(HashTable::new()),
-                    hits: AtomicU64::new(0),
+                    map: StripedRwLock::new(HashTable::new()),
                 })
             })
             .collect();
         Self {
             shards,
-            mask: count - 1,
+            mask: SHARDS - 1,
             hasher: foldhash::fast::RandomState::default(),
             registry,
             method,
@@ -89,26 +90,25 @@ where
     #[inline]
     pub fn try_hit(&self, key: &K) -> Option<T> {
         let hash = self.hasher.hash_one(key);
-        let shard = self.shard(hash);
-        let (value, capture) = {
-            let map = shard.map.read();
-            let computed = &map.find(hash, |e| e.key == *key)?.computed;
-            if computed.node.state() != CONSISTENT {
-                return None;
-            }
-            let value = computed.value.get()?.clone();
-            computed.node.touch(clock::now());
-            shard.hits.fetch_add(1, Ordering::Relaxed);
+        let map = self.shard(hash).map.read();
+        let computed = &map.find(hash, |e| e.key == *key)?.computed;
+        if computed.node.state() != CONSISTENT {
+            return None;
+        }
+        computed.node.touch(clock::now());
+        map.stripe().count_hit();
+        tracing::trace!(target: "coherent::hit", method = self.method.name());
+        if crate::context::is_capturing() {
             // The dependency is recorded after the shard lock is released: recording may
             // cascade an invalidation, which must never run under a table lock.
-            let capture = crate::context::is_capturing().then(|| computed.clone());
-            (value, capture)
-        };
-        if let Some(computed) = capture {
+            let computed = computed.clone();
+            drop(map);
             computed.record_use();
+            return computed.value.get().cloned();
         }
-        tracing::trace!(target: "coherent::hit", method = self.method.name());
-        Some(value)
+        // The last expression, so that the clone is built in the caller's return slot: the
+        // value is copied once, not moved through temporaries.
+        computed.value.get().cloned()
     }
 
     /// The slow path of a call: waits for a running computation of the same key, or runs the
@@ -198,7 +198,7 @@ where
             match found {
                 Found::Ready(computed) => {
                     computed.node.touch(clock::now());
-                    shard.hits.fetch_add(1, Ordering::Relaxed);
+                    shard.map.local_stripe().count_hit();
                     computed.record_use();
                     return computed;
                 }
@@ -321,16 +321,13 @@ where
     }
 
     fn hits(&self) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| s.hits.load(Ordering::Relaxed))
-            .sum()
+        self.shards.iter().map(|s| s.map.hits()).sum()
     }
 }
 
 impl<K, T> Drop for Table<K, T> {
     fn drop(&mut self) {
-        let len: usize = self.shards.iter().map(|s| s.map.read().len()).sum();
+        let len: usize = self.shards.iter_mut().map(|s| s.map.get_mut().len()).sum();
         self.registry.on_remove(len);
     }
 }

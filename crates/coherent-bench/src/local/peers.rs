@@ -1,5 +1,5 @@
 //! The peers: what a Rust user would otherwise put in front of the store. Each holds the same
-//! 1,000 `Arc<User>` values and answers `get(id)` with a clone, like ours.
+//! 1,000 `User` values and answers `get(id)` with a clone, like ours.
 
 use std::sync::Arc;
 
@@ -10,33 +10,33 @@ use super::Getter;
 pub(crate) const SETTINGS: &str = "peers: map = dashmap::DashMap (default shards, foldhash); \
 moka = moka::sync::Cache (capacity 10,000); quickcache = quick_cache::sync::Cache (capacity 10,000)";
 
-pub(crate) struct Map(dashmap::DashMap<u64, Arc<User>, foldhash::fast::RandomState>);
-pub(crate) struct Moka(moka::sync::Cache<u64, Arc<User>>);
-pub(crate) struct QuickCache(quick_cache::sync::Cache<u64, Arc<User>>);
+pub(crate) struct Map(dashmap::DashMap<u64, User, foldhash::fast::RandomState>);
+pub(crate) struct Moka(moka::sync::Cache<u64, User>);
+pub(crate) struct QuickCache(quick_cache::sync::Cache<u64, User>);
 
 impl Getter for Map {
     #[inline]
-    async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
-        Ok(self.0.get(&id).expect("prefilled").clone())
+    async fn get(&self, id: u64) -> Result<User, StoreError> {
+        Ok(*self.0.get(&id).expect("prefilled"))
     }
 }
 
 impl Getter for Moka {
     #[inline]
-    async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
+    async fn get(&self, id: u64) -> Result<User, StoreError> {
         Ok(self.0.get(&id).expect("prefilled"))
     }
 }
 
 impl Getter for QuickCache {
     #[inline]
-    async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
+    async fn get(&self, id: u64) -> Result<User, StoreError> {
         Ok(self.0.get(&id).expect("prefilled"))
     }
 }
 
-fn users() -> impl Iterator<Item = (u64, Arc<User>)> {
-    (1..=USERS).map(|id| (id, Arc::new(seed_user(id))))
+fn users() -> impl Iterator<Item = (u64, User)> {
+    (1..=USERS).map(|id| (id, seed_user(id)))
 }
 
 /// A peer, type-erased for the suite's loop.

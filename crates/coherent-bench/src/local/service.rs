@@ -31,7 +31,7 @@ impl UserService {
 #[compute_service]
 impl UserService {
     #[compute]
-    pub(crate) async fn get(&self, id: u64) -> Result<Arc<User>, StoreError> {
+    pub(crate) async fn get(&self, id: u64) -> Result<User, StoreError> {
         self.store.get(id).await
     }
 }
