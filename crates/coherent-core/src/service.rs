@@ -116,7 +116,7 @@ struct HandleInner {
     registry: Registry,
     /// Two levels, allocated on first use, so that a handle costs a few hundred bytes until its
     /// methods are called, and the hit path finds its table with two loads and no lock.
-    chunks: [OnceLock<Box<[Slot]>>; CHUNKS],
+    chunks: [OnceLock<Box<[Slot; CHUNK]>>; CHUNKS],
 }
 
 impl ServiceHandle {
@@ -156,12 +156,11 @@ impl ServiceHandle {
         T: Clone + Send + Sync + 'static,
     {
         let index = method.index();
-        assert!(
-            index < MAX_METHODS,
-            "coherent: more than {MAX_METHODS} compute methods in one process"
-        );
-        let chunk = self.inner.chunks[index / CHUNK]
-            .get_or_init(|| (0..CHUNK).map(|_| OnceLock::new()).collect());
+        let Some(chunk) = self.inner.chunks.get(index / CHUNK) else {
+            too_many_methods()
+        };
+        // A fixed-size chunk: the index below needs no bounds check on the hit path.
+        let chunk = chunk.get_or_init(|| Box::new([const { OnceLock::new() }; CHUNK]));
         let (type_id, table) = chunk[index % CHUNK].get_or_init(|| {
             let table = Arc::new(Table::<K, T>::new(
                 self.inner.registry.clone(),
@@ -185,6 +184,12 @@ impl ServiceHandle {
         // the slot, which outlives the returned borrow of `self`.
         unsafe { &*Arc::as_ptr(table).cast::<Table<K, T>>() }
     }
+}
+
+#[cold]
+#[inline(never)]
+fn too_many_methods() -> ! {
+    panic!("coherent: more than {MAX_METHODS} compute methods in one process")
 }
 
 // Keeps the Weak<dyn Prunable> coercion above honest: a table is prunable.

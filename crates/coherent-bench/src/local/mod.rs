@@ -155,25 +155,33 @@ async fn run_once<G: Getter>(
             ))
         })
         .collect();
+    // The mutator runs on a thread of its own, so that its write rate (one every 10 ms) does
+    // not depend on how the scheduler treats it among the readers.
     let mutator = writer.map(|writer| {
         let (writer, committed, stop) = (writer.clone(), committed.clone(), stop.clone());
-        tokio::spawn(async move {
-            let mut ids = Ids(0xDEAD_BEEF);
-            let mut tick = tokio::time::interval(MUTATOR_PERIOD);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut writes = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                tick.tick().await;
-                let id = ids.next();
-                let version = committed.floor(id) + 1;
-                writer
-                    .update(id, version)
-                    .await
-                    .expect("the store accepts the write");
-                committed.0[id as usize].store(version, Ordering::Release);
-                writes += 1;
-            }
-            writes
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for the mutator");
+            runtime.block_on(async move {
+                let mut ids = Ids(0xDEAD_BEEF);
+                let mut tick = tokio::time::interval(MUTATOR_PERIOD);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut writes = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    let id = ids.next();
+                    let version = committed.floor(id) + 1;
+                    writer
+                        .update(id, version)
+                        .await
+                        .expect("the store accepts the write");
+                    committed.0[id as usize].store(version, Ordering::Release);
+                    writes += 1;
+                }
+                writes
+            })
         })
     });
     let started = Instant::now();
@@ -197,7 +205,10 @@ async fn run_once<G: Getter>(
     }
     outcome.elapsed = started.elapsed();
     if let Some(mutator) = mutator {
-        outcome.writes = mutator.await.expect("the mutator task");
+        outcome.writes = tokio::task::spawn_blocking(move || mutator.join())
+            .await
+            .expect("joined")
+            .expect("the mutator thread");
     }
     if let (Some(registry), Some(before)) = (registry, before) {
         outcome.invalidations = registry.metrics().since(&before).invalidations;

@@ -10,7 +10,7 @@ use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::params;
 
 /// Short text stored inline, so that `User` is `Copy`.
-pub(crate) type Text = arrayvec::ArrayString<32>;
+pub(crate) type Text = arrayvec::ArrayString<24>;
 
 /// The value every peer caches and every call returns. `Copy` (its strings are inline): a
 /// cached hit hands out a copy and touches no shared reference count. With `Arc<User>`,
@@ -21,7 +21,6 @@ pub(crate) struct User {
     pub(crate) id: u64,
     pub(crate) version: u64,
     pub(crate) name: Text,
-    pub(crate) email: Text,
     pub(crate) created_at: i64,
     pub(crate) modified_at: i64,
 }
@@ -43,7 +42,6 @@ pub(crate) fn seed_user(id: u64) -> User {
         id,
         version: 0,
         name: text(&format!("User {id}")),
-        email: text(&format!("user{id}@example.com")),
         created_at: 1_700_000_000_000_000,
         modified_at: 1_700_000_000_000_000,
     }
@@ -67,10 +65,10 @@ fn to_u64(n: i64) -> u64 {
 }
 
 const PG_SELECT: &str =
-    "SELECT id, version, name, email, created_at, modified_at FROM users WHERE id = $1";
+    "SELECT id, version, name, created_at, modified_at FROM users WHERE id = $1";
 const PG_UPDATE: &str = "UPDATE users SET version = $2, name = $3, modified_at = $4 WHERE id = $1";
 const SQLITE_SELECT: &str =
-    "SELECT id, version, name, email, created_at, modified_at FROM users WHERE id = ?1";
+    "SELECT id, version, name, created_at, modified_at FROM users WHERE id = ?1";
 const SQLITE_UPDATE: &str =
     "UPDATE users SET version = ?2, name = ?3, modified_at = ?4 WHERE id = ?1";
 
@@ -93,17 +91,16 @@ impl Store {
         let tx = conn.transaction()?;
         tx.execute_batch(
             "CREATE TABLE users (id INTEGER PRIMARY KEY, version INTEGER NOT NULL, name TEXT NOT NULL,
-                                 email TEXT NOT NULL, created_at INTEGER NOT NULL, modified_at INTEGER NOT NULL);",
+                                 created_at INTEGER NOT NULL, modified_at INTEGER NOT NULL);",
         )?;
         {
-            let mut insert = tx.prepare("INSERT INTO users VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?;
+            let mut insert = tx.prepare("INSERT INTO users VALUES (?1, ?2, ?3, ?4, ?5)")?;
             for id in 1..=USERS {
                 let u = seed_user(id);
                 insert.execute(params![
                     to_i64(u.id),
                     to_i64(u.version),
                     u.name.as_str(),
-                    u.email.as_str(),
                     u.created_at,
                     u.modified_at
                 ])?;
@@ -135,11 +132,11 @@ impl Store {
             .batch_execute(
                 "DROP TABLE IF EXISTS users;
                  CREATE TABLE users (id BIGINT PRIMARY KEY, version BIGINT NOT NULL, name TEXT NOT NULL,
-                                     email TEXT NOT NULL, created_at BIGINT NOT NULL, modified_at BIGINT NOT NULL);",
+                                     created_at BIGINT NOT NULL, modified_at BIGINT NOT NULL);",
             )
             .await?;
         let insert = client
-            .prepare("INSERT INTO users VALUES ($1, $2, $3, $4, $5, $6)")
+            .prepare("INSERT INTO users VALUES ($1, $2, $3, $4, $5)")
             .await?;
         for id in 1..=USERS {
             let u = seed_user(id);
@@ -150,7 +147,6 @@ impl Store {
                         &to_i64(u.id),
                         &to_i64(u.version),
                         &u.name.as_str(),
-                        &u.email.as_str(),
                         &u.created_at,
                         &u.modified_at,
                     ],
@@ -175,9 +171,8 @@ impl Store {
                             id: to_u64(row.get(0)?),
                             version: to_u64(row.get(1)?),
                             name: text(row.get_ref(2)?.as_str()?),
-                            email: text(row.get_ref(3)?.as_str()?),
-                            created_at: row.get(4)?,
-                            modified_at: row.get(5)?,
+                            created_at: row.get(3)?,
+                            modified_at: row.get(4)?,
                         })
                     })
                     .map_err(|e| StoreError::from(e.to_string()))
@@ -199,9 +194,8 @@ impl Store {
                     id: to_u64(row.get(0)),
                     version: to_u64(row.get(1)),
                     name: text(row.get(2)),
-                    email: text(row.get(3)),
-                    created_at: row.get(4),
-                    modified_at: row.get(5),
+                    created_at: row.get(3),
+                    modified_at: row.get(4),
                 })
             }
         }
