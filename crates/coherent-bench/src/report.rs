@@ -60,6 +60,14 @@ impl Report {
         self.rows.push(row);
     }
 
+    /// Puts `row` right after the row named `after` (at the end if there is none).
+    pub(crate) fn insert_after(&mut self, after: &str, row: Row) {
+        match self.rows.iter().position(|r| r.name == after) {
+            Some(i) => self.rows.insert(i + 1, row),
+            None => self.rows.push(row),
+        }
+    }
+
     /// A line printed under the table (a skipped store, the settings of a peer).
     pub(crate) fn note(&mut self, note: impl Into<String>) {
         self.notes.push(note.into());

@@ -3,8 +3,11 @@
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
+use super::service::UserService;
 use super::store::{seed_user, StoreError, User, USERS};
-use super::Getter;
+use super::{run_once, Committed, Getter, Outcome};
 
 /// How each peer is configured, printed under the table.
 pub(crate) const SETTINGS: &str = "peers: map = dashmap::DashMap (default shards, foldhash); \
@@ -39,11 +42,24 @@ fn users() -> impl Iterator<Item = (u64, User)> {
     (1..=USERS).map(|id| (id, seed_user(id)))
 }
 
-/// A peer, type-erased for the suite's loop.
+/// A contender of the side-by-side rounds: ours or a peer.
 pub(crate) enum Peer {
+    Ours(Arc<UserService>),
     Map(Arc<Map>),
     Moka(Arc<Moka>),
     QuickCache(Arc<QuickCache>),
+}
+
+impl Peer {
+    /// One single-reader run.
+    pub(crate) async fn run_once(&self, committed: &Arc<Committed>, duration: Duration) -> Outcome {
+        match self {
+            Peer::Ours(p) => run_once(p, 1, None, None, committed, duration).await,
+            Peer::Map(p) => run_once(p, 1, None, None, committed, duration).await,
+            Peer::Moka(p) => run_once(p, 1, None, None, committed, duration).await,
+            Peer::QuickCache(p) => run_once(p, 1, None, None, committed, duration).await,
+        }
+    }
 }
 
 /// A peer's name and how to build it, prefilled.

@@ -21,6 +21,19 @@ impl UserService {
         }
     }
 
+    /// The same service (the same cache) over another handle to the store.
+    pub(crate) fn with_store(&self, store: Arc<Store>) -> Self {
+        Self {
+            handle: self.handle.clone(),
+            store,
+        }
+    }
+
+    /// The store behind the service.
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
+    }
+
     pub(crate) async fn update(&self, id: u64, version: u64) -> Result<(), StoreError> {
         self.store.update(id, version).await?;
         self.invalidate_get(id);

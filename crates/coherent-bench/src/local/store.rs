@@ -56,6 +56,22 @@ pub(crate) fn text(s: &str) -> Text {
     Text::from(&s[..end]).expect("cut to fit")
 }
 
+fn postgres_pool(
+    config: tokio_postgres::Config,
+    size: usize,
+) -> anyhow::Result<deadpool_postgres::Pool> {
+    let manager = deadpool_postgres::Manager::from_config(
+        config,
+        tokio_postgres::NoTls,
+        deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        },
+    );
+    Ok(deadpool_postgres::Pool::builder(manager)
+        .max_size(size)
+        .build()?)
+}
+
 fn to_i64(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -75,7 +91,8 @@ const SQLITE_UPDATE: &str =
 /// Where the users live.
 pub(crate) enum Store {
     Sqlite(r2d2::Pool<SqliteConnectionManager>),
-    Postgres(deadpool_postgres::Pool),
+    /// The pool, and its settings, to make another pool for another runtime.
+    Postgres(deadpool_postgres::Pool, tokio_postgres::Config),
 }
 
 impl Store {
@@ -111,19 +128,22 @@ impl Store {
         Ok(Store::Sqlite(pool))
     }
 
+    /// The same database through connections of its own, for a task on another runtime: a
+    /// tokio-postgres connection is driven by a task of the runtime that opened it, and a busy
+    /// runtime would delay that task's writes.
+    pub(crate) fn for_another_runtime(&self) -> anyhow::Result<Self> {
+        Ok(match self {
+            Store::Sqlite(pool) => Store::Sqlite(pool.clone()),
+            Store::Postgres(_, config) => {
+                Store::Postgres(postgres_pool(config.clone(), 2)?, config.clone())
+            }
+        })
+    }
+
     /// PostgreSQL at `url`, with a fresh table of 1,000 users; `None` when it is not reachable.
     pub(crate) async fn postgres(url: &str, pool_size: usize) -> anyhow::Result<Option<Self>> {
         let config: tokio_postgres::Config = url.parse().context("DATABASE_URL")?;
-        let manager = deadpool_postgres::Manager::from_config(
-            config,
-            tokio_postgres::NoTls,
-            deadpool_postgres::ManagerConfig {
-                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-            },
-        );
-        let pool = deadpool_postgres::Pool::builder(manager)
-            .max_size(pool_size)
-            .build()?;
+        let pool = postgres_pool(config.clone(), pool_size)?;
         let client = match tokio::time::timeout(Duration::from_secs(3), pool.get()).await {
             Ok(Ok(client)) => client,
             _ => return Ok(None),
@@ -154,7 +174,7 @@ impl Store {
                 .await?;
         }
         drop(client);
-        Ok(Some(Store::Postgres(pool)))
+        Ok(Some(Store::Postgres(pool, config)))
     }
 
     /// The direct repository method: one query per call.
@@ -177,7 +197,7 @@ impl Store {
                     })
                     .map_err(|e| StoreError::from(e.to_string()))
             }
-            Store::Postgres(pool) => {
+            Store::Postgres(pool, _) => {
                 let client = pool
                     .get()
                     .await
@@ -216,7 +236,7 @@ impl Store {
                     .map_err(|e| StoreError::from(e.to_string()))?;
                 Ok(())
             }
-            Store::Postgres(pool) => {
+            Store::Postgres(pool, _) => {
                 let client = pool
                     .get()
                     .await
