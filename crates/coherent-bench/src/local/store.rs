@@ -92,7 +92,7 @@ const SQLITE_UPDATE: &str =
 pub(crate) enum Store {
     Sqlite(r2d2::Pool<SqliteConnectionManager>),
     /// The pool, and its settings, to make another pool for another runtime.
-    Postgres(deadpool_postgres::Pool, tokio_postgres::Config),
+    Postgres(deadpool_postgres::Pool, Box<tokio_postgres::Config>),
 }
 
 impl Store {
@@ -135,7 +135,7 @@ impl Store {
         Ok(match self {
             Store::Sqlite(pool) => Store::Sqlite(pool.clone()),
             Store::Postgres(_, config) => {
-                Store::Postgres(postgres_pool(config.clone(), 2)?, config.clone())
+                Store::Postgres(postgres_pool((**config).clone(), 2)?, config.clone())
             }
         })
     }
@@ -174,7 +174,7 @@ impl Store {
                 .await?;
         }
         drop(client);
-        Ok(Some(Store::Postgres(pool, config)))
+        Ok(Some(Store::Postgres(pool, Box::new(config))))
     }
 
     /// The direct repository method: one query per call.
