@@ -2,11 +2,18 @@
 //! compression applied above a size threshold. Decoders here face hostile bytes, so every
 //! size is checked against the receiver's limit before anything is allocated.
 
-use bytes::Bytes;
+use std::cell::RefCell;
+
+use bytes::{BufMut, Bytes, BytesMut};
 use serde::{de::DeserializeOwned, Serialize};
 
 use crate::error::{ErrorCode, RpcError};
 use crate::frame::Compression;
+
+/// The size of the chunks that encoded messages share (see [`Format::encode`]).
+const ARENA_CHUNK: usize = 16 * 1024;
+/// Below this much room left, a chunk is replaced before the next message.
+const ARENA_ROOM: usize = 256;
 
 /// The serde format of call arguments, results and stream items.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -36,21 +43,44 @@ impl Format {
     }
 
     /// Serializes `value` in this format.
+    ///
+    /// Messages are written back to back into this thread's 16 KiB chunk, and each is a `Bytes`
+    /// slice of it: a small message costs no allocation of its own (a `Vec` per message would
+    /// cost two: the buffer, and the shared header that `Bytes::from(Vec)` adds). A chunk is
+    /// freed when the last message in it has been written.
     pub fn encode<T: Serialize + ?Sized>(self, value: &T) -> Result<Bytes, RpcError> {
-        // Room for a typical small message up front: growing from empty reallocates
-        // several times for anything but the tiniest value.
-        let buf = Vec::with_capacity(64);
-        let out = match self {
-            Self::Postcard => postcard::to_extend(value, buf).map_err(|e| e.to_string()),
-            Self::MessagePack => {
-                let mut buf = buf;
-                rmp_serde::encode::write(&mut buf, value)
-                    .map(|()| buf)
-                    .map_err(|e| e.to_string())
+        thread_local! {
+            static ARENA: RefCell<BytesMut> = RefCell::new(BytesMut::new());
+        }
+        let encoded = ARENA.with(|arena| match arena.try_borrow_mut() {
+            Ok(mut arena) => {
+                if arena.capacity() - arena.len() < ARENA_ROOM {
+                    // A fresh chunk; the old one lives on in the messages that share it.
+                    *arena = BytesMut::with_capacity(ARENA_CHUNK);
+                }
+                let written = self.write(value, &mut arena);
+                // Taken even on failure, so that a half-written message never prefixes the next.
+                let message = arena.split().freeze();
+                written.map(|()| message)
             }
-        };
-        out.map(Bytes::from)
-            .map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))
+            // A `Serialize` impl that encodes another message while being encoded.
+            Err(_) => {
+                let mut own = BytesMut::new();
+                self.write(value, &mut own).map(|()| own.freeze())
+            }
+        });
+        encoded.map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))
+    }
+
+    fn write<T: Serialize + ?Sized>(self, value: &T, out: &mut BytesMut) -> Result<(), String> {
+        match self {
+            Self::Postcard => postcard::to_io(value, out.writer())
+                .map(drop)
+                .map_err(|e| e.to_string()),
+            Self::MessagePack => {
+                rmp_serde::encode::write(&mut out.writer(), value).map_err(|e| e.to_string())
+            }
+        }
     }
 
     /// Deserializes a `T` from `bytes` in this format.
@@ -134,6 +164,30 @@ pub fn decompress(c: Compression, data: Bytes, max: u32) -> Result<Bytes, RpcErr
                 return Err(bad("zstd content size does not match its frame".into()));
             }
             Ok(Bytes::from(out))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_sharing_a_chunk_each_decode_to_their_own_value() {
+        for format in [Format::Postcard, Format::MessagePack] {
+            // Sizes around and beyond the chunk and the room left in it.
+            let values: Vec<(u32, Vec<u8>)> = (0..2_000u32)
+                .map(|i| {
+                    (
+                        i,
+                        vec![i as u8; [0, 1, 200, 300, 5_000, 40_000][i as usize % 6]],
+                    )
+                })
+                .collect();
+            let encoded: Vec<Bytes> = values.iter().map(|v| format.encode(v).unwrap()).collect();
+            for (value, bytes) in values.iter().zip(&encoded) {
+                assert_eq!(&format.decode::<(u32, Vec<u8>)>(bytes).unwrap(), value);
+            }
         }
     }
 }
