@@ -294,6 +294,7 @@ impl Endpoint {
         }
     }
 
+    #[cfg(any(feature = "tls", feature = "websocket"))]
     pub(crate) fn config_ref(&self) -> &Config {
         &self.inner.config
     }
