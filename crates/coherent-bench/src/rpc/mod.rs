@@ -316,14 +316,8 @@ async fn payloads(
         for (kind, bytes) in &data {
             let name = format!("payload.10mb.{}.{label}.coherent", kind.name());
             bar.set_message(name.clone());
-            let (c, bytes) = (client.clone(), bytes.clone());
-            let work: Work = Arc::new(move |_| {
-                let (c, bytes) = (c.clone(), bytes.clone());
-                Box::pin(async move {
-                    let back = c.echo(bytes.clone()).await?;
-                    anyhow::ensure!(back == bytes, "the echo differs");
-                    Ok(1)
-                })
+            let work = echo_work(client.clone(), bytes.clone(), |c: Coherent, b| async move {
+                c.echo(b).await
             });
             let v = throughput(timing, 1, work).await? * mb;
             let mut row = Row::new(name, v, "MB/s");
@@ -339,14 +333,8 @@ async fn payloads(
         for (kind, bytes) in &data {
             let name = format!("payload.10mb.{}.{label}.tonic", kind.name());
             bar.set_message(name.clone());
-            let (c, bytes) = (client.clone(), bytes.clone());
-            let work: Work = Arc::new(move |_| {
-                let (c, bytes) = (c.clone(), bytes.clone());
-                Box::pin(async move {
-                    let back = c.echo(bytes.clone()).await?;
-                    anyhow::ensure!(back == bytes, "the echo differs");
-                    Ok(1)
-                })
+            let work = echo_work(client.clone(), bytes.clone(), |c: Tonic, b| async move {
+                c.echo(b).await
             });
             let v = throughput(timing, 1, work).await? * mb;
             report.push(Row::new(name, v, "MB/s"));
@@ -354,4 +342,20 @@ async fn payloads(
         }
     }
     Ok(())
+}
+
+/// One caller echoing `bytes` through `echo`, checking that the answer equals what it sent.
+fn echo_work<C, Fut>(client: C, bytes: bytes::Bytes, echo: fn(C, bytes::Bytes) -> Fut) -> Work
+where
+    C: Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<bytes::Bytes>> + Send + 'static,
+{
+    Arc::new(move |_| {
+        let (c, bytes) = (client.clone(), bytes.clone());
+        Box::pin(async move {
+            let back = echo(c, bytes.clone()).await?;
+            anyhow::ensure!(back == bytes, "the echo differs");
+            Ok(1)
+        })
+    })
 }
