@@ -64,7 +64,7 @@ fn thread_stripe() -> usize {
     }
     STRIPE.with(|stripe| match stripe.get() {
         usize::MAX => {
-            let assigned = NEXT.fetch_add(1, Ordering::Relaxed) % 1024;
+            let assigned = NEXT.fetch_add(1, Ordering::Relaxed);
             stripe.set(assigned);
             assigned
         }

@@ -1,13 +1,12 @@
 //! The per-method table of a service: arguments → the latest computed, in shards behind
 //! thread-striped read-write locks (`striped.rs`). A hit is one hash, a read lock on this
 //! thread's stripe, one state load and a clone of the output: it writes no cache line that
-//! another core's hits write. A miss inserts a computing entry before the body runs, so concurrent misses for one
-//! key wait for that one body (single flight) and an invalidation that arrives mid-computation
-//! finds the entry to flag (the race rule).
+//! another core's hits write. A miss inserts a computing entry before the body runs, so
+//! concurrent misses for one key wait for that one body (single flight) and an invalidation
+//! that arrives mid-computation finds the entry to flag (the race rule).
 
 use std::hash::{BuildHasher, Hash};
 
-use crate::striped::StripedRwLock;
 use crossbeam_utils::CachePadded;
 use hashbrown::HashTable;
 
@@ -17,6 +16,7 @@ use crate::node::{self, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVA
 use crate::options::OutputKind;
 use crate::registry::{next_version, Prunable, Registry};
 use crate::service::MethodDescriptor;
+use crate::striped::StripedRwLock;
 use crate::sync::Arc;
 
 struct Entry<K, T> {

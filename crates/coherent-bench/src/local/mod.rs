@@ -135,7 +135,8 @@ async fn read_loop<G: Getter>(
             calls += 1;
         }
         if check {
-            // Hits never wait: without a yield, readers would starve the mutator.
+            // Hits never wait: without a yield, a reader would keep its worker from the other
+            // readers and from the tasks that drive the store's I/O for misses.
             tokio::task::yield_now().await;
         }
     }

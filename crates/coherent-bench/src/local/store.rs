@@ -29,6 +29,11 @@ pub(crate) const USERS: u64 = 1_000;
 
 pub(crate) type StoreError = Arc<str>;
 
+/// A store error as the service caches it: its message.
+fn store_error(e: impl std::fmt::Display) -> StoreError {
+    e.to_string().into()
+}
+
 fn now_micros() -> i64 {
     let micros = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -181,10 +186,8 @@ impl Store {
     pub(crate) async fn get(&self, id: u64) -> Result<User, StoreError> {
         match self {
             Store::Sqlite(pool) => {
-                let conn = pool.get().map_err(|e| StoreError::from(e.to_string()))?;
-                let mut query = conn
-                    .prepare_cached(SQLITE_SELECT)
-                    .map_err(|e| StoreError::from(e.to_string()))?;
+                let conn = pool.get().map_err(store_error)?;
+                let mut query = conn.prepare_cached(SQLITE_SELECT).map_err(store_error)?;
                 query
                     .query_row(params![to_i64(id)], |row| {
                         Ok(User {
@@ -195,21 +198,18 @@ impl Store {
                             modified_at: row.get(4)?,
                         })
                     })
-                    .map_err(|e| StoreError::from(e.to_string()))
+                    .map_err(store_error)
             }
             Store::Postgres(pool, _) => {
-                let client = pool
-                    .get()
-                    .await
-                    .map_err(|e| StoreError::from(e.to_string()))?;
+                let client = pool.get().await.map_err(store_error)?;
                 let query = client
                     .prepare_cached(PG_SELECT)
                     .await
-                    .map_err(|e| StoreError::from(e.to_string()))?;
+                    .map_err(store_error)?;
                 let row = client
                     .query_one(&query, &[&to_i64(id)])
                     .await
-                    .map_err(|e| StoreError::from(e.to_string()))?;
+                    .map_err(store_error)?;
                 Ok(User {
                     id: to_u64(row.get(0)),
                     version: to_u64(row.get(1)),
@@ -227,31 +227,26 @@ impl Store {
         let modified_at = now_micros();
         match self {
             Store::Sqlite(pool) => {
-                let conn = pool.get().map_err(|e| StoreError::from(e.to_string()))?;
-                let mut update = conn
-                    .prepare_cached(SQLITE_UPDATE)
-                    .map_err(|e| StoreError::from(e.to_string()))?;
+                let conn = pool.get().map_err(store_error)?;
+                let mut update = conn.prepare_cached(SQLITE_UPDATE).map_err(store_error)?;
                 update
                     .execute(params![to_i64(id), to_i64(version), name, modified_at])
-                    .map_err(|e| StoreError::from(e.to_string()))?;
+                    .map_err(store_error)?;
                 Ok(())
             }
             Store::Postgres(pool, _) => {
-                let client = pool
-                    .get()
-                    .await
-                    .map_err(|e| StoreError::from(e.to_string()))?;
+                let client = pool.get().await.map_err(store_error)?;
                 let update = client
                     .prepare_cached(PG_UPDATE)
                     .await
-                    .map_err(|e| StoreError::from(e.to_string()))?;
+                    .map_err(store_error)?;
                 client
                     .execute(
                         &update,
                         &[&to_i64(id), &to_i64(version), &name, &modified_at],
                     )
                     .await
-                    .map_err(|e| StoreError::from(e.to_string()))?;
+                    .map_err(store_error)?;
                 Ok(())
             }
         }
