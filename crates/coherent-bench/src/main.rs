@@ -32,6 +32,10 @@ struct Cli {
     /// Seconds per measured run (each case: a warm-up, then the best of 3 runs).
     #[arg(long, global = true, default_value_t = 3.0)]
     seconds: f64,
+    /// Run only the `rpc` cases under this name (`calls`, `calls.sum`, `streams`,
+    /// `streams.1`, `latency`, `payload`): for iterating on one part.
+    #[arg(long, global = true)]
+    only: Option<String>,
 }
 
 #[derive(Subcommand, Debug, Clone, Copy)]
@@ -72,10 +76,13 @@ impl Timing {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if cli.only.is_some() && !matches!(cli.suite, Suite::Rpc) {
+        anyhow::bail!("--only applies to the rpc suite");
+    }
     let timing = Timing::from_cli(&cli);
     let report = match cli.suite {
         Suite::Local => local::run(timing)?,
-        Suite::Rpc => rpc::run(timing)?,
+        Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
     };
     report.print_table();
     if let Some(path) = &cli.json {

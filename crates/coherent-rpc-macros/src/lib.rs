@@ -217,9 +217,7 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
                 #i => #krate::Response::Stream(::std::boxed::Box::pin(async move {
                     #decode
                     let stream = svc.#name(#(#arg_names),*).await;
-                    let encoded: #krate::ServerStream<::core::result::Result<#krate::__private::Bytes, #krate::RpcError>> =
-                        ::std::boxed::Box::pin(#krate::__private::StreamExt::map(stream, move |item| format.encode(&item)));
-                    Ok(encoded)
+                    Ok(#krate::item_stream(stream))
                 })),
             },
         }

@@ -72,6 +72,17 @@ impl Format {
         encoded.map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))
     }
 
+    /// Serializes `value` in this format at the end of `out`. On failure `out` may hold
+    /// part of the encoding.
+    pub fn encode_into<T: Serialize + ?Sized>(
+        self,
+        value: &T,
+        out: &mut BytesMut,
+    ) -> Result<(), RpcError> {
+        self.write(value, out)
+            .map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))
+    }
+
     fn write<T: Serialize + ?Sized>(self, value: &T, out: &mut BytesMut) -> Result<(), String> {
         match self {
             Self::Postcard => postcard::to_io(value, out.writer())

@@ -37,6 +37,8 @@ pub enum Kind {
     Pong = 12,
     /// The sender closes the connection, with a reason (code + message).
     Close = 13,
+    /// Two or more items of a server stream, each as `length (varint) · item`.
+    StreamBatch = 14,
 }
 
 impl Kind {
@@ -55,6 +57,7 @@ impl Kind {
             11 => Self::Ping,
             12 => Self::Pong,
             13 => Self::Close,
+            14 => Self::StreamBatch,
             _ => return None,
         })
     }
@@ -100,6 +103,9 @@ pub enum FrameError {
     /// The call id varint runs past 10 bytes, overflows u64 or is not minimal.
     #[error("malformed call id varint")]
     BadVarint,
+    /// A `StreamBatch` payload is empty or ends inside an item.
+    #[error("malformed stream batch")]
+    BadBatch,
     /// The declared payload length exceeds the receiver's limit.
     #[error("frame payload of {len} bytes exceeds the limit of {max}")]
     TooLarge {
@@ -160,6 +166,63 @@ impl Header {
             at + 8,
         )))
     }
+}
+
+/// The items of a `StreamBatch` payload, in order: each is `length (varint) · item`.
+///
+/// Yields `Err(FrameError::BadBatch)` once, and then nothing, when the payload ends
+/// inside an item or its length. [`batch_len`] checks a whole payload up front.
+#[derive(Debug, Clone)]
+pub struct BatchItems<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> BatchItems<'a> {
+    /// The items of `payload`.
+    pub fn new(payload: &'a [u8]) -> Self {
+        Self { rest: payload }
+    }
+
+    /// The bytes after the items read so far.
+    pub fn remaining(&self) -> &'a [u8] {
+        self.rest
+    }
+}
+
+impl<'a> Iterator for BatchItems<'a> {
+    type Item = Result<&'a [u8], FrameError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        let item = match read_varint(self.rest) {
+            Ok(Some((len, n))) if len <= (self.rest.len() - n) as u64 => {
+                let (item, rest) = self.rest[n..].split_at(len as usize);
+                self.rest = rest;
+                Ok(item)
+            }
+            Ok(_) | Err(_) => {
+                self.rest = &[];
+                Err(FrameError::BadBatch)
+            }
+        };
+        Some(item)
+    }
+}
+
+/// How many items a `StreamBatch` payload holds, or why it is malformed (an empty
+/// payload, or one that ends inside an item).
+pub fn batch_len(payload: &[u8]) -> Result<u32, FrameError> {
+    let mut n = 0u32;
+    for item in BatchItems::new(payload) {
+        item?;
+        n = n.saturating_add(1);
+    }
+    if n == 0 {
+        return Err(FrameError::BadBatch);
+    }
+    Ok(n)
 }
 
 /// Writes `v` as an unsigned LEB128 varint; returns the number of bytes written.
@@ -223,6 +286,25 @@ mod tests {
             assert_eq!(read_varint(&buf[..n]), Ok(Some((v, n))));
             assert_eq!(read_varint(&buf[..n - 1]), Ok(None));
         }
+    }
+
+    #[test]
+    fn batches_split_into_their_items_and_truncated_ones_are_refused() {
+        let batch = [1, 0xAA, 0, 2, 0xBB, 0xCC];
+        let items: Vec<_> = BatchItems::new(&batch).collect();
+        assert_eq!(
+            items,
+            vec![Ok(&[0xAA][..]), Ok(&[][..]), Ok(&[0xBB, 0xCC][..])]
+        );
+        assert_eq!(batch_len(&batch), Ok(3));
+        assert_eq!(batch_len(&batch[..5]), Err(FrameError::BadBatch));
+        assert_eq!(batch_len(&[]), Err(FrameError::BadBatch));
+        assert_eq!(batch_len(&[0x80]), Err(FrameError::BadBatch));
+        let mut truncated = BatchItems::new(&batch[..5]);
+        assert_eq!(truncated.next(), Some(Ok(&[0xAA][..])));
+        assert_eq!(truncated.next(), Some(Ok(&[][..])));
+        assert_eq!(truncated.next(), Some(Err(FrameError::BadBatch)));
+        assert_eq!(truncated.next(), None);
     }
 
     #[test]

@@ -57,8 +57,8 @@ pub use frame::Compression;
 pub use peer::{CallOptions, Peer, Stats};
 pub use reconnect::{Backoff, Reconnecting};
 pub use service::{
-    method_id, BoxFuture, CallContext, Identity, MethodInfo, MethodKind, Response, ServerStream,
-    Service,
+    item_stream, method_id, BoxFuture, CallContext, EncodeItems, Identity, ItemStream, MethodInfo,
+    MethodKind, Response, ServerStream, Service,
 };
 pub use stream::ClientStream;
 

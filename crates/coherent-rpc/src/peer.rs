@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::future::Future;
 
 use futures::FutureExt;
@@ -57,9 +57,6 @@ pub(crate) enum Out {
         head_len: u8,
         payload: Bytes,
     },
-    /// Frames queued together (a stream producer's batch): one queue operation and one
-    /// writer wake-up for all of them.
-    Many(Vec<Out>),
     Stop(Option<Box<Out>>),
 }
 
@@ -182,13 +179,6 @@ impl Shared {
     fn enqueue(&self, out: Out) -> Result<(), RpcError> {
         let bytes = match &out {
             Out::Frame { payload, .. } => payload.len(),
-            Out::Many(frames) => frames
-                .iter()
-                .map(|f| match f {
-                    Out::Frame { payload, .. } => payload.len(),
-                    _ => 0,
-                })
-                .sum(),
             Out::Stop(_) => 0,
         };
         self.queued.fetch_add(bytes, Ordering::Relaxed);
@@ -606,12 +596,6 @@ async fn push<W: AsyncWrite + Unpin>(
             }
             Ok(false)
         }
-        Out::Many(frames) => {
-            for f in frames {
-                Box::pin(push(wr, buf, f, written, stall)).await?;
-            }
-            Ok(false)
-        }
         Out::Stop(close) => {
             if let Some(close) = close {
                 Box::pin(push(wr, buf, *close, written, stall)).await?;
@@ -660,7 +644,6 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
     });
     let mut last_recv = tokio::time::Instant::now();
     let max = shared.settings.local_max;
-    let mut items: Vec<(u64, Vec<Bytes>)> = Vec::new();
     let reason = 'conn: loop {
         // Route every complete frame in the buffer before reading more.
         loop {
@@ -673,14 +656,11 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
                     }
                     let mut frame = buf.split_to(total);
                     frame.advance(head_len);
-                    if let Err(e) = route(&shared, h, frame.freeze(), &mut items).await {
+                    if let Err(e) = route(&shared, h, frame.freeze()).await {
                         break 'conn (e, true);
                     }
                 }
-                Ok(None) => {
-                    deliver_items(&shared, &mut items);
-                    break;
-                }
+                Ok(None) => break,
                 Err(e) => {
                     let code = match e {
                         crate::frame::FrameError::TooLarge { .. } => ErrorCode::TooLarge,
@@ -719,17 +699,8 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
 }
 
 /// Handles one received frame. An `Err` closes the connection with that reason.
-async fn route(
-    shared: &Arc<Shared>,
-    h: Header,
-    payload: Bytes,
-    items: &mut Vec<(u64, Vec<Bytes>)>,
-) -> Result<(), RpcError> {
+async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), RpcError> {
     let s = &**shared;
-    if h.kind != Kind::StreamItem {
-        // Items batched so far come before whatever this frame says (an end, an error).
-        deliver_items(s, items);
-    }
     let payload = if h.compression == Compression::None {
         payload
     } else {
@@ -762,19 +733,26 @@ async fn route(
                 }
             }
         }
-        Kind::StreamItem => {
-            if let Some(Pending::Stream(_, buffered)) = s.pending.lock().get(&h.call_id) {
-                if buffered.fetch_add(1, Ordering::Relaxed) >= s.settings.local_window {
+        Kind::StreamItem | Kind::StreamBatch => {
+            let count = if h.kind == Kind::StreamItem {
+                1
+            } else {
+                crate::frame::batch_len(&payload)
+                    .map_err(|e| RpcError::protocol(format!("stream {}: {e}", h.call_id)))?
+            };
+            if let Some(Pending::Stream(tx, buffered)) = s.pending.lock().get(&h.call_id) {
+                let before = buffered.fetch_add(count, Ordering::Relaxed);
+                if before.saturating_add(count) > s.settings.local_window {
                     return Err(RpcError::protocol(format!(
                         "stream {} sent more than its window of {} items",
                         h.call_id, s.settings.local_window
                     )));
                 }
-                // Delivered when this read's frames are routed: one wake-up per batch.
-                match items.last_mut() {
-                    Some((id, batch)) if *id == h.call_id => batch.push(payload),
-                    _ => items.push((h.call_id, vec![payload])),
-                }
+                let _ = tx.send(if h.kind == Kind::StreamItem {
+                    crate::stream::Event::Item(payload)
+                } else {
+                    crate::stream::Event::Batch(payload)
+                });
             }
         }
         Kind::StreamEnd => {
@@ -833,19 +811,6 @@ async fn wait_for_room(s: &Shared) {
             break;
         }
         drained.await;
-    }
-}
-
-/// Hands the stream items gathered from one read to their consumers.
-fn deliver_items(s: &Shared, items: &mut Vec<(u64, Vec<Bytes>)>) {
-    if items.is_empty() {
-        return;
-    }
-    let pending = s.pending.lock();
-    for (id, batch) in items.drain(..) {
-        if let Some(Pending::Stream(tx, _)) = pending.get(&id) {
-            let _ = tx.send(crate::stream::Event::Items(batch));
-        }
     }
 }
 
@@ -969,57 +934,142 @@ fn answer(s: &Shared, id: u64, reply: bool, r: std::thread::Result<Result<Bytes,
     }
 }
 
+/// Pulls a streaming handler's items under flow control and sends them in batches: the
+/// items that are ready together, up to `STREAM_BATCH` bytes, go out as one `StreamBatch`
+/// (a lone item as a `StreamItem`), encoded straight into the frame's payload.
 async fn produce(
     s: &Shared,
     id: u64,
-    fut: crate::service::BoxFuture<
-        Result<crate::service::ServerStream<Result<Bytes, RpcError>>, RpcError>,
-    >,
+    fut: crate::service::BoxFuture<Result<crate::service::ItemStream, RpcError>>,
     credits: &Semaphore,
 ) -> Result<(), RpcError> {
-    use futures::StreamExt;
-    let mut stream = fut.await?;
-    // Items that are ready at once go to the writer together.
-    let mut batch: Vec<Out> = Vec::with_capacity(64);
-    let mut batch_bytes = 0usize;
-    let flush = |batch: &mut Vec<Out>, batch_bytes: &mut usize| -> Result<(), RpcError> {
-        *batch_bytes = 0;
-        match batch.len() {
-            0 => Ok(()),
-            1 => s.enqueue(batch.pop().expect("one frame")),
-            _ => s.enqueue(Out::Many(std::mem::replace(batch, Vec::with_capacity(64)))),
-        }
+    use std::task::{Context, Poll};
+    let mut items = fut.await?;
+    let format = s.settings.format;
+    let limit = STREAM_BATCH.min(s.settings.remote_max as usize);
+    let mut batch = Batch {
+        buf: BytesMut::new(),
+        count: 0,
     };
+    let mut credit = 0u32;
     loop {
-        let item = if batch.is_empty() {
-            stream.next().await
+        if credit == 0 {
+            // Out of credits: what is batched goes now, not after the consumer catches up.
+            batch.flush(s, id)?;
+            credit = take_credits(credits).await?;
+        }
+        batch.buf.reserve(256);
+        let start = batch.buf.len();
+        batch.buf.put_u8(0);
+        // A panicking item fails the stream after the items before it went out.
+        let mut poll = |cx: &mut Context<'_>| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                items.as_mut().poll_encode(cx, format, &mut batch.buf)
+            }))
+            .unwrap_or_else(|_| {
+                Poll::Ready(Some(Err(RpcError::new(
+                    ErrorCode::Internal,
+                    "the handler panicked",
+                ))))
+            })
+        };
+        let polled = if batch.count == 0 {
+            std::future::poll_fn(&mut poll).await
         } else {
-            match stream.next().now_or_never() {
-                Some(item) => item,
-                None => {
-                    flush(&mut batch, &mut batch_bytes)?;
+            // Only items that are ready now join a started batch.
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            match poll(&mut cx) {
+                Poll::Ready(r) => r,
+                Poll::Pending => {
+                    batch.buf.truncate(start);
+                    batch.flush(s, id)?;
                     continue;
                 }
             }
         };
-        let Some(item) = item else { break };
-        let bytes = item?;
-        match credits.try_acquire() {
-            Ok(permit) => permit.forget(),
-            Err(_) => {
-                flush(&mut batch, &mut batch_bytes)?;
-                credits
-                    .acquire()
-                    .await
-                    .map_err(|_| RpcError::disconnected("stream closed"))?
-                    .forget();
+        match polled {
+            Some(Ok(())) => {}
+            end => {
+                batch.buf.truncate(start);
+                // Items sent before an error arrive before it.
+                batch.flush(s, id)?;
+                return end.unwrap_or(Ok(()));
             }
         }
-        batch_bytes += bytes.len();
-        batch.push(s.prepare(Kind::StreamItem, id, 0, bytes)?);
-        if batch.len() >= 64 || batch_bytes >= 32 * 1024 {
-            flush(&mut batch, &mut batch_bytes)?;
+        credit -= 1;
+        batch.seal(start);
+        if batch.buf.len() > limit && batch.count > 1 {
+            // The last item does not fit: it starts the next batch.
+            let last = batch.buf.split_off(start);
+            batch.count -= 1;
+            batch.flush(s, id)?;
+            batch.buf = last;
+            batch.count = 1;
+        }
+        if batch.buf.len() >= limit {
+            batch.flush(s, id)?;
         }
     }
-    flush(&mut batch, &mut batch_bytes)
+}
+
+/// The largest `StreamBatch` payload a producer builds.
+const STREAM_BATCH: usize = 32 * 1024;
+
+/// Items of one stream waiting to be sent, each as `length (varint) · item`.
+struct Batch {
+    buf: BytesMut,
+    count: u32,
+}
+
+impl Batch {
+    /// Writes the length of the item encoded after the placeholder byte at `start`.
+    fn seal(&mut self, start: usize) {
+        let len = self.buf.len() - start - 1;
+        let mut prefix = [0u8; 10];
+        let n = crate::frame::write_varint(len as u64, &mut prefix);
+        if n > 1 {
+            // Rare (items of 128 bytes and more): make room for the longer prefix.
+            self.buf.put_bytes(0, n - 1);
+            self.buf.copy_within(start + 1..start + 1 + len, start + n);
+        }
+        self.buf[start..start + n].copy_from_slice(&prefix[..n]);
+        self.count += 1;
+    }
+
+    /// Sends what is batched: a lone item as `StreamItem`, more as `StreamBatch`.
+    fn flush(&mut self, s: &Shared, id: u64) -> Result<(), RpcError> {
+        let count = std::mem::take(&mut self.count);
+        if count == 0 {
+            return Ok(());
+        }
+        let mut payload = self.buf.split().freeze();
+        if count == 1 {
+            let (_, prefix) = crate::frame::read_varint(&payload)
+                .ok()
+                .flatten()
+                .expect("a sealed item starts with its length");
+            payload.advance(prefix);
+            s.send(Kind::StreamItem, id, 0, payload)
+        } else {
+            s.send(Kind::StreamBatch, id, 0, payload)
+        }
+    }
+}
+
+/// Takes every credit there is, waiting for one if there are none.
+async fn take_credits(credits: &Semaphore) -> Result<u32, RpcError> {
+    credits
+        .acquire()
+        .await
+        .map_err(|_| RpcError::disconnected("stream closed"))?
+        .forget();
+    let more = credits.available_permits() as u32;
+    let more = match credits.try_acquire_many(more) {
+        Ok(p) if more > 0 => {
+            p.forget();
+            more
+        }
+        _ => 0,
+    };
+    Ok(1 + more)
 }

@@ -7,9 +7,11 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::Stream;
+use serde::Serialize;
 
 use crate::codec::Format;
 use crate::error::RpcError;
@@ -61,8 +63,52 @@ pub struct MethodInfo {
 pub enum Response {
     /// A unary (or one-way) call: the encoded result.
     Unary(BoxFuture<Result<Bytes, RpcError>>),
-    /// A streaming call: the stream of encoded items, once the handler produced it.
-    Stream(BoxFuture<Result<ServerStream<Result<Bytes, RpcError>>, RpcError>>),
+    /// A streaming call: its items, once the handler produced them.
+    Stream(BoxFuture<Result<ItemStream, RpcError>>),
+}
+
+/// A streaming method's items as the connection pulls them: each item is encoded
+/// straight into the batch that carries it, so a small item costs no buffer of its own.
+pub type ItemStream = Pin<Box<dyn EncodeItems>>;
+
+/// A stream whose items are encoded on demand; made from a [`ServerStream`] by
+/// [`item_stream`]. Implement it by hand only for items that are already encoded.
+pub trait EncodeItems: Send {
+    /// Polls for the next item. On `Ready(Some(Ok(())))` its encoding in `format` has
+    /// been appended to `out`; on any other answer `out` is left as it was.
+    fn poll_encode(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        format: Format,
+        out: &mut BytesMut,
+    ) -> Poll<Option<Result<(), RpcError>>>;
+}
+
+/// Wraps a stream of serde items for [`Response::Stream`].
+pub fn item_stream<T: Serialize + 'static>(items: ServerStream<T>) -> ItemStream {
+    struct Encoded<T>(ServerStream<T>);
+
+    impl<T: Serialize> EncodeItems for Encoded<T> {
+        fn poll_encode(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            format: Format,
+            out: &mut BytesMut,
+        ) -> Poll<Option<Result<(), RpcError>>> {
+            self.0.as_mut().poll_next(cx).map(|item| {
+                item.map(|item| {
+                    let start = out.len();
+                    let written = format.encode_into(&item, out);
+                    if written.is_err() {
+                        out.truncate(start);
+                    }
+                    written
+                })
+            })
+        }
+    }
+
+    Box::pin(Encoded(items))
 }
 
 /// A served service. Implemented by the `<Trait>Server` type that `#[service]` generates;

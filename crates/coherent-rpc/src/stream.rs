@@ -14,13 +14,15 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
 use crate::error::RpcError;
-use crate::frame::Kind;
+use crate::frame::{BatchItems, Kind};
 use crate::peer::Shared;
 
 /// What the connection's reader hands a stream's consumer.
 pub(crate) enum Event {
-    /// Items, in order (all those that arrived in one read).
-    Items(Vec<Bytes>),
+    /// One item (a `StreamItem` payload).
+    Item(Bytes),
+    /// Several items (a `StreamBatch` payload, checked by the reader).
+    Batch(Bytes),
     /// The producer's normal end.
     End,
     /// The stream failed (an `Error` frame, or the connection closed).
@@ -33,7 +35,9 @@ pub struct ClientStream<T> {
     shared: Arc<Shared>,
     id: u64,
     rx: mpsc::UnboundedReceiver<Event>,
-    ready: std::vec::IntoIter<Bytes>,
+    /// The batch being consumed and the offset of its next item.
+    batch: Bytes,
+    at: usize,
     buffered: Arc<AtomicU32>,
     unacked: u32,
     done: bool,
@@ -51,7 +55,8 @@ impl<T> ClientStream<T> {
             shared,
             id,
             rx,
-            ready: Vec::new().into_iter(),
+            batch: Bytes::new(),
+            at: 0,
             buffered,
             unacked: 0,
             done: false,
@@ -69,25 +74,29 @@ impl<T: DeserializeOwned> Stream for ClientStream<T> {
         }
         let this = &mut *self;
         loop {
-            if let Some(bytes) = this.ready.next() {
-                this.buffered.fetch_sub(1, Ordering::Relaxed);
-                this.unacked += 1;
-                // Ack at half the window: the producer keeps sending while the ack travels.
-                let window = this.shared.settings.local_window;
-                if this.unacked >= window.div_ceil(2) {
-                    let n = std::mem::take(&mut this.unacked);
-                    let _ = this.shared.send(
-                        Kind::StreamAck,
-                        this.id,
-                        0,
-                        Bytes::copy_from_slice(&n.to_le_bytes()),
-                    );
-                }
-                return Poll::Ready(Some(this.shared.settings.format.decode(&bytes)));
+            if this.at < this.batch.len() {
+                let mut items = BatchItems::new(&this.batch[this.at..]);
+                let Some(Ok(item)) = items.next() else {
+                    // The reader checked the batch; this is only a second line of defence.
+                    this.done = true;
+                    return Poll::Ready(Some(Err(RpcError::protocol("malformed stream batch"))));
+                };
+                this.at = this.batch.len() - items.remaining().len();
+                let decoded = this.shared.settings.format.decode(item);
+                this.consumed();
+                return Poll::Ready(Some(decoded));
             }
             match this.rx.poll_recv(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Event::Items(items))) => this.ready = items.into_iter(),
+                Poll::Ready(Some(Event::Item(bytes))) => {
+                    let decoded = this.shared.settings.format.decode(&bytes);
+                    this.consumed();
+                    return Poll::Ready(Some(decoded));
+                }
+                Poll::Ready(Some(Event::Batch(batch))) => {
+                    this.batch = batch;
+                    this.at = 0;
+                }
                 Poll::Ready(Some(Event::End)) => {
                     this.done = true;
                     return Poll::Ready(None);
@@ -101,6 +110,26 @@ impl<T: DeserializeOwned> Stream for ClientStream<T> {
                     return Poll::Ready(Some(Err(RpcError::disconnected("connection closed"))));
                 }
             }
+        }
+    }
+}
+
+impl<T> ClientStream<T> {
+    /// Counts one consumed item and returns credits at half the window, so the producer
+    /// keeps sending while the ack travels.
+    fn consumed(&mut self) {
+        self.unacked += 1;
+        if self.unacked >= self.shared.settings.local_window.div_ceil(2) {
+            let n = std::mem::take(&mut self.unacked);
+            // Released before the credits go out: the producer can then send `n` more
+            // without the reader seeing more than the window buffered.
+            self.buffered.fetch_sub(n, Ordering::Relaxed);
+            let _ = self.shared.send(
+                Kind::StreamAck,
+                self.id,
+                0,
+                Bytes::copy_from_slice(&n.to_le_bytes()),
+            );
         }
     }
 }

@@ -8,7 +8,8 @@ Run: python3 crates/coherent-rpc/tests/gen_vectors.py
 import json, os, struct
 
 KINDS = {"Hello": 1, "HelloAck": 2, "Call": 3, "OneWay": 4, "Ok": 5, "Error": 6, "Cancel": 7,
-         "StreamItem": 8, "StreamEnd": 9, "StreamAck": 10, "Ping": 11, "Pong": 12, "Close": 13}
+         "StreamItem": 8, "StreamEnd": 9, "StreamAck": 10, "Ping": 11, "Pong": 12, "Close": 13,
+         "StreamBatch": 14}
 COMP = {"None": 0, "Lz4": 1, "Zstd": 2}
 
 
@@ -70,6 +71,9 @@ add("one-way call", "OneWay", 7, fnv1a("Calc.record"), bytes([5]))
 add("unknown method error", "Error", 9, 0, err(1, "no such method"))
 add("cancel", "Cancel", 1, 0, b"")
 add("stream item", "StreamItem", 2, 0, bytes([0, 1, 0x61]))
+add("stream batch of three items", "StreamBatch", 2, 0,
+    bytes([3, 2, 1, 0x62]) + bytes([0]) + varint(130) + bytes([4]) + varint(127) + b"c" * 127,
+    note="items of 3, 0 and 130 bytes, each after its varint length")
 add("stream end", "StreamEnd", 2, 0, b"")
 add("stream ack of 32 credits", "StreamAck", 2, 0, struct.pack("<I", 32))
 add("ping", "Ping", 0, 0, b"")
@@ -80,7 +84,7 @@ add("lz4 flag", "Ok", 3, 0, bytes([4, 0, 0, 0, 0x40, 1, 2, 3, 4]), comp="Lz4",
 
 invalid = [
     {"name": "kind 0", "bytes": "00010000000000000000", "error": "UnknownKind"},
-    {"name": "kind 14", "bytes": "0e010000000000000000", "error": "UnknownKind"},
+    {"name": "kind 15", "bytes": "0f010000000000000000", "error": "UnknownKind"},
     {"name": "compression value 3", "bytes": "33010000000000000000", "error": "BadFlags"},
     {"name": "reserved bit 6", "bytes": "43010000000000000000", "error": "BadFlags"},
     {"name": "overlong varint", "bytes": "0380000000000000000000", "error": "BadVarint"},
@@ -94,6 +98,15 @@ incomplete = [
     {"name": "kind only", "bytes": "03"},
     {"name": "unterminated varint", "bytes": "0380"},
     {"name": "no length yet", "bytes": "0301aabbccdd0000"},
+]
+batches = [
+    {"name": "three items", "payload": (bytes([3, 2, 1, 0x62, 0]) + varint(2) + b"ok").hex(),
+     "items": ["020162", "", "6f6b"]},
+    {"name": "one empty item", "payload": "00", "items": [""]},
+    {"name": "empty payload", "payload": "", "error": "BadBatch"},
+    {"name": "ends inside an item", "payload": "0301", "error": "BadBatch"},
+    {"name": "ends inside a length", "payload": "0100ff", "error": "BadBatch"},
+    {"name": "overlong length varint", "payload": "8000", "error": "BadBatch"},
 ]
 hellos = [
     {"name": "postcard, lz4+zstd, 4 MiB, token", "bytes": h.hex(), "format": "Postcard", "decodes": 3,
@@ -118,6 +131,7 @@ out = {
     "frames": frames,
     "invalid_frames": invalid,
     "incomplete_frames": incomplete,
+    "stream_batches": batches,
     "hellos": hellos,
     "invalid_hellos": bad_hellos,
     "errors": [{"code": c, "name": n} for c, n in

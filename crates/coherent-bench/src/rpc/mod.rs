@@ -56,11 +56,11 @@ fn settings(peer: &str) -> &'static [(usize, usize)] {
 }
 
 /// Runs the suite on its own multi-threaded runtime (one worker per core).
-pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
+pub(crate) fn run(timing: Timing, only: &str) -> anyhow::Result<Report> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(run_async(timing))
+    runtime.block_on(run_async(timing, only))
 }
 
 struct Servers {
@@ -71,7 +71,14 @@ struct Servers {
     http: SocketAddr,
 }
 
-async fn run_async(timing: Timing) -> anyhow::Result<Report> {
+async fn run_async(timing: Timing, only: &str) -> anyhow::Result<Report> {
+    // `only` selects whole name segments: "streams.1" runs streams.1, not streams.100.
+    let wanted = |group: &str| {
+        only.is_empty()
+            || group == only
+            || group.starts_with(&format!("{only}."))
+            || only.starts_with(&format!("{group}."))
+    };
     let quick = timing.runs == 1;
     let mut report = Report::new("rpc");
     let s = Servers {
@@ -84,6 +91,9 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     let bar = progress(15 + 6 + 10 + 10 + 11);
 
     for call in [Call::Sum, Call::GetUser, Call::SayHello] {
+        if !wanted(&format!("calls.{}", call.name())) {
+            continue;
+        }
         calls::<Coherent>(&mut report, &bar, timing, quick, s.coherent, call).await?;
         calls::<Tonic>(&mut report, &bar, timing, quick, s.tonic, call).await?;
         calls::<Tarpc>(&mut report, &bar, timing, quick, s.tarpc, call).await?;
@@ -92,16 +102,23 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     }
 
     for (size, label) in [(1u32, "1"), (100, "100"), (10_240, "10k")] {
+        if !wanted(&format!("streams.{label}")) {
+            continue;
+        }
         streams(&mut report, &bar, timing, quick, &s, size, label).await?;
     }
 
-    latency::<Coherent>(&mut report, &bar, timing, s.coherent).await?;
-    latency::<Tonic>(&mut report, &bar, timing, s.tonic).await?;
-    latency::<Tarpc>(&mut report, &bar, timing, s.tarpc).await?;
-    latency::<Http>(&mut report, &bar, timing, s.http).await?;
-    latency::<RawTcp>(&mut report, &bar, timing, s.rawtcp).await?;
+    if wanted("latency") {
+        latency::<Coherent>(&mut report, &bar, timing, s.coherent).await?;
+        latency::<Tonic>(&mut report, &bar, timing, s.tonic).await?;
+        latency::<Tarpc>(&mut report, &bar, timing, s.tarpc).await?;
+        latency::<Http>(&mut report, &bar, timing, s.http).await?;
+        latency::<RawTcp>(&mut report, &bar, timing, s.rawtcp).await?;
+    }
 
-    payloads(&mut report, &bar, timing, &s).await?;
+    if wanted("payload") {
+        payloads(&mut report, &bar, timing, &s).await?;
+    }
     bar.finish_and_clear();
 
     report.note("every peer serves and calls in this process over 127.0.0.1; ratios compare coherent with tonic (other peers: with coherent)");

@@ -331,9 +331,9 @@ async fn a_client_that_stops_reading_is_cut_off_while_others_are_served() {
     );
 }
 
-#[tokio::test]
-async fn a_producer_that_ignores_the_stream_window_is_cut_off() {
-    // The "server" answers a stream call with more items than the client's window.
+/// Calls a stream (window 8) on a fake server that answers with `answer`; returns how
+/// many items got through, the stream's error and the connection's close reason.
+async fn stream_answered_with(answer: Vec<u8>) -> (usize, RpcError, RpcError) {
     let (a, mut b) = tokio::io::duplex(1 << 20);
     let server = tokio::spawn(async move {
         let mut buf = vec![0u8; 4096];
@@ -346,12 +346,7 @@ async fn a_producer_that_ignores_the_stream_window_is_cut_off() {
         b.write_all(&frame_bytes(Kind::HelloAck, 0, 0, &hello().encode()))
             .await
             .unwrap();
-        let mut flood = Vec::new();
-        for _ in 0..100 {
-            // postcard Item { index: 0, data: [] }
-            flood.extend_from_slice(&frame_bytes(Kind::StreamItem, 1, 0, &[0, 0]));
-        }
-        b.write_all(&flood).await.unwrap();
+        b.write_all(&answer).await.unwrap();
         while b.read(&mut buf).await.unwrap_or(0) > 0 {}
     });
     let client = Endpoint::builder()
@@ -368,10 +363,51 @@ async fn a_producer_that_ignores_the_stream_window_is_cut_off() {
             None => panic!("the stream ended normally"),
         }
     };
+    let reason = peer.closed().await;
+    server.abort();
+    (ok, err, reason)
+}
+
+#[tokio::test]
+async fn a_producer_that_ignores_the_stream_window_is_cut_off() {
+    let mut flood = Vec::new();
+    for _ in 0..100 {
+        // postcard Item { index: 0, data: [] }
+        flood.extend_from_slice(&frame_bytes(Kind::StreamItem, 1, 0, &[0, 0]));
+    }
+    let (ok, err, reason) = stream_answered_with(flood).await;
     assert!(ok <= 8, "{ok} items got through");
     assert_eq!(err.code(), ErrorCode::Disconnected);
-    assert!(peer.closed().await.message().contains("window"));
-    server.abort();
+    assert!(reason.message().contains("window"), "{reason}");
+}
+
+#[tokio::test]
+async fn a_batch_past_the_stream_window_is_cut_off_before_any_of_it_is_delivered() {
+    // 4 single items, then a batch of 5 more: 9 items against a window of 8.
+    let mut answer = Vec::new();
+    for _ in 0..4 {
+        answer.extend_from_slice(&frame_bytes(Kind::StreamItem, 1, 0, &[0, 0]));
+    }
+    answer.extend_from_slice(&frame_bytes(Kind::StreamBatch, 1, 0, &[2, 0, 0].repeat(5)));
+    let (ok, err, reason) = stream_answered_with(answer).await;
+    assert!(ok <= 4, "{ok} items got through");
+    assert_eq!(err.code(), ErrorCode::Disconnected);
+    assert!(reason.message().contains("window"), "{reason}");
+}
+
+#[tokio::test]
+async fn a_truncated_stream_batch_closes_with_a_protocol_reason() {
+    // One whole item, then a length of 5 with only 1 byte after it.
+    let mut answer = frame_bytes(Kind::StreamItem, 1, 0, &[0, 0]);
+    answer.extend_from_slice(&frame_bytes(Kind::StreamBatch, 1, 0, &[2, 0, 0, 5, 0]));
+    let (ok, err, reason) = stream_answered_with(answer).await;
+    assert!(ok <= 1, "{ok} items got through");
+    assert_eq!(err.code(), ErrorCode::Disconnected);
+    assert_eq!(reason.code(), ErrorCode::Protocol, "{reason}");
+    assert!(
+        reason.message().contains("malformed stream batch"),
+        "{reason}"
+    );
 }
 
 #[tokio::test]

@@ -23,6 +23,51 @@ async fn a_stream_delivers_every_item_in_order_then_ends() {
 }
 
 #[tokio::test]
+async fn items_of_every_size_arrive_whole_whether_batched_or_not() {
+    // 0..300 bytes cross the one-byte length prefix; 40 KB items exceed a batch.
+    let (calc, _, _) = calc_pair().await;
+    for size in [0, 1, 126, 127, 128, 300, 40_000] {
+        let items: Vec<_> = calc.items(200, size).await.unwrap().collect().await;
+        assert_eq!(items.len(), 200, "size {size}");
+        for (i, item) in items.into_iter().enumerate() {
+            let item = item.unwrap();
+            assert_eq!(item.index, i as i64, "size {size}");
+            assert_eq!(
+                item.data,
+                vec![(i % 251) as u8; size as usize],
+                "size {size}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn batches_stay_under_the_consumers_message_limit() {
+    // Items of ~500 bytes against a 2 KiB limit: a batch of 32 KiB would be refused.
+    let (server, _) = calc_server(Config::default());
+    let client = Endpoint::builder()
+        .config(Config::default().max_message_size(2048))
+        .build();
+    let (c, _s) = pair(&server, &client).await.unwrap();
+    let calc = CalcClient::new(c);
+    let items: Vec<_> = calc.items(500, 500).await.unwrap().collect().await;
+    assert_eq!(items.len(), 500);
+    assert!(items.into_iter().all(|i| i.unwrap().data.len() == 500));
+}
+
+#[tokio::test]
+async fn items_sent_before_a_producer_fails_arrive_before_its_error() {
+    let (calc, _, _) = calc_pair().await;
+    let mut stream = calc.items_then_panic(10).await.unwrap();
+    for i in 0..10 {
+        assert_eq!(stream.next().await.unwrap().unwrap().index, i);
+    }
+    let err = stream.next().await.unwrap().unwrap_err();
+    assert_eq!(err.code(), coherent_rpc::ErrorCode::Internal, "{err}");
+    assert!(stream.next().await.is_none());
+}
+
+#[tokio::test]
 async fn a_consumer_that_stops_reading_holds_the_producer_to_its_window() {
     let (server, probe) = calc_server(Config::default());
     let client = Endpoint::builder()

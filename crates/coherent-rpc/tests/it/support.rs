@@ -43,6 +43,8 @@ pub trait Calc {
     async fn record(&self, v: u32);
     async fn recorded(&self) -> Vec<u32>;
     async fn items(&self, count: u32, size: u32) -> ServerStream<Item>;
+    /// `count` items, then a panic in the stream.
+    async fn items_then_panic(&self, count: u32) -> ServerStream<Item>;
     /// Hangs on its first run, answers the run count afterwards.
     #[idempotent]
     async fn hang_first_time(&self) -> usize;
@@ -156,6 +158,16 @@ impl Calc for CalcImpl {
             Item {
                 index: i64::from(i),
                 data: vec![(i % 251) as u8; size as usize],
+            }
+        }))
+    }
+
+    async fn items_then_panic(&self, count: u32) -> ServerStream<Item> {
+        Box::pin(futures::stream::iter(0..=count).map(move |i| {
+            assert!(i < count, "the stream's producer fails");
+            Item {
+                index: i64::from(i),
+                data: Vec::new(),
             }
         }))
     }

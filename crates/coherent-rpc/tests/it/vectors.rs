@@ -1,7 +1,9 @@
 //! The wire format against tests/vectors.json, written from PROTOCOL.md by an independent
 //! generator (tests/gen_vectors.py): what a second implementation must agree with.
 
-use coherent_rpc::frame::{read_varint, write_varint, Compression, FrameError, Header, Kind};
+use coherent_rpc::frame::{
+    batch_len, read_varint, write_varint, BatchItems, Compression, FrameError, Header, Kind,
+};
 use coherent_rpc::handshake::Hello;
 use coherent_rpc::{method_id, ErrorCode, Format};
 use serde_json::Value;
@@ -32,6 +34,7 @@ fn kind(name: &str) -> Kind {
         "Ping" => Kind::Ping,
         "Pong" => Kind::Pong,
         "Close" => Kind::Close,
+        "StreamBatch" => Kind::StreamBatch,
         other => panic!("unknown kind {other}"),
     }
 }
@@ -103,6 +106,28 @@ fn invalid_frames_are_refused_with_the_vectors_error() {
             _ => "other",
         };
         assert_eq!(name, v["error"].as_str().unwrap(), "{}", v["name"]);
+    }
+}
+
+#[test]
+fn stream_batches_split_as_the_vectors_say() {
+    for v in vectors()["stream_batches"].as_array().unwrap() {
+        let payload = hex(v["payload"].as_str().unwrap());
+        let name = v["name"].as_str().unwrap();
+        match v["items"].as_array() {
+            Some(items) => {
+                let want: Vec<Vec<u8>> = items.iter().map(|i| hex(i.as_str().unwrap())).collect();
+                let got: Vec<Vec<u8>> = BatchItems::new(&payload)
+                    .map(|i| i.expect(name).to_vec())
+                    .collect();
+                assert_eq!(got, want, "{name}");
+                assert_eq!(batch_len(&payload), Ok(want.len() as u32), "{name}");
+            }
+            None => {
+                assert_eq!(v["error"].as_str(), Some("BadBatch"), "{name}");
+                assert_eq!(batch_len(&payload), Err(FrameError::BadBatch), "{name}");
+            }
+        }
     }
 }
 
