@@ -203,7 +203,7 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
         let arg_names: Vec<_> = m.args.iter().map(|(n, _)| n).collect();
         let arg_types: Vec<_> = m.args.iter().map(|(_, t)| t).collect();
         let decode = quote! {
-            let (#(#arg_names,)*): (#(#arg_types,)*) = format.decode(&args)?;
+            let (#(#arg_names,)*): (#(#arg_types,)*) = format.decode_bytes(args)?;
         };
         match &m.kind {
             Kind::Unary | Kind::OneWay => quote! {

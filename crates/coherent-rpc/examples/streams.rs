@@ -7,23 +7,22 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use coherent_rpc::{service, Endpoint, ServerStream};
+use coherent_rpc::{service, Blob, Config, Endpoint, ServerStream};
 use futures::StreamExt;
 
 /// The measured service.
 #[service]
 pub trait Items {
     /// `count` items of `size` bytes.
-    async fn items(&self, count: u32, size: u32) -> ServerStream<(i64, Vec<u8>)>;
+    async fn items(&self, count: u32, size: u32) -> ServerStream<(i64, Blob)>;
 }
 
 struct Impl;
 
 impl Items for Impl {
-    async fn items(&self, count: u32, size: u32) -> ServerStream<(i64, Vec<u8>)> {
-        Box::pin(
-            futures::stream::iter(0..count).map(move |i| (i64::from(i), vec![7u8; size as usize])),
-        )
+    async fn items(&self, count: u32, size: u32) -> ServerStream<(i64, Blob)> {
+        let data = Blob::from(vec![7u8; size as usize]);
+        Box::pin(futures::stream::iter(0..count).map(move |i| (i64::from(i), data.clone())))
     }
 }
 
@@ -37,11 +36,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let size = args.get(1).copied().unwrap_or(1) as u32;
     let seconds = args.get(2).copied().unwrap_or(3);
 
-    let server = Endpoint::builder().service(ItemsServer::new(Impl)).build();
+    let config = Config::default().stream_window(1024);
+    let server = Endpoint::builder()
+        .service(ItemsServer::new(Impl))
+        .config(config.clone())
+        .build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move { server.serve_tcp(listener).await });
-    let client = ItemsClient::new(Endpoint::builder().build().connect_tcp(addr).await?);
+    let client = ItemsClient::new(
+        Endpoint::builder()
+            .config(config)
+            .build()
+            .connect_tcp(addr)
+            .await?,
+    );
 
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -70,7 +79,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let items = done.load(Ordering::Relaxed) as f64;
     println!(
-        "{streams} streams of {size}-byte items: {:.0} items/s",
+        "{streams} streams of {size}-byte items: {items} items, {:.0} items/s",
         items / start.elapsed().as_secs_f64()
     );
     Ok(())

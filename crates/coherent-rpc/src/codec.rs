@@ -58,7 +58,7 @@ impl Format {
                     // A fresh chunk; the old one lives on in the messages that share it.
                     *arena = BytesMut::with_capacity(ARENA_CHUNK);
                 }
-                let written = self.write(value, &mut arena);
+                let written = self.write(value, &mut *arena);
                 // Taken even on failure, so that a half-written message never prefixes the next.
                 let message = arena.split().freeze();
                 written.map(|()| message)
@@ -77,21 +77,28 @@ impl Format {
     pub fn encode_into<T: Serialize + ?Sized>(
         self,
         value: &T,
-        out: &mut BytesMut,
+        out: &mut Vec<u8>,
     ) -> Result<(), RpcError> {
         self.write(value, out)
             .map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))
     }
 
-    fn write<T: Serialize + ?Sized>(self, value: &T, out: &mut BytesMut) -> Result<(), String> {
+    fn write<T: Serialize + ?Sized, S: Sink>(self, value: &T, out: &mut S) -> Result<(), String> {
         match self {
-            Self::Postcard => postcard::to_io(value, out.writer())
-                .map(drop)
-                .map_err(|e| e.to_string()),
+            Self::Postcard => {
+                postcard::serialize_with_flavor(value, Append(out)).map_err(|e| e.to_string())
+            }
             Self::MessagePack => {
-                rmp_serde::encode::write(&mut out.writer(), value).map_err(|e| e.to_string())
+                rmp_serde::encode::write(&mut Append(out), value).map_err(|e| e.to_string())
             }
         }
+    }
+
+    /// Deserializes a `T` from `bytes` in this format; its [`Blob`](crate::Blob) fields
+    /// share `bytes` instead of copying out of it.
+    pub fn decode_bytes<T: DeserializeOwned>(self, mut bytes: Bytes) -> Result<T, RpcError> {
+        let len = bytes.len();
+        crate::blob::decode_in(&mut bytes, 0..len, |b| self.decode(b))
     }
 
     /// Deserializes a `T` from `bytes` in this format.
@@ -101,6 +108,80 @@ impl Format {
             Self::MessagePack => rmp_serde::from_slice(bytes).map_err(|e| e.to_string()),
         };
         out.map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot decode: {e}")))
+    }
+}
+
+/// A growable buffer that encoders append to.
+trait Sink {
+    fn push(&mut self, byte: u8);
+    fn extend(&mut self, bytes: &[u8]);
+}
+
+impl Sink for BytesMut {
+    #[inline]
+    fn push(&mut self, byte: u8) {
+        self.put_u8(byte);
+    }
+
+    #[inline]
+    fn extend(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+/// Stream batches are built in a `Vec`: its `push` is a store, where `BytesMut::put_u8`
+/// is a call to `memcpy`, and postcard pushes field by field.
+impl Sink for Vec<u8> {
+    #[inline]
+    fn push(&mut self, byte: u8) {
+        Vec::push(self, byte);
+    }
+
+    #[inline]
+    fn extend(&mut self, bytes: &[u8]) {
+        if bytes.len() <= 10 {
+            // Varints and short fields: stores beat a call to `memcpy`.
+            for &b in bytes {
+                Vec::push(self, b);
+            }
+        } else {
+            self.extend_from_slice(bytes);
+        }
+    }
+}
+
+/// Encoder output appended to a [`Sink`] directly: postcard through its flavor trait,
+/// MessagePack through `io::Write`.
+struct Append<'a, S>(&'a mut S);
+
+impl<S: Sink> postcard::ser_flavors::Flavor for Append<'_, S> {
+    type Output = ();
+
+    #[inline]
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        self.0.extend(data);
+        Ok(())
+    }
+
+    #[inline]
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        self.0.push(data);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<()> {
+        Ok(())
+    }
+}
+
+impl<S: Sink> std::io::Write for Append<'_, S> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

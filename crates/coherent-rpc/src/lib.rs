@@ -30,6 +30,7 @@
 //! # }
 //! ```
 
+mod blob;
 pub mod blocking;
 mod caller;
 mod codec;
@@ -47,6 +48,7 @@ pub mod tls;
 #[cfg(feature = "websocket")]
 mod websocket;
 
+pub use blob::Blob;
 pub use caller::Caller;
 pub use codec::{decompress, CompressionSet, Format};
 pub use coherent_rpc_macros::service;

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use std::future::Future;
 
 use futures::FutureExt;
@@ -355,7 +355,7 @@ impl Peer {
         let payload = format.encode(&args)?;
         drop(args);
         let bytes = self.call_bytes(method_id, payload, opts).await?;
-        format.decode(&bytes)
+        format.decode_bytes(bytes)
     }
 
     /// Makes a unary call with already encoded arguments and returns the encoded result.
@@ -948,8 +948,10 @@ async fn produce(
     let format = s.settings.format;
     let limit = STREAM_BATCH.min(s.settings.remote_max as usize);
     let mut batch = Batch {
-        buf: BytesMut::new(),
+        buf: Vec::new(),
         count: 0,
+        capacity: 256,
+        limit,
     };
     let mut credit = 0u32;
     loop {
@@ -958,9 +960,9 @@ async fn produce(
             batch.flush(s, id)?;
             credit = take_credits(credits).await?;
         }
-        batch.buf.reserve(256);
+        batch.reserve();
         let start = batch.buf.len();
-        batch.buf.put_u8(0);
+        batch.buf.push(0);
         // A panicking item fails the stream after the items before it went out.
         let mut poll = |cx: &mut Context<'_>| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1000,7 +1002,8 @@ async fn produce(
         batch.seal(start);
         if batch.buf.len() > limit && batch.count > 1 {
             // The last item does not fit: it starts the next batch.
-            let last = batch.buf.split_off(start);
+            let last = batch.buf[start..].to_vec();
+            batch.buf.truncate(start);
             batch.count -= 1;
             batch.flush(s, id)?;
             batch.buf = last;
@@ -1017,11 +1020,23 @@ const STREAM_BATCH: usize = 32 * 1024;
 
 /// Items of one stream waiting to be sent, each as `length (varint) · item`.
 struct Batch {
-    buf: BytesMut,
+    buf: Vec<u8>,
     count: u32,
+    /// What a new batch reserves: twice the last batch, within `256..=limit`.
+    capacity: usize,
+    limit: usize,
 }
 
 impl Batch {
+    /// Makes room for an item's length and a small item.
+    fn reserve(&mut self) {
+        if self.buf.capacity() == 0 {
+            self.buf = Vec::with_capacity(self.capacity);
+        } else {
+            self.buf.reserve(16);
+        }
+    }
+
     /// Writes the length of the item encoded after the placeholder byte at `start`.
     fn seal(&mut self, start: usize) {
         let len = self.buf.len() - start - 1;
@@ -1029,7 +1044,7 @@ impl Batch {
         let n = crate::frame::write_varint(len as u64, &mut prefix);
         if n > 1 {
             // Rare (items of 128 bytes and more): make room for the longer prefix.
-            self.buf.put_bytes(0, n - 1);
+            self.buf.resize(self.buf.len() + n - 1, 0);
             self.buf.copy_within(start + 1..start + 1 + len, start + n);
         }
         self.buf[start..start + n].copy_from_slice(&prefix[..n]);
@@ -1042,7 +1057,9 @@ impl Batch {
         if count == 0 {
             return Ok(());
         }
-        let mut payload = self.buf.split().freeze();
+        let len = self.buf.len();
+        self.capacity = (len * 2).clamp(256, self.limit + 64);
+        let mut payload = Bytes::from(std::mem::take(&mut self.buf));
         if count == 1 {
             let (_, prefix) = crate::frame::read_varint(&payload)
                 .ok()

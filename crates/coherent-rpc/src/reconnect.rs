@@ -174,7 +174,7 @@ impl Reconnecting {
                     resends += 1;
                     peer = self.peer().await?;
                 }
-                r => return format.decode(&r?),
+                r => return format.decode_bytes(r?),
             }
         }
     }

@@ -9,7 +9,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::Stream;
 use serde::Serialize;
 
@@ -80,7 +80,7 @@ pub trait EncodeItems: Send {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         format: Format,
-        out: &mut BytesMut,
+        out: &mut Vec<u8>,
     ) -> Poll<Option<Result<(), RpcError>>>;
 }
 
@@ -93,7 +93,7 @@ pub fn item_stream<T: Serialize + 'static>(items: ServerStream<T>) -> ItemStream
             mut self: Pin<&mut Self>,
             cx: &mut Context<'_>,
             format: Format,
-            out: &mut BytesMut,
+            out: &mut Vec<u8>,
         ) -> Poll<Option<Result<(), RpcError>>> {
             self.0.as_mut().poll_next(cx).map(|item| {
                 item.map(|item| {

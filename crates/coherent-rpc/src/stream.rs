@@ -81,15 +81,18 @@ impl<T: DeserializeOwned> Stream for ClientStream<T> {
                     this.done = true;
                     return Poll::Ready(Some(Err(RpcError::protocol("malformed stream batch"))));
                 };
-                this.at = this.batch.len() - items.remaining().len();
-                let decoded = this.shared.settings.format.decode(item);
+                let end = this.batch.len() - items.remaining().len();
+                let range = end - item.len()..end;
+                this.at = end;
+                let format = this.shared.settings.format;
+                let decoded = crate::blob::decode_in(&mut this.batch, range, |b| format.decode(b));
                 this.consumed();
                 return Poll::Ready(Some(decoded));
             }
             match this.rx.poll_recv(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Event::Item(bytes))) => {
-                    let decoded = this.shared.settings.format.decode(&bytes);
+                    let decoded = this.shared.settings.format.decode_bytes(bytes);
                     this.consumed();
                     return Poll::Ready(Some(decoded));
                 }

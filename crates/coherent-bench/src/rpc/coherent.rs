@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 
 use bytes::Bytes;
 use coherent_rpc::{
-    service, ClientStream, Compression, Config, Endpoint, Peer as RpcPeer, ServerStream,
+    service, Blob, ClientStream, Compression, Config, Endpoint, Peer as RpcPeer, ServerStream,
 };
 use futures::StreamExt;
 
@@ -18,7 +18,7 @@ pub(crate) trait Bench {
     async fn get_user(&self, id: i64) -> User;
     async fn say_hello(&self, request: Hello) -> Hello;
     async fn items(&self, count: u32, size: u32) -> ServerStream<Item>;
-    async fn echo(&self, data: Bytes) -> Bytes;
+    async fn echo(&self, data: Blob) -> Blob;
 }
 
 struct Impl;
@@ -37,14 +37,14 @@ impl Bench for Impl {
     }
 
     async fn items(&self, count: u32, size: u32) -> ServerStream<Item> {
-        let data = Bytes::from(vec![7u8; size as usize]);
+        let data = Blob::from(vec![7u8; size as usize]);
         Box::pin(futures::stream::iter(0..count).map(move |i| Item {
             index: i64::from(i),
             data: data.clone(),
         }))
     }
 
-    async fn echo(&self, data: Bytes) -> Bytes {
+    async fn echo(&self, data: Blob) -> Blob {
         data
     }
 }
@@ -118,6 +118,6 @@ impl Coherent {
     }
 
     pub(crate) async fn echo(&self, data: Bytes) -> anyhow::Result<Bytes> {
-        Ok(self.0.echo(data).await?)
+        Ok(self.0.echo(data.into()).await?.into_bytes())
     }
 }

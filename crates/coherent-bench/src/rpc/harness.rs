@@ -50,6 +50,25 @@ pub(crate) async fn throughput(timing: Timing, callers: usize, work: Work) -> an
     Ok(best)
 }
 
+/// Like [`throughput`] for several cases compared with each other: each is warmed up,
+/// then the runs take turns (a, b, a, b, ...), so that a slow phase of the machine hits
+/// every case alike. Returns each case's best, in order.
+pub(crate) async fn interleaved(
+    timing: Timing,
+    cases: &[(usize, Work)],
+) -> anyhow::Result<Vec<f64>> {
+    for (callers, work) in cases {
+        one_run(work, *callers, timing.warmup).await?;
+    }
+    let mut best = vec![0f64; cases.len()];
+    for _ in 0..timing.runs {
+        for (b, (callers, work)) in best.iter_mut().zip(cases) {
+            *b = b.max(one_run(work, *callers, timing.run).await?);
+        }
+    }
+    Ok(best)
+}
+
 /// Runs `sample` repeatedly (for about `timing.run`, at least `min` times and at most
 /// `max`) and returns each sample's microseconds, sorted.
 pub(crate) async fn samples<F, Fut>(

@@ -77,7 +77,8 @@ pub(crate) fn hello() -> Hello {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Item {
     pub(crate) index: i64,
-    pub(crate) data: Bytes,
+    /// Decoded as a slice of the received batch, as tonic's `bytes` fields are.
+    pub(crate) data: coherent_rpc::Blob,
 }
 
 /// The 10 MB payload kinds of the payload cases.

@@ -1,6 +1,6 @@
 //! Unary, one-way and bidirectional calls; typed vs protocol errors; formats; auth.
 
-use coherent_rpc::{Compression, Config, Endpoint, ErrorCode, Format, Identity};
+use coherent_rpc::{Blob, Compression, Config, Endpoint, ErrorCode, Format, Identity};
 
 use crate::support::*;
 
@@ -86,6 +86,25 @@ async fn messagepack_is_negotiated_when_the_client_asks_for_it() {
     let calc = CalcClient::new(c);
     assert_eq!(calc.get_user(3).await.unwrap().name, "user 3");
     assert_eq!(calc.div(1, 0).await.unwrap(), Err(DivError::ByZero));
+}
+
+#[tokio::test]
+async fn blobs_of_every_size_round_trip_in_both_formats() {
+    for format in [Format::Postcard, Format::MessagePack] {
+        let (server, _) = calc_server(Config::default());
+        let client = Endpoint::builder()
+            .config(Config::default().format(format))
+            .build();
+        let (c, _s) = pair(&server, &client).await.unwrap();
+        let calc = CalcClient::new(c);
+        // Below and above the size from which a received blob shares its buffer.
+        for len in [0usize, 1, 511, 512, 100_000] {
+            let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+            let (n, back) = calc.echo_blob(Blob::from(data.clone())).await.unwrap();
+            assert_eq!(n, len, "{format:?}");
+            assert_eq!(&back[..], &data[..], "{format:?} {len}");
+        }
+    }
 }
 
 #[tokio::test]

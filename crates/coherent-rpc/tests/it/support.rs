@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use coherent_rpc::{service, CallContext, Endpoint, Peer, RpcError, ServerStream};
+use coherent_rpc::{service, Blob, CallContext, Endpoint, Peer, RpcError, ServerStream};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
@@ -34,6 +34,8 @@ pub trait Calc {
     async fn div(&self, a: i32, b: i32) -> Result<i32, DivError>;
     async fn get_user(&self, id: u64) -> User;
     async fn echo(&self, data: Vec<u8>) -> Vec<u8>;
+    /// The blob's length and the blob itself, as received.
+    async fn echo_blob(&self, data: Blob) -> (usize, Blob);
     async fn whoami(&self) -> Option<String>;
     async fn sleep_forever(&self) -> ();
     async fn wait_for_release(&self) -> ();
@@ -104,6 +106,10 @@ impl Calc for CalcImpl {
 
     async fn echo(&self, data: Vec<u8>) -> Vec<u8> {
         data
+    }
+
+    async fn echo_blob(&self, data: Blob) -> (usize, Blob) {
+        (data.len(), data)
     }
 
     async fn whoami(&self) -> Option<String> {
