@@ -45,32 +45,29 @@ impl Service for Echo {
         } else {
             coherent_rpc::Response::Stream(Box::pin(async move {
                 let n: u8 = format.decode(&args)?;
-                let s: coherent_rpc::ServerStream<_> = Box::pin(futures_iter(n, format));
-                Ok(s)
+                Ok(coherent_rpc::item_stream(Box::pin(countdown(n))))
             }))
         }
     }
 }
 
-fn futures_iter(
-    n: u8,
-    format: coherent_rpc::Format,
-) -> impl futures_core::Stream<Item = Result<bytes::Bytes, coherent_rpc::RpcError>> {
-    struct It(u8, coherent_rpc::Format);
+/// `n - 1` down to 0: a stream whose items are ready at once, so they are batched.
+fn countdown(n: u8) -> impl futures_core::Stream<Item = u8> + Send {
+    struct It(u8);
     impl futures_core::Stream for It {
-        type Item = Result<bytes::Bytes, coherent_rpc::RpcError>;
+        type Item = u8;
         fn poll_next(
             mut self: std::pin::Pin<&mut Self>,
             _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<Option<Self::Item>> {
+        ) -> std::task::Poll<Option<u8>> {
             if self.0 == 0 {
                 return std::task::Poll::Ready(None);
             }
             self.0 -= 1;
-            std::task::Poll::Ready(Some(self.1.encode(&self.0)))
+            std::task::Poll::Ready(Some(self.0))
         }
     }
-    It(n, format)
+    It(n)
 }
 
 fuzz_target!(|data: &[u8]| {
