@@ -115,6 +115,8 @@ pub struct Stats {
 }
 
 pub(crate) struct Shared {
+    /// Unique among this process's connections.
+    id: u64,
     out: mpsc::UnboundedSender<Out>,
     // parking_lot mutexes, not tokio ones: no `.await` happens while either is held.
     pending: Mutex<HashMap<u64, Pending>>,
@@ -425,6 +427,13 @@ impl Peer {
         Ok(ClientStream::new(s.clone(), id, rx, buffered))
     }
 
+    /// A number that identifies this end of the connection among all of this process's
+    /// connection ends (every clone of this handle shares it): a key for per-connection
+    /// state kept outside the connection.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
     /// Who the other side authenticated as (on the accepting side), if anyone.
     pub fn identity(&self) -> Option<&Identity> {
         self.shared.identity.as_ref()
@@ -496,7 +505,9 @@ impl Peer {
             .max(settings.remote_max as usize)
             .saturating_mul(2)
             .max(16 << 20);
+        static NEXT_CONNECTION: AtomicU64 = AtomicU64::new(1);
         let shared = Arc::new(Shared {
+            id: NEXT_CONNECTION.fetch_add(1, Ordering::Relaxed),
             out: tx,
             pending: Mutex::new(HashMap::new()),
             inbound: Mutex::new(HashMap::new()),

@@ -1,0 +1,25 @@
+//! Compute services over Coherent RPC: a client holds *replicas* of a server's computed
+//! results, answers its own calls from them at local-cache speed, and the server pushes an
+//! invalidation the moment a result it handed out becomes stale.
+//!
+//! - The server exposes compute methods by name with [`RemoteServer::expose`] and adds
+//!   [`RemoteServer::service`] to a `coherent_rpc::Endpoint`.
+//! - The client connects a [`RemoteClient`] and calls [`RemoteClient::replica`] inside its
+//!   own `#[compute]` methods. Those methods (and everything that reads them: other compute
+//!   methods, `ComputedState`s) are invalidated when the server's result is.
+//!
+//! How it works: for every replica the server holds the computed it handed out (so it stays
+//! cached) with one invalidation callback, which queues the replica's id; one task per
+//! connection pushes queued ids in batches. The client reads a local token computed per
+//! replica before it asks the server, so the pushed id invalidates the token and the core's
+//! cascade carries it to every dependant. A closed connection invalidates all its replicas.
+//!
+//! Not yet here: reconnection with revalidation, a persistent client cache and an HTTP
+//! gateway.
+
+mod client;
+mod server;
+mod wire;
+
+pub use client::{RemoteClient, RemoteClientBuilder};
+pub use server::RemoteServer;

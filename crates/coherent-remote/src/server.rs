@@ -1,0 +1,265 @@
+//! The server side: compute methods exposed by name, and per connection the computeds
+//! handed out as replicas, each watched by one callback that queues its id for a single
+//! coalescing task to push.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Weak};
+
+use coherent::Computed;
+use coherent_rpc::{method_id, Blob, CallContext, Format, Peer, Service};
+use parking_lot::Mutex;
+use serde::{de::DeserializeOwned, Serialize};
+use tokio::sync::Notify;
+
+use crate::wire::{Failure, ReplicaHost, ReplicaHostServer, ReplicaSinkClient};
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// A computed held for a replica. Holding it keeps the result cached (the core never
+/// evicts an entry someone holds), so that a later invalidation still finds it.
+trait Held: Send + Sync {
+    fn on_invalidated(&self, callback: Box<dyn FnOnce() + Send>);
+}
+
+impl<T: Clone + Send + Sync + 'static> Held for Computed<T> {
+    fn on_invalidated(&self, callback: Box<dyn FnOnce() + Send>) {
+        Computed::on_invalidated(self, callback);
+    }
+}
+
+/// Decodes arguments, gets the computed behind the call and encodes its value.
+type Fetch =
+    dyn Fn(Blob, Format) -> BoxFuture<Result<(Blob, Box<dyn Held>), Failure>> + Send + Sync;
+
+/// Compute methods exposed to remote clients. Turn it into an RPC service with
+/// [`RemoteServer::service`] and add that to a `coherent_rpc::Endpoint`.
+///
+/// ```
+/// # use coherent::{compute_service, ComputeService, ServiceHandle};
+/// # #[derive(Clone, ComputeService)]
+/// # struct Users { handle: ServiceHandle }
+/// # #[compute_service]
+/// # impl Users {
+/// #     #[compute]
+/// #     async fn name(&self, id: u64) -> String { format!("user {id}") }
+/// # }
+/// # let users = Users { handle: ServiceHandle::new() };
+/// let remote = coherent_remote::RemoteServer::new()
+///     .expose("Users.name", users.clone(), |u, (id,): (u64,)| async move { u.name_computed(id).await });
+/// let endpoint = coherent_rpc::Endpoint::builder().service(remote.service()).build();
+/// ```
+pub struct RemoteServer {
+    methods: HashMap<u32, Method>,
+    max_replicas: usize,
+}
+
+struct Method {
+    name: &'static str,
+    fetch: Arc<Fetch>,
+}
+
+impl Default for RemoteServer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RemoteServer {
+    /// No methods yet; at most 100,000 replicas per connection.
+    pub fn new() -> Self {
+        Self {
+            methods: HashMap::new(),
+            max_replicas: 100_000,
+        }
+    }
+
+    /// Exposes a compute method under `name` (by convention `"<Service>.<method>"`; clients
+    /// call it by the same name). `get` receives a clone of `service` and the decoded
+    /// argument tuple, and answers with the computed behind the call, usually through the
+    /// generated `<method>_computed`.
+    ///
+    /// # Panics
+    /// When another exposed name hashes to the same method id: rename one of them.
+    pub fn expose<S, A, T, F, Fut>(mut self, name: &'static str, service: S, get: F) -> Self
+    where
+        S: Clone + Send + Sync + 'static,
+        A: DeserializeOwned + Send + 'static,
+        T: Serialize + Clone + Send + Sync + 'static,
+        F: Fn(S, A) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Computed<T>> + Send + 'static,
+    {
+        let get = Arc::new(get);
+        let fetch: Arc<Fetch> = Arc::new(move |args: Blob, format: Format| {
+            let (service, get) = (service.clone(), get.clone());
+            Box::pin(async move {
+                let args: A = format
+                    .decode(&args)
+                    .map_err(|e| Failure::BadArguments(e.message().to_owned()))?;
+                let computed = get(service, args).await;
+                let value = format
+                    .encode(computed.value())
+                    .map_err(|e| Failure::BadValue(e.message().to_owned()))?;
+                Ok((Blob::from(value), Box::new(computed) as Box<dyn Held>))
+            }) as BoxFuture<_>
+        });
+        let id = method_id(name);
+        if let Some(other) = self.methods.get(&id) {
+            panic!(
+                "compute methods {name} and {} both hash to {id:#010x}",
+                other.name
+            );
+        }
+        self.methods.insert(id, Method { name, fetch });
+        self
+    }
+
+    /// How many replicas one connection may hold (default 100,000); a fetch beyond it fails
+    /// with `Overloaded`. This bounds what a client can make the server keep.
+    pub fn max_replicas_per_connection(mut self, n: usize) -> Self {
+        self.max_replicas = n;
+        self
+    }
+
+    /// The RPC service to add to an endpoint.
+    pub fn service(self) -> impl Service {
+        ReplicaHostServer::new(Host {
+            methods: self.methods,
+            max_replicas: self.max_replicas,
+            connections: Arc::new(Mutex::new(HashMap::new())),
+        })
+    }
+}
+
+struct Host {
+    methods: HashMap<u32, Method>,
+    max_replicas: usize,
+    connections: Arc<Mutex<HashMap<u64, Arc<Connection>>>>,
+}
+
+/// What the server keeps for one client connection.
+struct Connection {
+    /// Replica id → the computed it watches.
+    replicas: Mutex<HashMap<u64, Box<dyn Held>>>,
+    /// Replicas invalidated and not yet pushed. Each id enters once (a computed's callback
+    /// runs once), so this never outgrows `replicas`.
+    invalidated: Mutex<Vec<u64>>,
+    wake: Notify,
+}
+
+impl Host {
+    fn method(&self, id: u32) -> Result<Arc<Fetch>, Failure> {
+        self.methods
+            .get(&id)
+            .map(|m| m.fetch.clone())
+            .ok_or(Failure::UnknownMethod(id))
+    }
+
+    /// This call's connection state, made (with its pusher task) on first use.
+    fn connection(&self, peer: &Peer) -> Arc<Connection> {
+        let mut connections = self.connections.lock();
+        if let Some(c) = connections.get(&peer.id()) {
+            return c.clone();
+        }
+        let c = Arc::new(Connection {
+            replicas: Mutex::new(HashMap::new()),
+            invalidated: Mutex::new(Vec::new()),
+            wake: Notify::new(),
+        });
+        connections.insert(peer.id(), c.clone());
+        tokio::spawn(push_invalidations(
+            peer.clone(),
+            Arc::downgrade(&c),
+            self.connections.clone(),
+        ));
+        c
+    }
+}
+
+/// Sends each batch of invalidated replica ids in one message, until the connection closes;
+/// then drops everything the connection held.
+async fn push_invalidations(
+    peer: Peer,
+    connection: Weak<Connection>,
+    connections: Arc<Mutex<HashMap<u64, Arc<Connection>>>>,
+) {
+    let sink = ReplicaSinkClient::new(peer.clone());
+    loop {
+        let Some(c) = connection.upgrade() else { break };
+        tokio::select! {
+            () = c.wake.notified() => {}
+            _ = peer.closed() => break,
+        }
+        let ids = std::mem::take(&mut *c.invalidated.lock());
+        if ids.is_empty() {
+            continue;
+        }
+        // Dropped here, not in the invalidation callback: that runs inside the core's
+        // invalidation cascade, where releasing a computed is not welcome.
+        let dropped: Vec<_> = {
+            let mut replicas = c.replicas.lock();
+            ids.iter().filter_map(|id| replicas.remove(id)).collect()
+        };
+        drop(dropped);
+        drop(c);
+        tracing::debug!(count = ids.len(), "pushing replica invalidations");
+        if sink.invalidated(ids).await.is_err() {
+            break;
+        }
+    }
+    connections.lock().remove(&peer.id());
+}
+
+impl ReplicaHost for Host {
+    async fn fetch(&self, method: u32, args: Blob, replica: u64) -> Result<Blob, Failure> {
+        let fetch = self.method(method)?;
+        let ctx = CallContext::current().expect("a handler runs with its call context");
+        let connection = self.connection(ctx.peer());
+        if connection.replicas.lock().len() >= self.max_replicas {
+            return Err(Failure::TooManyReplicas(self.max_replicas));
+        }
+        let (value, held) = fetch(args, ctx.peer().format()).await?;
+        let watch = Arc::downgrade(&connection);
+        // A replica id the client reuses replaces the old watch; the old callback then
+        // pushes an invalidation the client no longer waits for, which is harmless.
+        let previous = connection.replicas.lock().insert(replica, held);
+        drop(previous);
+        let replicas = connection.replicas.lock();
+        if let Some(held) = replicas.get(&replica) {
+            // Runs at once if the computed is already invalidated: the client then gets
+            // the value and, right behind it, the news that it is stale.
+            held.on_invalidated(Box::new(move || {
+                if let Some(c) = watch.upgrade() {
+                    c.invalidated.lock().push(replica);
+                    c.wake.notify_one();
+                }
+            }));
+        }
+        Ok(value)
+    }
+
+    async fn call(&self, method: u32, args: Blob) -> Result<Blob, Failure> {
+        let fetch = self.method(method)?;
+        let format = CallContext::current()
+            .expect("a handler runs with its call context")
+            .peer()
+            .format();
+        let (value, _) = fetch(args, format).await?;
+        Ok(value)
+    }
+
+    async fn release(&self, replicas: Vec<u64>) {
+        let Some(ctx) = CallContext::current() else {
+            return;
+        };
+        let Some(c) = self.connections.lock().get(&ctx.peer().id()).cloned() else {
+            return;
+        };
+        let dropped: Vec<_> = {
+            let mut held = c.replicas.lock();
+            replicas.iter().filter_map(|id| held.remove(id)).collect()
+        };
+        drop(dropped);
+    }
+}

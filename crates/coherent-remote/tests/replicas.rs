@@ -1,0 +1,269 @@
+//! Replicas end to end: a compute service behind an RPC server, client compute methods
+//! reading it through `RemoteClient::replica`, and the server's invalidations arriving.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use coherent::{compute_service, ComputeService, ComputedState, ServiceHandle};
+use coherent_remote::{RemoteClient, RemoteServer};
+use coherent_rpc::{Endpoint, ErrorCode, RpcError};
+use parking_lot::Mutex;
+
+/// The server's compute service: names in memory, counting how often `name` runs.
+#[derive(Clone, ComputeService)]
+struct Users {
+    handle: ServiceHandle,
+    names: Arc<Mutex<HashMap<u64, String>>>,
+    runs: Arc<AtomicUsize>,
+}
+
+#[compute_service]
+impl Users {
+    #[compute]
+    async fn name(&self, id: u64) -> Option<String> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        self.names.lock().get(&id).cloned()
+    }
+}
+
+impl Users {
+    fn new() -> Self {
+        let names = [(1, "ann".to_owned()), (2, "bob".to_owned())];
+        Self {
+            handle: ServiceHandle::new(),
+            names: Arc::new(Mutex::new(names.into_iter().collect())),
+            runs: Arc::default(),
+        }
+    }
+
+    /// A write, and the invalidation that goes with it.
+    fn rename(&self, id: u64, name: &str) {
+        self.names.lock().insert(id, name.to_owned());
+        self.invalidate_name(id);
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+fn server_endpoint(users: &Users) -> Endpoint {
+    let remote =
+        RemoteServer::new().expose("Users.name", users.clone(), |u, (id,): (u64,)| async move {
+            u.name_computed(id).await
+        });
+    Endpoint::builder().service(remote.service()).build()
+}
+
+async fn serve(users: &Users) -> SocketAddr {
+    let endpoint = server_endpoint(users);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    addr
+}
+
+/// The client's compute service: a replica of `Users.name`, and a greeting computed from
+/// it; `log` records which client methods ran.
+#[derive(Clone, ComputeService)]
+struct View {
+    handle: ServiceHandle,
+    remote: RemoteClient,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+#[compute_service]
+impl View {
+    #[compute]
+    async fn name(&self, id: u64) -> Result<Option<String>, RpcError> {
+        self.log.lock().push(format!("name({id})"));
+        self.remote.replica("Users.name", (id,)).await
+    }
+
+    #[compute]
+    async fn greeting(&self, id: u64) -> String {
+        self.log.lock().push(format!("greeting({id})"));
+        match self.name(id).await {
+            Ok(Some(name)) => format!("hello, {name}"),
+            Ok(None) => "hello, nobody".to_owned(),
+            Err(e) => format!("no greeting: {e}"),
+        }
+    }
+}
+
+impl View {
+    fn new(remote: RemoteClient) -> Self {
+        Self {
+            handle: ServiceHandle::new(),
+            remote,
+            log: Arc::default(),
+        }
+    }
+
+    fn take_log(&self) -> Vec<String> {
+        std::mem::take(&mut *self.log.lock())
+    }
+}
+
+/// Waits for something that must happen; fails the test instead of hanging.
+async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(20), f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not happen"))
+}
+
+#[tokio::test]
+async fn a_replica_is_fetched_once_and_recomputed_only_after_the_server_invalidates_it() {
+    let users = Users::new();
+    let remote = RemoteClient::connect_tcp(serve(&users).await)
+        .await
+        .unwrap();
+    let view = View::new(remote.clone());
+
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    assert_eq!(view.take_log(), ["greeting(1)", "name(1)"]);
+    assert_eq!(users.runs(), 1);
+    let calls = remote.peer().stats().calls_out;
+
+    // Cached on the client: no method runs, no call goes out.
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    assert!(view.take_log().is_empty());
+    assert_eq!(remote.peer().stats().calls_out, calls);
+
+    let greeting = view.greeting_computed(1).await;
+    users.rename(1, "anna");
+    within("the pushed invalidation", greeting.when_invalidated()).await;
+    assert_eq!(view.greeting(1).await, "hello, anna");
+    assert_eq!(view.take_log(), ["greeting(1)", "name(1)"]);
+    assert_eq!(users.runs(), 2);
+}
+
+#[tokio::test]
+async fn a_write_invalidates_only_the_replicas_of_what_it_changed() {
+    let users = Users::new();
+    let remote = RemoteClient::connect_tcp(serve(&users).await)
+        .await
+        .unwrap();
+    let view = View::new(remote);
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    assert_eq!(view.greeting(2).await, "hello, bob");
+    view.take_log();
+
+    let one = view.greeting_computed(1).await;
+    users.rename(1, "anna");
+    within("the pushed invalidation", one.when_invalidated()).await;
+    assert_eq!(view.greeting(2).await, "hello, bob");
+    assert_eq!(view.greeting(1).await, "hello, anna");
+    assert_eq!(view.take_log(), ["greeting(1)", "name(1)"]);
+}
+
+#[tokio::test]
+async fn a_computed_state_on_the_client_follows_the_servers_data() {
+    let users = Users::new();
+    let remote = RemoteClient::connect_tcp(serve(&users).await)
+        .await
+        .unwrap();
+    let view = View::new(remote);
+    let state = {
+        let view = view.clone();
+        ComputedState::builder()
+            .update_delay(Duration::ZERO)
+            .build(move || {
+                let view = view.clone();
+                async move { view.greeting(1).await }
+            })
+            .await
+    };
+    let mut watch = state.watch();
+    assert_eq!(*watch.borrow_and_update(), "hello, ann");
+    users.rename(1, "anna");
+    within("the state's update", watch.changed()).await.unwrap();
+    assert_eq!(*watch.borrow(), "hello, anna");
+}
+
+#[tokio::test]
+async fn one_write_invalidates_a_thousand_replicas_with_one_message_each() {
+    let users = Users::new();
+    let server = server_endpoint(&users);
+    let mut views = Vec::new();
+    let mut greetings = Vec::new();
+    for _ in 0..1000 {
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let accepting = server.clone();
+        tokio::spawn(async move { accepting.accept(a).await });
+        let remote = RemoteClient::builder().connect(b).await.unwrap();
+        let view = View::new(remote);
+        assert_eq!(view.greeting(1).await, "hello, ann");
+        greetings.push(view.greeting_computed(1).await);
+        views.push(view);
+    }
+    // One server computation served every replica.
+    assert_eq!(users.runs(), 1);
+    let before: u64 = views.iter().map(|v| v.remote.peer().stats().calls_in).sum();
+    users.rename(1, "anna");
+    for g in &greetings {
+        within("every pushed invalidation", g.when_invalidated()).await;
+    }
+    let after: u64 = views.iter().map(|v| v.remote.peer().stats().calls_in).sum();
+    assert_eq!(after - before, 1000, "one invalidation message per replica");
+    for view in &views {
+        assert_eq!(view.greeting(1).await, "hello, anna");
+    }
+    assert_eq!(users.runs(), 2);
+}
+
+#[tokio::test]
+async fn closing_the_connection_invalidates_every_replica_it_carried() {
+    let users = Users::new();
+    let remote = RemoteClient::connect_tcp(serve(&users).await)
+        .await
+        .unwrap();
+    let view = View::new(remote.clone());
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    assert_eq!(remote.replica_count(), 1);
+    let greeting = view.greeting_computed(1).await;
+    remote.peer().close();
+    within("the invalidation on close", greeting.when_invalidated()).await;
+    assert_eq!(remote.replica_count(), 0);
+    // Nothing stale is served: the next read asks again and reports the lost connection.
+    let err = view.name(1).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Disconnected, "{err}");
+}
+
+#[tokio::test]
+async fn plain_calls_make_a_round_trip_every_time() {
+    let users = Users::new();
+    let remote = RemoteClient::connect_tcp(serve(&users).await)
+        .await
+        .unwrap();
+    let calls = remote.peer().stats().calls_out;
+    for _ in 0..3 {
+        let name: Option<String> = remote.call("Users.name", (2u64,)).await.unwrap();
+        assert_eq!(name.as_deref(), Some("bob"));
+    }
+    assert_eq!(remote.peer().stats().calls_out, calls + 3);
+    assert_eq!(remote.replica_count(), 0);
+    // Served from the server's cache: the method ran once.
+    assert_eq!(users.runs(), 1);
+}
+
+#[tokio::test]
+async fn unknown_methods_and_bad_arguments_are_clear_errors() {
+    let users = Users::new();
+    let remote = RemoteClient::connect_tcp(serve(&users).await)
+        .await
+        .unwrap();
+    let err = remote
+        .call::<_, Option<String>>("Users.nope", (1u64,))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::UnknownMethod, "{err}");
+    let err = remote
+        .call::<_, Option<String>>("Users.name", ())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::BadArguments, "{err}");
+}
