@@ -6,6 +6,7 @@
 //! ```
 
 mod local;
+mod remote;
 mod report;
 mod rpc;
 
@@ -46,6 +47,9 @@ enum Suite {
     /// The RPC protocol against tonic, tarpc, HTTP JSON and a raw TCP limit: calls, streams,
     /// latency and 10 MB payloads.
     Rpc,
+    /// Compute services over the wire: client replicas against in-process, RPC round-trip
+    /// and (later) HTTP reads of the same service, with writes invalidating.
+    Remote,
 }
 
 /// How long and how often each case runs.
@@ -83,6 +87,7 @@ fn main() -> anyhow::Result<()> {
     let report = match cli.suite {
         Suite::Local => local::run(timing)?,
         Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
+        Suite::Remote => remote::run(timing)?,
     };
     report.print_table();
     if let Some(path) = &cli.json {

@@ -5,8 +5,8 @@
 //! map, moka and quick_cache, on the same keys and the same value type.
 
 mod peers;
-mod service;
-mod store;
+pub(crate) mod service;
+pub(crate) mod store;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,16 +23,16 @@ use store::{Store, StoreError, User, USERS};
 
 /// Calls between two checks of the stop flag (and, with many readers, a yield).
 const BATCH: u32 = 64;
-const READERS_PER_CORE: usize = 20;
-const MUTATOR_PERIOD: Duration = Duration::from_millis(10);
+pub(crate) const READERS_PER_CORE: usize = 20;
+pub(crate) const MUTATOR_PERIOD: Duration = Duration::from_millis(10);
 
 /// A cheap deterministic generator of user ids.
 #[derive(Clone, Copy)]
-struct Ids(u64);
+pub(crate) struct Ids(pub(crate) u64);
 
 impl Ids {
     #[inline]
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         // xorshift64*
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
@@ -42,14 +42,14 @@ impl Ids {
 }
 
 /// The latest version of each user whose write has returned.
-struct Committed(Vec<AtomicU64>);
+pub(crate) struct Committed(pub(crate) Vec<AtomicU64>);
 
 impl Committed {
-    fn new() -> Arc<Self> {
+    pub(crate) fn new() -> Arc<Self> {
         Arc::new(Self((0..=USERS).map(|_| AtomicU64::new(0)).collect()))
     }
 
-    fn floor(&self, id: u64) -> u64 {
+    pub(crate) fn floor(&self, id: u64) -> u64 {
         self.0[id as usize].load(Ordering::Acquire)
     }
 }
@@ -70,7 +70,7 @@ impl Outcome {
 }
 
 /// Something readers call: the direct store, the compute service, or a peer cache.
-trait Getter: Send + Sync + 'static {
+pub(crate) trait Getter: Send + Sync + 'static {
     fn get(&self, id: u64) -> impl Future<Output = Result<User, StoreError>> + Send;
 }
 
@@ -113,7 +113,7 @@ impl Writer {
     }
 }
 
-async fn read_loop<G: Getter>(
+pub(crate) async fn read_loop<G: Getter>(
     getter: Arc<G>,
     committed: Arc<Committed>,
     stop: Arc<AtomicBool>,

@@ -16,7 +16,7 @@ pub(crate) type Text = arrayvec::ArrayString<24>;
 /// cached hit hands out a copy and touches no shared reference count. With `Arc<User>`,
 /// every reader of a user would write that user's count, and no cache of any kind could
 /// scale past one core on random reads (readers on two cores would trade its cache line).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct User {
     pub(crate) id: u64,
     pub(crate) version: u64,

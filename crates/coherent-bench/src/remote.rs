@@ -1,0 +1,312 @@
+//! The `remote` suite: the `local` suite's `UserService` (PostgreSQL when reachable, SQLite
+//! otherwise) behind a coherent-rpc server on loopback, read by 20 readers per core while a
+//! mutator writes through the server's service every 10 ms:
+//!
+//! - `remote.local.cached`: the service called in-process (the reference);
+//! - `remote.rpc.cached`: a `RemoteClient::call` per read, a round trip to the server's cache;
+//! - `remote.replica`: a client compute method reading `RemoteClient::replica`, answered
+//!   from the client's cache until the server pushes an invalidation;
+//! - `remote.invalidation_p50_us` / `_p99_us`: from a write returning on the server to the
+//!   client's replica of that user being invalidated.
+//!
+//! Stale reads: a read that starts after a write returned (in-process and RPC rows), or after
+//! the write's invalidation reached the client (the replica row), must see that write.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use coherent::{compute_service, ComputeService, Registry, ServiceHandle};
+use coherent_remote::{RemoteClient, RemoteServer};
+use coherent_rpc::Endpoint;
+use parking_lot::Mutex;
+
+use crate::local::service::UserService;
+use crate::local::store::{Store, StoreError, User};
+use crate::local::{read_loop, Committed, Getter, Ids, MUTATOR_PERIOD, READERS_PER_CORE};
+use crate::report::{cores, progress, Report, Row};
+use crate::Timing;
+
+/// The name the server exposes `UserService::get` under.
+const GET: &str = "UserService.get";
+
+/// The client's replica of `UserService::get`.
+#[derive(Clone, ComputeService)]
+struct UserReplica {
+    handle: ServiceHandle,
+    remote: RemoteClient,
+}
+
+#[compute_service]
+impl UserReplica {
+    #[compute]
+    async fn get(&self, id: u64) -> Result<User, StoreError> {
+        match self.remote.replica(GET, (id,)).await {
+            Ok(answer) => answer,
+            Err(e) => Err(e.to_string().into()),
+        }
+    }
+}
+
+impl Getter for UserReplica {
+    #[inline]
+    async fn get(&self, id: u64) -> Result<User, StoreError> {
+        UserReplica::get(self, id).await
+    }
+}
+
+/// A round trip per read.
+struct RpcGetter(RemoteClient);
+
+impl Getter for RpcGetter {
+    async fn get(&self, id: u64) -> Result<User, StoreError> {
+        match self.0.call(GET, (id,)).await {
+            Ok(answer) => answer,
+            Err(e) => Err(e.to_string().into()),
+        }
+    }
+}
+
+pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores())
+        .enable_all()
+        .build()?;
+    runtime.block_on(run_async(timing))
+}
+
+/// What one measured run gives.
+#[derive(Default, Clone)]
+struct Outcome {
+    calls: u64,
+    stale: u64,
+    writes: u64,
+    elapsed: Duration,
+    /// Write returned → replica invalidated, in microseconds (replica row only).
+    latencies: Vec<f64>,
+}
+
+impl Outcome {
+    fn rate(&self) -> f64 {
+        self.calls as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+async fn run_async(timing: Timing) -> anyhow::Result<Report> {
+    let mut report = Report::new("remote");
+    let bar = progress(timing.runs as u64 + 1);
+    let dir = tempfile::tempdir()?;
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let store = match Store::postgres(&url, cores() * 4).await {
+        Ok(Some(pg)) => {
+            report.note("store: PostgreSQL (tokio-postgres through a deadpool pool)");
+            pg
+        }
+        Ok(None) | Err(_) => {
+            let path = dir.path().join("users.db");
+            report.note(format!(
+                "store: SQLite ({}), because PostgreSQL at {url} is not reachable",
+                path.display()
+            ));
+            Store::sqlite(&path, (cores() * 2) as u32)?
+        }
+    };
+
+    let server_registry = Registry::new();
+    let service = UserService::new(Arc::new(store), &server_registry);
+    let endpoint = Endpoint::builder()
+        .service(
+            RemoteServer::new()
+                .expose(GET, service.clone(), |s, (id,): (u64,)| async move {
+                    s.get_computed(id).await
+                })
+                .service(),
+        )
+        .build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+
+    let client_registry = Registry::new();
+    let remote = RemoteClient::builder()
+        .registry(&client_registry)
+        .connect_tcp(addr)
+        .await?;
+    let replica = UserReplica {
+        handle: ServiceHandle::with_registry(&client_registry),
+        remote: remote.clone(),
+    };
+    let readers = READERS_PER_CORE * cores();
+
+    // The three rows are compared: their runs take turns (local, rpc, replica, local, ...),
+    // so that the drift of this shared machine reaches all of them alike.
+    let local_getter = Arc::new(service.clone());
+    let rpc_getter = Arc::new(RpcGetter(remote.clone()));
+    let replica_getter = Arc::new(replica.clone());
+    let mut best: [(Outcome, u64); 3] = Default::default();
+    for round in 0..=timing.runs {
+        let duration = if round == 0 {
+            timing.warmup
+        } else {
+            timing.run
+        };
+        bar.set_message(format!("round {round} of {}", timing.runs));
+        let outcomes = [
+            run_once(&local_getter, readers, &service, &replica, false, duration).await,
+            run_once(&rpc_getter, readers, &service, &replica, false, duration).await,
+            run_once(&replica_getter, readers, &service, &replica, true, duration).await,
+        ];
+        for (b, o) in best.iter_mut().zip(outcomes) {
+            b.1 += o.stale;
+            if round > 0 && (b.0.calls == 0 || o.rate() > b.0.rate()) {
+                b.0 = o;
+            }
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let [local, rpc, replicated] = best;
+
+    let row = |name: &str, o: &(Outcome, u64)| {
+        Row::new(name.to_owned(), o.0.rate(), "calls/s")
+            .with("stale_reads", o.1)
+            .with("writes", o.0.writes)
+    };
+    report.push(row("remote.local.cached", &local));
+    report.push(row("remote.rpc.cached", &rpc).compared_to("remote.local.cached"));
+    report.push(
+        row("remote.replica", &replicated)
+            .compared_to("remote.local.cached")
+            .with(
+                "x_rpc_cached",
+                format!("{:.1}", replicated.0.rate() / rpc.0.rate()),
+            ),
+    );
+    let mut latencies = replicated.0.latencies.clone();
+    latencies.sort_by(f64::total_cmp);
+    let samples = latencies.len();
+    for (name, p) in [("p50", 0.5), ("p99", 0.99)] {
+        report.push(
+            Row::new(
+                format!("remote.invalidation_{name}_us"),
+                percentile(&latencies, p),
+                "us",
+            )
+            .with("samples", samples),
+        );
+    }
+    report.note(format!(
+        "{readers} readers (20 per core) over 1,000 users; a mutator on its own thread writes a random user through the server's service every 10 ms"
+    ));
+    report
+        .note("client and server in this process, over one TCP connection on 127.0.0.1; postcard");
+    report.note("not yet measured: remote.http.regular and remote.http.cached (the HTTP gateway is not built yet)");
+    Ok(report)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Readers for `duration` while the mutator writes. With `replica_floor`, a read must see a
+/// write once its invalidation reached the client; otherwise once the write returned.
+async fn run_once<G: Getter>(
+    getter: &Arc<G>,
+    readers: usize,
+    service: &UserService,
+    replica: &UserReplica,
+    replica_floor: bool,
+    duration: Duration,
+) -> Outcome {
+    let stop = Arc::new(AtomicBool::new(false));
+    let returned = Committed::new();
+    let arrived = Committed::new();
+    let floor = if replica_floor { &arrived } else { &returned };
+    let tasks: Vec<_> = (0..readers)
+        .map(|i| {
+            tokio::spawn(read_loop(
+                getter.clone(),
+                floor.clone(),
+                stop.clone(),
+                0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i as u64 + 1),
+                true,
+            ))
+        })
+        .collect();
+    let latencies = Arc::new(Mutex::new(Vec::new()));
+    let mutator = {
+        let (service, replica) = (service.clone(), replica.clone());
+        let (returned, arrived, stop) = (returned.clone(), arrived.clone(), stop.clone());
+        let latencies = latencies.clone();
+        // Its own thread, runtime and store connections, as in the `local` suite.
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for the mutator");
+            runtime.block_on(async move {
+                let store = service
+                    .store()
+                    .for_another_runtime()
+                    .expect("a store connection for the mutator");
+                let service = service.with_store(Arc::new(store));
+                let mut ids = Ids(0xDEAD_BEEF);
+                let mut tick = tokio::time::interval(MUTATOR_PERIOD);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut writes = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    let id = ids.next();
+                    // The client's replica of this user, as it is before the write.
+                    let held = replica.get_computed(id).await;
+                    let version = returned.floor(id) + 1;
+                    service
+                        .update(id, version)
+                        .await
+                        .expect("the store accepts the write");
+                    let written = Instant::now();
+                    returned.0[id as usize].store(version, Ordering::Release);
+                    tokio::time::timeout(Duration::from_secs(10), held.when_invalidated())
+                        .await
+                        .expect("the replica's invalidation arrives");
+                    let micros = written.elapsed().as_secs_f64() * 1e6;
+                    arrived.0[id as usize].store(version, Ordering::Release);
+                    latencies.lock().push(micros);
+                    writes += 1;
+                }
+                writes
+            })
+        })
+    };
+    let started = Instant::now();
+    // The stop signal comes from an OS thread (see the `local` suite: hits never yield).
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(duration);
+            stop.store(true, Ordering::Relaxed);
+            let _ = done_tx.send(());
+        });
+    }
+    let _ = done_rx.await;
+    let mut outcome = Outcome::default();
+    for task in tasks {
+        let (calls, stale) = task.await.expect("a reader task");
+        outcome.calls += calls;
+        outcome.stale += stale;
+    }
+    outcome.elapsed = started.elapsed();
+    outcome.writes = tokio::task::spawn_blocking(move || mutator.join())
+        .await
+        .expect("joined")
+        .expect("the mutator thread");
+    if replica_floor {
+        outcome.latencies = std::mem::take(&mut *latencies.lock());
+    }
+    outcome
+}
