@@ -14,10 +14,15 @@
 //! replica before it asks the server, so the pushed id invalidates the token and the core's
 //! cascade carries it to every dependant. A closed connection invalidates all its replicas.
 //!
-//! Not yet here: reconnection with revalidation, a persistent client cache and an HTTP
-//! gateway.
+//! With the `http` feature (on by default), [`RemoteServer::gateway`] serves the same methods
+//! to clients without the SDK: JSON `GET` endpoints with ETags and Server-Sent Events that
+//! report invalidations.
+//!
+//! Not yet here: reconnection with revalidation and a persistent client cache.
 
 mod client;
+#[cfg(feature = "http")]
+mod gateway;
 mod server;
 mod wire;
 

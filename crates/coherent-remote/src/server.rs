@@ -15,23 +15,36 @@ use tokio::sync::Notify;
 
 use crate::wire::{Failure, ReplicaHost, ReplicaHostServer, ReplicaSinkClient};
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// A computed held for a replica. Holding it keeps the result cached (the core never
 /// evicts an entry someone holds), so that a later invalidation still finds it.
-trait Held: Send + Sync {
+pub(crate) trait Held: Send + Sync {
     fn on_invalidated(&self, callback: Box<dyn FnOnce() + Send>);
+    /// Completes when the computed is invalidated.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    fn invalidated(&self) -> BoxFuture<()>;
 }
 
 impl<T: Clone + Send + Sync + 'static> Held for Computed<T> {
     fn on_invalidated(&self, callback: Box<dyn FnOnce() + Send>) {
         Computed::on_invalidated(self, callback);
     }
+
+    fn invalidated(&self) -> BoxFuture<()> {
+        let c = self.clone();
+        Box::pin(async move { c.when_invalidated().await })
+    }
 }
 
 /// Decodes arguments, gets the computed behind the call and encodes its value.
 type Fetch =
     dyn Fn(Blob, Format) -> BoxFuture<Result<(Blob, Box<dyn Held>), Failure>> + Send + Sync;
+
+/// The same for JSON text (the HTTP gateway): arguments as a JSON array.
+#[cfg(feature = "http")]
+pub(crate) type JsonFetch =
+    dyn Fn(String) -> BoxFuture<Result<(String, Box<dyn Held>), Failure>> + Send + Sync;
 
 /// Compute methods exposed to remote clients. Turn it into an RPC service with
 /// [`RemoteServer::service`] and add that to a `coherent_rpc::Endpoint`.
@@ -55,9 +68,12 @@ pub struct RemoteServer {
     max_replicas: usize,
 }
 
-struct Method {
-    name: &'static str,
+#[derive(Clone)]
+pub(crate) struct Method {
+    pub(crate) name: &'static str,
     fetch: Arc<Fetch>,
+    #[cfg(feature = "http")]
+    pub(crate) json: Arc<JsonFetch>,
 }
 
 impl Default for RemoteServer {
@@ -91,6 +107,21 @@ impl RemoteServer {
         Fut: Future<Output = Computed<T>> + Send + 'static,
     {
         let get = Arc::new(get);
+        #[cfg(feature = "http")]
+        let json: Arc<JsonFetch> = {
+            let (service, get) = (service.clone(), get.clone());
+            Arc::new(move |args: String| {
+                let (service, get) = (service.clone(), get.clone());
+                Box::pin(async move {
+                    let args: A = serde_json::from_str(&args)
+                        .map_err(|e| Failure::BadArguments(format!("arguments: {e}")))?;
+                    let computed = get(service, args).await;
+                    let value = serde_json::to_string(computed.value())
+                        .map_err(|e| Failure::BadValue(e.to_string()))?;
+                    Ok((value, Box::new(computed) as Box<dyn Held>))
+                }) as BoxFuture<_>
+            })
+        };
         let fetch: Arc<Fetch> = Arc::new(move |args: Blob, format: Format| {
             let (service, get) = (service.clone(), get.clone());
             Box::pin(async move {
@@ -111,7 +142,15 @@ impl RemoteServer {
                 other.name
             );
         }
-        self.methods.insert(id, Method { name, fetch });
+        self.methods.insert(
+            id,
+            Method {
+                name,
+                fetch,
+                #[cfg(feature = "http")]
+                json,
+            },
+        );
         self
     }
 
@@ -122,10 +161,16 @@ impl RemoteServer {
         self
     }
 
+    /// The exposed methods, by name (for the HTTP gateway).
+    #[cfg(feature = "http")]
+    pub(crate) fn methods_by_name(&self) -> HashMap<&'static str, Method> {
+        self.methods.values().map(|m| (m.name, m.clone())).collect()
+    }
+
     /// The RPC service to add to an endpoint.
-    pub fn service(self) -> impl Service {
+    pub fn service(&self) -> impl Service {
         ReplicaHostServer::new(Host {
-            methods: self.methods,
+            methods: self.methods.clone(),
             max_replicas: self.max_replicas,
             connections: Arc::new(Mutex::new(HashMap::new())),
         })

@@ -1,70 +1,15 @@
 //! Replicas end to end: a compute service behind an RPC server, client compute methods
 //! reading it through `RemoteClient::replica`, and the server's invalidations arriving.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use coherent::{compute_service, ComputeService, ComputedState, ServiceHandle};
-use coherent_remote::{RemoteClient, RemoteServer};
-use coherent_rpc::{Endpoint, ErrorCode, RpcError};
+use coherent_remote::RemoteClient;
+use coherent_rpc::{ErrorCode, RpcError};
 use parking_lot::Mutex;
 
-/// The server's compute service: names in memory, counting how often `name` runs.
-#[derive(Clone, ComputeService)]
-struct Users {
-    handle: ServiceHandle,
-    names: Arc<Mutex<HashMap<u64, String>>>,
-    runs: Arc<AtomicUsize>,
-}
-
-#[compute_service]
-impl Users {
-    #[compute]
-    async fn name(&self, id: u64) -> Option<String> {
-        self.runs.fetch_add(1, Ordering::SeqCst);
-        self.names.lock().get(&id).cloned()
-    }
-}
-
-impl Users {
-    fn new() -> Self {
-        let names = [(1, "ann".to_owned()), (2, "bob".to_owned())];
-        Self {
-            handle: ServiceHandle::new(),
-            names: Arc::new(Mutex::new(names.into_iter().collect())),
-            runs: Arc::default(),
-        }
-    }
-
-    /// A write, and the invalidation that goes with it.
-    fn rename(&self, id: u64, name: &str) {
-        self.names.lock().insert(id, name.to_owned());
-        self.invalidate_name(id);
-    }
-
-    fn runs(&self) -> usize {
-        self.runs.load(Ordering::SeqCst)
-    }
-}
-
-fn server_endpoint(users: &Users) -> Endpoint {
-    let remote =
-        RemoteServer::new().expose("Users.name", users.clone(), |u, (id,): (u64,)| async move {
-            u.name_computed(id).await
-        });
-    Endpoint::builder().service(remote.service()).build()
-}
-
-async fn serve(users: &Users) -> SocketAddr {
-    let endpoint = server_endpoint(users);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
-    addr
-}
+use crate::support::*;
 
 /// The client's compute service: a replica of `Users.name`, and a greeting computed from
 /// it; `log` records which client methods ran.
@@ -106,13 +51,6 @@ impl View {
     fn take_log(&self) -> Vec<String> {
         std::mem::take(&mut *self.log.lock())
     }
-}
-
-/// Waits for something that must happen; fails the test instead of hanging.
-async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(20), f)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not happen"))
 }
 
 #[tokio::test]

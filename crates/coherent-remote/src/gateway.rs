@@ -1,0 +1,171 @@
+//! The HTTP gateway: exposed compute methods as JSON `GET` endpoints answered from the
+//! server's cache, with ETags, and a Server-Sent Events feed per result that reports its
+//! invalidation and sends the new value. For clients without the SDK (browsers, curl).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, ETAG, IF_NONE_MATCH};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use futures::Stream;
+use serde::Deserialize;
+
+use crate::server::{Held, Method};
+use crate::wire::Failure;
+use crate::RemoteServer;
+
+impl RemoteServer {
+    /// An axum router over the exposed methods, to nest in an app (e.g. under `/api`):
+    ///
+    /// - `GET /<name>?args=<JSON array>` (e.g. `/Users.get?args=[42]`; no `args` means `[]`)
+    ///   answers the value as JSON from the server's cache, with an `ETag` (a hash of the
+    ///   JSON); a request whose `If-None-Match` names it gets `304 Not Modified`.
+    /// - `GET /<name>/events?args=...` is a Server-Sent Events stream: a `value` event (its
+    ///   `id` is the ETag), then, when that result is invalidated, an `invalidated` event,
+    ///   then the new `value`, and so on.
+    ///
+    /// Unknown names answer 404, arguments that do not decode 400; error bodies are
+    /// `{"error": "..."}`.
+    pub fn gateway(&self) -> Router {
+        let methods = Arc::new(self.methods_by_name());
+        Router::new()
+            .route("/{method}", get(value))
+            .route("/{method}/events", get(events))
+            .with_state(methods)
+    }
+}
+
+type Methods = Arc<HashMap<&'static str, Method>>;
+
+#[derive(Deserialize)]
+struct Args {
+    args: Option<String>,
+}
+
+/// A strong validator: 64-bit FNV-1a of the JSON text.
+fn etag(json: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in json.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("\"{h:016x}\"")
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    let body = serde_json::json!({ "error": message }).to_string();
+    (status, [(CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn fetch(
+    methods: &Methods,
+    name: &str,
+    args: Option<String>,
+) -> Result<(String, Box<dyn Held>), Response> {
+    let Some(method) = methods.get(name) else {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            &format!("no compute method is exposed as {name}"),
+        ));
+    };
+    (method.json)(args.unwrap_or_else(|| "[]".to_owned()))
+        .await
+        .map_err(|f| match f {
+            Failure::BadArguments(e) => error(StatusCode::BAD_REQUEST, &e),
+            other => error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &coherent_rpc::RpcError::from(other).to_string(),
+            ),
+        })
+}
+
+async fn value(
+    State(methods): State<Methods>,
+    Path(name): Path<String>,
+    Query(args): Query<Args>,
+    headers: HeaderMap,
+) -> Response {
+    let (json, _) = match fetch(&methods, &name, args.args).await {
+        Ok(v) => v,
+        Err(response) => return response,
+    };
+    let tag = etag(&json);
+    let matches = headers
+        .get_all(IF_NONE_MATCH)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            let t = t.trim();
+            t == "*" || t.trim_start_matches("W/") == tag
+        });
+    let tag = HeaderValue::from_str(&tag).expect("hex in quotes is a valid header");
+    let cache = (CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    if matches {
+        return (StatusCode::NOT_MODIFIED, [(ETAG, tag), cache]).into_response();
+    }
+    let content_type = (CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    ([(ETAG, tag), cache, content_type], json).into_response()
+}
+
+async fn events(
+    State(methods): State<Methods>,
+    Path(name): Path<String>,
+    Query(args): Query<Args>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Response> {
+    // The first value is read now, so that a bad request gets an HTTP error, not a stream.
+    let first = fetch(&methods, &name, args.args.clone()).await?;
+    let state = Feed {
+        methods,
+        name,
+        args: args.args,
+        next: Next::Send(first),
+    };
+    let stream = futures::stream::unfold(state, |mut feed| async move {
+        let event = match std::mem::replace(&mut feed.next, Next::Done) {
+            Next::Send((json, held)) => {
+                let event = Event::default().event("value").id(etag(&json)).data(json);
+                feed.next = Next::Watch(held);
+                event
+            }
+            Next::Watch(held) => {
+                held.invalidated().await;
+                feed.next = Next::Refetch;
+                Event::default().event("invalidated").data("")
+            }
+            Next::Refetch => match fetch(&feed.methods, &feed.name, feed.args.clone()).await {
+                Ok((json, held)) => {
+                    let event = Event::default().event("value").id(etag(&json)).data(json);
+                    feed.next = Next::Watch(held);
+                    event
+                }
+                Err(_) => Event::default()
+                    .event("error")
+                    .data("the value could not be read again"),
+            },
+            Next::Done => return None,
+        };
+        Some((Ok(event), feed))
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}
+
+struct Feed {
+    methods: Methods,
+    name: String,
+    args: Option<String>,
+    next: Next,
+}
+
+enum Next {
+    Send((String, Box<dyn Held>)),
+    Watch(Box<dyn Held>),
+    Refetch,
+    Done,
+}

@@ -1,0 +1,110 @@
+//! The HTTP gateway: JSON values from the server's cache, ETags and 304s, and the
+//! Server-Sent Events feed that reports invalidations.
+
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+
+use crate::support::*;
+
+async fn serve_gateway(users: &Users) -> SocketAddr {
+    let app = axum_router(users);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+fn axum_router(users: &Users) -> axum::Router {
+    axum::Router::new().nest("/api", remote_server(users).gateway())
+}
+
+fn client() -> Client<HttpConnector, Empty<Bytes>> {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+async fn get(addr: SocketAddr, path: &str, if_none_match: Option<&str>) -> Response<Incoming> {
+    let mut request = Request::get(format!("http://{addr}{path}"));
+    if let Some(tag) = if_none_match {
+        request = request.header("if-none-match", tag);
+    }
+    client()
+        .request(request.body(Empty::new()).unwrap())
+        .await
+        .unwrap()
+}
+
+async fn text(response: Response<Incoming>) -> String {
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(body.to_vec()).unwrap()
+}
+
+#[tokio::test]
+async fn a_value_is_served_as_json_with_an_etag_and_a_304_while_it_is_unchanged() {
+    let users = Users::new();
+    let addr = serve_gateway(&users).await;
+    let response = get(addr, "/api/Users.name?args=%5B1%5D", None).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let tag = response.headers()["etag"].to_str().unwrap().to_owned();
+    assert_eq!(response.headers()["content-type"], "application/json");
+    assert_eq!(text(response).await, "\"ann\"");
+
+    let again = get(addr, "/api/Users.name?args=%5B1%5D", Some(&tag)).await;
+    assert_eq!(again.status(), StatusCode::NOT_MODIFIED);
+    assert_eq!(again.headers()["etag"].to_str().unwrap(), tag);
+    assert_eq!(users.runs(), 1, "both answers came from the server's cache");
+
+    users.rename(1, "anna");
+    let changed = get(addr, "/api/Users.name?args=%5B1%5D", Some(&tag)).await;
+    assert_eq!(changed.status(), StatusCode::OK);
+    assert_ne!(changed.headers()["etag"].to_str().unwrap(), tag);
+    assert_eq!(text(changed).await, "\"anna\"");
+}
+
+#[tokio::test]
+async fn unknown_methods_are_404_and_bad_arguments_400() {
+    let users = Users::new();
+    let addr = serve_gateway(&users).await;
+    let missing = get(addr, "/api/Users.nope?args=%5B1%5D", None).await;
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+    assert!(text(missing).await.contains("Users.nope"));
+    let bad = get(addr, "/api/Users.name?args=%5B%22x%22%5D", None).await;
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+    assert!(text(bad).await.contains("error"));
+}
+
+#[tokio::test]
+async fn the_event_feed_reports_an_invalidation_then_the_new_value() {
+    let users = Users::new();
+    let addr = serve_gateway(&users).await;
+    let response = get(addr, "/api/Users.name/events?args=%5B2%5D", None).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let mut body = response.into_body();
+    let mut seen = String::new();
+    // Reads events until `pattern` has arrived.
+    async fn until(body: &mut Incoming, seen: &mut String, pattern: &str) {
+        while !seen.contains(pattern) {
+            let frame = within("the next event", body.frame())
+                .await
+                .expect("the feed stays open")
+                .unwrap();
+            if let Ok(data) = frame.into_data() {
+                seen.push_str(std::str::from_utf8(&data).unwrap());
+            }
+        }
+    }
+    until(&mut body, &mut seen, "data: \"bob\"").await;
+    assert!(seen.contains("event: value"), "{seen}");
+    users.rename(2, "bobby");
+    until(&mut body, &mut seen, "data: \"bobby\"").await;
+    let invalidated = seen
+        .find("event: invalidated")
+        .expect("an invalidated event");
+    assert!(invalidated < seen.find("\"bobby\"").unwrap(), "{seen}");
+}

@@ -1,0 +1,5 @@
+//! coherent-remote end to end: replicas over RPC and the HTTP gateway.
+
+mod gateway;
+mod replicas;
+mod support;
