@@ -2,6 +2,8 @@
 //! otherwise) behind a coherent-rpc server on loopback, read by 20 readers per core while a
 //! mutator writes through the server's service every 10 ms:
 //!
+//! - `remote.http.regular`: HTTP JSON, an endpoint that queries the store on every request;
+//! - `remote.http.cached`: HTTP JSON through the gateway, answered from the server's cache;
 //! - `remote.local.cached`: the service called in-process (the reference);
 //! - `remote.rpc.cached`: a `RemoteClient::call` per read, a round trip to the server's cache;
 //! - `remote.replica`: a client compute method reading `RemoteClient::replica`, answered
@@ -16,9 +18,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::response::IntoResponse;
+use bytes::Bytes;
+
 use coherent::{compute_service, ComputeService, Registry, ServiceHandle};
 use coherent_remote::{RemoteClient, RemoteServer};
 use coherent_rpc::Endpoint;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
 
 use crate::local::service::UserService;
@@ -52,6 +60,55 @@ impl Getter for UserReplica {
     #[inline]
     async fn get(&self, id: u64) -> Result<User, StoreError> {
         UserReplica::get(self, id).await
+    }
+}
+
+/// HTTP JSON reads through a hyper connection pool (HTTP/1.1: one request in flight per
+/// connection, so as many connections as readers).
+struct HttpGetter {
+    client: Client<HttpConnector, Empty<Bytes>>,
+    /// The URL up to the id.
+    prefix: String,
+    /// What follows the id.
+    suffix: &'static str,
+}
+
+impl HttpGetter {
+    fn new(prefix: String, suffix: &'static str) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        Self {
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            prefix,
+            suffix,
+        }
+    }
+}
+
+impl Getter for HttpGetter {
+    async fn get(&self, id: u64) -> Result<User, StoreError> {
+        let url = format!("{}{id}{}", self.prefix, self.suffix);
+        let request = hyper::Request::get(url)
+            .body(Empty::new())
+            .map_err(|e| StoreError::from(e.to_string()))?;
+        let response = self
+            .client
+            .request(request)
+            .await
+            .map_err(|e| StoreError::from(e.to_string()))?;
+        if !response.status().is_success() {
+            return Err(format!("HTTP {}", response.status()).into());
+        }
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| StoreError::from(e.to_string()))?
+            .to_bytes();
+        // The gateway answers the method's own `Result`; the plain endpoint the user.
+        serde_json::from_slice::<Result<User, StoreError>>(&body)
+            .or_else(|_| serde_json::from_slice::<User>(&body).map(Ok))
+            .map_err(|e| StoreError::from(e.to_string()))?
     }
 }
 
@@ -115,18 +172,32 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
 
     let server_registry = Registry::new();
     let service = UserService::new(Arc::new(store), &server_registry);
-    let endpoint = Endpoint::builder()
-        .service(
-            RemoteServer::new()
-                .expose(GET, service.clone(), |s, (id,): (u64,)| async move {
-                    s.get_computed(id).await
-                })
-                .service(),
-        )
-        .build();
+    let exposed = RemoteServer::new().expose(GET, service.clone(), |s, (id,): (u64,)| async move {
+        s.get_computed(id).await
+    });
+    let endpoint = Endpoint::builder().service(exposed.service()).build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+
+    // HTTP: the gateway over the same cache, and a plain endpoint that queries every time.
+    let store = service.clone();
+    let app = axum::Router::new().nest("/api", exposed.gateway()).route(
+        "/regular/{id}",
+        axum::routing::get(move |axum::extract::Path(id): axum::extract::Path<u64>| {
+            let store = store.clone();
+            async move {
+                match store.store().get(id).await {
+                    Ok(user) => axum::Json(user).into_response(),
+                    Err(e) => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+                        .into_response(),
+                }
+            }
+        }),
+    );
+    let http_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let http_addr = http_listener.local_addr()?;
+    tokio::spawn(async move { axum::serve(http_listener, app).await });
 
     let client_registry = Registry::new();
     let remote = RemoteClient::builder()
@@ -144,7 +215,12 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     let local_getter = Arc::new(service.clone());
     let rpc_getter = Arc::new(RpcGetter(remote.clone()));
     let replica_getter = Arc::new(replica.clone());
-    let mut best: [(Outcome, u64); 3] = Default::default();
+    let regular_getter = Arc::new(HttpGetter::new(format!("http://{http_addr}/regular/"), ""));
+    let gateway_getter = Arc::new(HttpGetter::new(
+        format!("http://{http_addr}/api/{GET}?args=%5B"),
+        "%5D",
+    ));
+    let mut best: [(Outcome, u64); 5] = Default::default();
     for round in 0..=timing.runs {
         let duration = if round == 0 {
             timing.warmup
@@ -156,6 +232,24 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
             run_once(&local_getter, readers, &service, &replica, false, duration).await,
             run_once(&rpc_getter, readers, &service, &replica, false, duration).await,
             run_once(&replica_getter, readers, &service, &replica, true, duration).await,
+            run_once(
+                &regular_getter,
+                readers,
+                &service,
+                &replica,
+                false,
+                duration,
+            )
+            .await,
+            run_once(
+                &gateway_getter,
+                readers,
+                &service,
+                &replica,
+                false,
+                duration,
+            )
+            .await,
         ];
         for (b, o) in best.iter_mut().zip(outcomes) {
             b.1 += o.stale;
@@ -166,13 +260,15 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let [local, rpc, replicated] = best;
+    let [local, rpc, replicated, regular, gateway] = best;
 
     let row = |name: &str, o: &(Outcome, u64)| {
         Row::new(name.to_owned(), o.0.rate(), "calls/s")
             .with("stale_reads", o.1)
             .with("writes", o.0.writes)
     };
+    report.push(row("remote.http.regular", &regular));
+    report.push(row("remote.http.cached", &gateway).compared_to("remote.http.regular"));
     report.push(row("remote.local.cached", &local));
     report.push(row("remote.rpc.cached", &rpc).compared_to("remote.local.cached"));
     report.push(
@@ -201,7 +297,7 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     ));
     report
         .note("client and server in this process, over one TCP connection on 127.0.0.1; postcard");
-    report.note("not yet measured: remote.http.regular and remote.http.cached (the HTTP gateway is not built yet)");
+    report.note("http: axum on 127.0.0.1, a hyper client pool with one connection per reader (HTTP/1.1), JSON; regular = a query per request, cached = the gateway over the server's cache");
     Ok(report)
 }
 
