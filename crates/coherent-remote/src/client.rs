@@ -1,26 +1,37 @@
 //! The client side: replicas as dependencies. Each replica has a local *token*, a tiny
 //! computed that the calling compute method reads before it asks the server; the server's
-//! push invalidates the token, and the core's cascade does the rest.
+//! push invalidates the token, and the core's cascade does the rest. After a reconnect, the
+//! replicas held are revalidated by hash; those that changed meanwhile are invalidated.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use coherent::{compute_service, ComputeService, Registry, ServiceHandle};
-use coherent_rpc::{method_id, Blob, Config, Endpoint, Peer, RpcError};
+use coherent_rpc::{
+    method_id, Backoff, Blob, Config, Endpoint, ErrorCode, Peer, Reconnecting, RpcError,
+};
 use parking_lot::Mutex;
 use serde::{de::DeserializeOwned, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 
-use crate::wire::{ReplicaHostClient, ReplicaSink, ReplicaSinkServer};
+use crate::wire::{value_hash, Held, ReplicaHostClient, ReplicaSink, ReplicaSinkServer};
 
-/// Ids of replicas this client holds; shared by the client, its tokens and its sink.
+/// What the client knows of one replica: enough to ask the server to confirm it.
+struct Replica {
+    method: u32,
+    args: Blob,
+    /// `value_hash` of the value received; `None` while the fetch is in flight.
+    hash: Option<u64>,
+}
+
+/// The replicas this client holds; shared by the client, its tokens and its sink.
 #[derive(Default)]
 struct Live {
-    /// Replicas the server watches for us.
-    ids: Mutex<HashSet<u64>>,
+    replicas: Mutex<HashMap<u64, Replica>>,
     /// Replicas dropped here while the server still watches them.
     released: Mutex<Vec<u64>>,
     wake: Notify,
@@ -36,7 +47,7 @@ struct Token {
 
 impl Drop for Token {
     fn drop(&mut self) {
-        if self.live.ids.lock().remove(&self.replica) {
+        if self.live.replicas.lock().remove(&self.replica).is_some() {
             self.live.released.lock().push(self.replica);
             self.live.wake.notify_one();
         }
@@ -61,6 +72,21 @@ impl Tokens {
     }
 }
 
+impl Tokens {
+    /// Forgets these replicas and invalidates everything that read them.
+    fn invalidate(&self, replicas: impl IntoIterator<Item = u64>) {
+        let replicas: Vec<u64> = replicas.into_iter().collect();
+        let mut live = self.live.replicas.lock();
+        for id in &replicas {
+            live.remove(id);
+        }
+        drop(live);
+        for id in replicas {
+            self.invalidate_token(id);
+        }
+    }
+}
+
 /// Invalidations pushed by the server.
 struct Sink {
     tokens: Tokens,
@@ -69,14 +95,7 @@ struct Sink {
 impl ReplicaSink for Sink {
     async fn invalidated(&self, replicas: Vec<u64>) {
         tracing::debug!(count = replicas.len(), "replicas invalidated by the server");
-        let mut ids = self.tokens.live.ids.lock();
-        for id in &replicas {
-            ids.remove(id);
-        }
-        drop(ids);
-        for id in replicas {
-            self.tokens.invalidate_token(id);
-        }
+        self.tokens.invalidate(replicas);
     }
 }
 
@@ -87,18 +106,24 @@ impl ReplicaSink for Sink {
 /// hits, and the server's invalidation reaches it (and whatever depends on it) as soon as
 /// the server's result changes. [`call`](Self::call) is a plain round trip.
 ///
-/// When the connection closes, every replica it holds is invalidated: the next read asks
-/// again (and fails while there is no connection). Nothing stale survives a disconnect.
+/// The client reconnects after a disconnect (with the builder's backoff) and then
+/// revalidates every replica it holds: it sends the hash of each value, the server answers
+/// which ones changed meanwhile, and those are invalidated. Until then the replicas answer
+/// with the values they have. When reconnecting fails for good, or after
+/// [`close`](Self::close), every replica is invalidated: nothing stale is served after that.
 #[derive(Clone)]
 pub struct RemoteClient {
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    peer: Peer,
-    host: ReplicaHostClient,
+    connection: Reconnecting,
+    host: ReplicaHostClient<Reconnecting>,
     tokens: Tokens,
     next_replica: AtomicU64,
+    closed: AtomicBool,
+    /// Bumped after each reconnect's revalidation.
+    revalidated: watch::Sender<u64>,
 }
 
 /// Options of a [`RemoteClient`] connection.
@@ -106,6 +131,7 @@ struct Inner {
 pub struct RemoteClientBuilder {
     config: Config,
     registry: Option<Registry>,
+    backoff: Option<Backoff>,
 }
 
 impl RemoteClientBuilder {
@@ -122,21 +148,56 @@ impl RemoteClientBuilder {
         self
     }
 
-    /// Connects over TCP.
-    pub async fn connect_tcp(self, addr: SocketAddr) -> Result<RemoteClient, RpcError> {
-        let (endpoint, tokens) = self.endpoint();
-        let peer = endpoint.connect_tcp(addr).await?;
-        Ok(RemoteClient::start(peer, tokens))
+    /// How reconnection attempts are spaced (`Backoff::default()` if not set).
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = Some(backoff);
+        self
     }
 
-    /// Connects over any byte stream (a Unix socket, a child's pipes, an in-memory duplex).
+    /// Connects over TCP, and reconnects to the same address.
+    pub async fn connect_tcp(self, addr: SocketAddr) -> Result<RemoteClient, RpcError> {
+        self.connect_with(move |endpoint| async move { endpoint.connect_tcp(addr).await })
+            .await
+    }
+
+    /// Connects with `connect`, called again for every reconnection, with the endpoint to
+    /// connect through (it serves the client's end of the protocol): any transport, e.g.
+    /// `|e| async move { e.connect_unix(path).await }` or a WebSocket.
+    pub async fn connect_with<F, Fut>(self, connect: F) -> Result<RemoteClient, RpcError>
+    where
+        F: Fn(Endpoint) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Peer, RpcError>> + Send + 'static,
+    {
+        let backoff = self.backoff.unwrap_or_default();
+        let (endpoint, tokens) = self.endpoint();
+        let connection = Reconnecting::new(move || connect(endpoint.clone()), backoff);
+        RemoteClient::start(connection, tokens).await
+    }
+
+    /// Connects over one byte stream (a child's pipes, an in-memory duplex). Such a
+    /// connection cannot be made again: when it closes, every replica is invalidated.
     pub async fn connect<IO>(self, io: IO) -> Result<RemoteClient, RpcError>
     where
         IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
-        let (endpoint, tokens) = self.endpoint();
-        let peer = endpoint.connect(io).await?;
-        Ok(RemoteClient::start(peer, tokens))
+        let io = Arc::new(Mutex::new(Some(io)));
+        self.backoff(Backoff {
+            max_attempts: 1,
+            ..Backoff::default()
+        })
+        .connect_with(move |endpoint| {
+            let io = io.lock().take();
+            async move {
+                match io {
+                    Some(io) => endpoint.connect(io).await,
+                    None => Err(RpcError::new(
+                        ErrorCode::Disconnected,
+                        "a connection over a single byte stream cannot be made again",
+                    )),
+                }
+            }
+        })
+        .await
     }
 
     fn endpoint(self) -> (Endpoint, Tokens) {
@@ -169,21 +230,27 @@ impl RemoteClient {
         Self::builder().connect_tcp(addr).await
     }
 
-    fn start(peer: Peer, tokens: Tokens) -> Self {
+    async fn start(connection: Reconnecting, tokens: Tokens) -> Result<Self, RpcError> {
+        let first = connection.peer().await?;
         let client = Self {
             inner: Arc::new(Inner {
-                host: ReplicaHostClient::new(peer.clone()),
-                peer,
+                host: ReplicaHostClient::new(connection.clone()),
+                connection,
                 tokens,
                 next_replica: AtomicU64::new(1),
+                closed: AtomicBool::new(false),
+                revalidated: watch::Sender::new(0),
             }),
         };
-        tokio::spawn(housekeeping(
-            client.inner.peer.clone(),
-            client.inner.host.clone(),
-            client.inner.tokens.clone(),
+        tokio::spawn(supervise(
+            Arc::downgrade(&client.inner),
+            first.when_closed(),
         ));
-        client
+        tokio::spawn(release(
+            Arc::downgrade(&client.inner),
+            client.inner.tokens.live.clone(),
+        ));
+        Ok(client)
     }
 
     /// Calls the server's compute method `method` (the name it was exposed under) with the
@@ -198,18 +265,37 @@ impl RemoteClient {
         T: DeserializeOwned,
     {
         let inner = &*self.inner;
+        let peer = inner.connection.peer().await?;
+        let format = peer.format();
+        let args = Blob::from(format.encode(&args)?);
+        let method = method_id(method);
         let replica = inner.next_replica.fetch_add(1, Ordering::Relaxed);
-        inner.tokens.live.ids.lock().insert(replica);
+        inner.tokens.live.replicas.lock().insert(
+            replica,
+            Replica {
+                method,
+                args: args.clone(),
+                hash: None,
+            },
+        );
         // Read first, so that an invalidation that overtakes the answer finds the token
         // (and the caller, still computing, is stored as invalidated).
         drop(inner.tokens.token(replica).await);
-        if let Some(reason) = inner.peer.close_reason() {
-            inner.tokens.invalidate_token(replica);
-            return Err(reason);
+        if inner.closed.load(Ordering::Acquire) {
+            inner.tokens.invalidate([replica]);
+            return Err(RpcError::new(
+                ErrorCode::Disconnected,
+                "the client was closed",
+            ));
         }
-        let format = inner.peer.format();
-        let args = Blob::from(format.encode(&args)?);
-        let value = inner.host.fetch(method_id(method), args, replica).await??;
+        let value = match inner.host.fetch(method, args, replica).await {
+            Ok(Ok(value)) => value,
+            Ok(Err(failure)) => return Err(failure.into()),
+            Err(e) => return Err(e),
+        };
+        if let Some(r) = inner.tokens.live.replicas.lock().get_mut(&replica) {
+            r.hash = Some(value_hash(&value));
+        }
         format.decode_bytes(value.into_bytes())
     }
 
@@ -220,43 +306,124 @@ impl RemoteClient {
         A: Serialize,
         T: DeserializeOwned,
     {
-        let format = self.inner.peer.format();
+        let format = self.inner.connection.peer().await?.format();
         let args = Blob::from(format.encode(&args)?);
         let value = self.inner.host.call(method_id(method), args).await??;
         format.decode_bytes(value.into_bytes())
     }
 
-    /// The underlying connection.
-    pub fn peer(&self) -> &Peer {
-        &self.inner.peer
+    /// The open connection, if there is one now.
+    pub fn connection(&self) -> Option<Peer> {
+        self.inner.connection.current()
+    }
+
+    /// How many connections were made so far (1 plus the reconnections).
+    pub fn connections(&self) -> u64 {
+        self.inner.connection.connections()
     }
 
     /// How many replicas the server watches for this client now.
     pub fn replica_count(&self) -> usize {
-        self.inner.tokens.live.ids.lock().len()
+        self.inner.tokens.live.replicas.lock().len()
+    }
+
+    /// Waits until the replicas have been revalidated after `n` reconnections.
+    pub async fn revalidated(&self, n: u64) {
+        let mut rx = self.inner.revalidated.subscribe();
+        let _ = rx.wait_for(|&done| done >= n).await;
+    }
+
+    /// Closes the connection for good: no reconnection, every replica invalidated.
+    pub fn close(&self) {
+        self.inner.closed.store(true, Ordering::Release);
+        if let Some(peer) = self.connection() {
+            peer.close();
+        }
     }
 }
 
-/// Tells the server about dropped replicas (in batches), and invalidates every replica
-/// when the connection closes.
-async fn housekeeping(peer: Peer, host: ReplicaHostClient, tokens: Tokens) {
-    let live = tokens.live.clone();
-    loop {
-        tokio::select! {
-            () = live.wake.notified() => {}
-            _ = peer.closed() => break,
-        }
-        let released = std::mem::take(&mut *live.released.lock());
-        if !released.is_empty() && host.release(released).await.is_err() {
-            break;
-        }
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Lets the release task see that the client is gone.
+        self.tokens.live.wake.notify_one();
     }
-    let ids: Vec<u64> = live.ids.lock().drain().collect();
-    tracing::debug!(
-        count = ids.len(),
-        "connection closed: invalidating its replicas"
-    );
-    for id in ids {
-        tokens.invalidate_token(id);
+}
+
+/// After each disconnect: reconnects and revalidates the replicas held, or invalidates them
+/// all when the client was closed or reconnecting fails. Holds no connection: dropping the
+/// client closes it.
+async fn supervise(
+    client: std::sync::Weak<Inner>,
+    closed: impl Future<Output = RpcError> + Send + 'static,
+) {
+    let mut closed: std::pin::Pin<Box<dyn Future<Output = RpcError> + Send>> = Box::pin(closed);
+    let mut reconnects = 0u64;
+    loop {
+        closed.as_mut().await;
+        let Some(inner) = client.upgrade() else {
+            return;
+        };
+        let next = if inner.closed.load(Ordering::Acquire) {
+            None
+        } else {
+            inner.connection.peer().await.ok()
+        };
+        let Some(next) = next else {
+            let all: Vec<u64> = inner.tokens.live.replicas.lock().keys().copied().collect();
+            tracing::debug!(
+                count = all.len(),
+                "disconnected for good: invalidating replicas"
+            );
+            inner.tokens.invalidate(all);
+            return;
+        };
+        closed = Box::pin(next.when_closed());
+        drop(next);
+        reconnects += 1;
+        let held: Vec<Held> = inner
+            .tokens
+            .live
+            .replicas
+            .lock()
+            .iter()
+            .filter_map(|(&replica, r)| {
+                r.hash.map(|hash| Held {
+                    replica,
+                    method: r.method,
+                    args: r.args.clone(),
+                    hash,
+                })
+            })
+            .collect();
+        let all: Vec<u64> = held.iter().map(|h| h.replica).collect();
+        match inner.host.revalidate(held).await {
+            Ok(stale) => {
+                tracing::debug!(
+                    held = all.len(),
+                    stale = stale.len(),
+                    "replicas revalidated"
+                );
+                inner.tokens.invalidate(stale);
+            }
+            // Not confirmed: none of them can be trusted.
+            Err(_) => inner.tokens.invalidate(all),
+        }
+        inner.revalidated.send_replace(reconnects);
+    }
+}
+
+/// Tells the server about dropped replicas, in batches, until the client is dropped.
+async fn release(client: std::sync::Weak<Inner>, live: Arc<Live>) {
+    loop {
+        live.wake.notified().await;
+        let Some(inner) = client.upgrade() else {
+            return;
+        };
+        let released = std::mem::take(&mut *live.released.lock());
+        if released.is_empty() {
+            continue;
+        }
+        // Over whatever connection is open; if none, the server dropped them anyway.
+        let _ = inner.host.release(released).await;
     }
 }

@@ -16,7 +16,7 @@ use axum::Router;
 use futures::Stream;
 use serde::Deserialize;
 
-use crate::server::{Held, Method};
+use crate::server::{Method, Watched};
 use crate::wire::Failure;
 use crate::RemoteServer;
 
@@ -67,7 +67,7 @@ async fn fetch(
     methods: &Methods,
     name: &str,
     args: Option<String>,
-) -> Result<(String, Box<dyn Held>), Response> {
+) -> Result<(String, Box<dyn Watched>), Response> {
     let Some(method) = methods.get(name) else {
         return Err(error(
             StatusCode::NOT_FOUND,
@@ -164,8 +164,8 @@ struct Feed {
 }
 
 enum Next {
-    Send((String, Box<dyn Held>)),
-    Watch(Box<dyn Held>),
+    Send((String, Box<dyn Watched>)),
+    Watch(Box<dyn Watched>),
     Refetch,
     Done,
 }

@@ -13,20 +13,20 @@ use parking_lot::Mutex;
 use serde::{de::DeserializeOwned, Serialize};
 use tokio::sync::Notify;
 
-use crate::wire::{Failure, ReplicaHost, ReplicaHostServer, ReplicaSinkClient};
+use crate::wire::{value_hash, Failure, Held, ReplicaHost, ReplicaHostServer, ReplicaSinkClient};
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// A computed held for a replica. Holding it keeps the result cached (the core never
 /// evicts an entry someone holds), so that a later invalidation still finds it.
-pub(crate) trait Held: Send + Sync {
+pub(crate) trait Watched: Send + Sync {
     fn on_invalidated(&self, callback: Box<dyn FnOnce() + Send>);
     /// Completes when the computed is invalidated.
     #[cfg_attr(not(feature = "http"), allow(dead_code))]
     fn invalidated(&self) -> BoxFuture<()>;
 }
 
-impl<T: Clone + Send + Sync + 'static> Held for Computed<T> {
+impl<T: Clone + Send + Sync + 'static> Watched for Computed<T> {
     fn on_invalidated(&self, callback: Box<dyn FnOnce() + Send>) {
         Computed::on_invalidated(self, callback);
     }
@@ -39,12 +39,12 @@ impl<T: Clone + Send + Sync + 'static> Held for Computed<T> {
 
 /// Decodes arguments, gets the computed behind the call and encodes its value.
 type Fetch =
-    dyn Fn(Blob, Format) -> BoxFuture<Result<(Blob, Box<dyn Held>), Failure>> + Send + Sync;
+    dyn Fn(Blob, Format) -> BoxFuture<Result<(Blob, Box<dyn Watched>), Failure>> + Send + Sync;
 
 /// The same for JSON text (the HTTP gateway): arguments as a JSON array.
 #[cfg(feature = "http")]
 pub(crate) type JsonFetch =
-    dyn Fn(String) -> BoxFuture<Result<(String, Box<dyn Held>), Failure>> + Send + Sync;
+    dyn Fn(String) -> BoxFuture<Result<(String, Box<dyn Watched>), Failure>> + Send + Sync;
 
 /// Compute methods exposed to remote clients. Turn it into an RPC service with
 /// [`RemoteServer::service`] and add that to a `coherent_rpc::Endpoint`.
@@ -118,7 +118,7 @@ impl RemoteServer {
                     let computed = get(service, args).await;
                     let value = serde_json::to_string(computed.value())
                         .map_err(|e| Failure::BadValue(e.to_string()))?;
-                    Ok((value, Box::new(computed) as Box<dyn Held>))
+                    Ok((value, Box::new(computed) as Box<dyn Watched>))
                 }) as BoxFuture<_>
             })
         };
@@ -132,7 +132,7 @@ impl RemoteServer {
                 let value = format
                     .encode(computed.value())
                     .map_err(|e| Failure::BadValue(e.message().to_owned()))?;
-                Ok((Blob::from(value), Box::new(computed) as Box<dyn Held>))
+                Ok((Blob::from(value), Box::new(computed) as Box<dyn Watched>))
             }) as BoxFuture<_>
         });
         let id = method_id(name);
@@ -186,7 +186,7 @@ struct Host {
 /// What the server keeps for one client connection.
 struct Connection {
     /// Replica id → the computed it watches.
-    replicas: Mutex<HashMap<u64, Box<dyn Held>>>,
+    replicas: Mutex<HashMap<u64, Box<dyn Watched>>>,
     /// Replicas invalidated and not yet pushed. Each id enters once (a computed's callback
     /// runs once), so this never outgrows `replicas`.
     invalidated: Mutex<Vec<u64>>,
@@ -256,6 +256,28 @@ async fn push_invalidations(
     connections.lock().remove(&peer.id());
 }
 
+impl Connection {
+    /// Holds `watched` for `replica` and pushes the replica's id when it is invalidated.
+    fn watch(self: &Arc<Self>, replica: u64, watched: Box<dyn Watched>) {
+        let watch = Arc::downgrade(self);
+        // A replica id the client reuses replaces the old watch; the old callback then
+        // pushes an invalidation the client no longer waits for, which is harmless.
+        let previous = self.replicas.lock().insert(replica, watched);
+        drop(previous);
+        let replicas = self.replicas.lock();
+        if let Some(watched) = replicas.get(&replica) {
+            // Runs at once if the computed is already invalidated: the client then gets
+            // the value and, right behind it, the news that it is stale.
+            watched.on_invalidated(Box::new(move || {
+                if let Some(c) = watch.upgrade() {
+                    c.invalidated.lock().push(replica);
+                    c.wake.notify_one();
+                }
+            }));
+        }
+    }
+}
+
 impl ReplicaHost for Host {
     async fn fetch(&self, method: u32, args: Blob, replica: u64) -> Result<Blob, Failure> {
         let fetch = self.method(method)?;
@@ -264,24 +286,33 @@ impl ReplicaHost for Host {
         if connection.replicas.lock().len() >= self.max_replicas {
             return Err(Failure::TooManyReplicas(self.max_replicas));
         }
-        let (value, held) = fetch(args, ctx.peer().format()).await?;
-        let watch = Arc::downgrade(&connection);
-        // A replica id the client reuses replaces the old watch; the old callback then
-        // pushes an invalidation the client no longer waits for, which is harmless.
-        let previous = connection.replicas.lock().insert(replica, held);
-        drop(previous);
-        let replicas = connection.replicas.lock();
-        if let Some(held) = replicas.get(&replica) {
-            // Runs at once if the computed is already invalidated: the client then gets
-            // the value and, right behind it, the news that it is stale.
-            held.on_invalidated(Box::new(move || {
-                if let Some(c) = watch.upgrade() {
-                    c.invalidated.lock().push(replica);
-                    c.wake.notify_one();
-                }
-            }));
-        }
+        let (value, watched) = fetch(args, ctx.peer().format()).await?;
+        connection.watch(replica, watched);
         Ok(value)
+    }
+
+    async fn revalidate(&self, replicas: Vec<Held>) -> Vec<u64> {
+        let ctx = CallContext::current().expect("a handler runs with its call context");
+        let connection = self.connection(ctx.peer());
+        let format = ctx.peer().format();
+        let mut stale = Vec::new();
+        for held in replicas {
+            let current = match self.method(held.method) {
+                Ok(fetch) => fetch(held.args, format).await,
+                Err(e) => Err(e),
+            };
+            match current {
+                Ok((value, watched))
+                    if value_hash(&value) == held.hash
+                        && connection.replicas.lock().len() < self.max_replicas =>
+                {
+                    connection.watch(held.replica, watched);
+                }
+                _ => stale.push(held.replica),
+            }
+        }
+        tracing::debug!(stale = stale.len(), "replicas revalidated");
+        stale
     }
 
     async fn call(&self, method: u32, args: Blob) -> Result<Blob, Failure> {

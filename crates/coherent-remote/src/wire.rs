@@ -36,15 +36,42 @@ impl From<Failure> for RpcError {
     }
 }
 
+/// A replica the client holds, as it asks the server to confirm it after a reconnect.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Held {
+    pub(crate) replica: u64,
+    pub(crate) method: u32,
+    pub(crate) args: Blob,
+    /// [`value_hash`] of the encoded value the client holds.
+    pub(crate) hash: u64,
+}
+
+/// 64-bit FNV-1a of an encoded value: what a revalidation compares.
+pub(crate) fn value_hash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
 /// Served by the server: compute calls, with or without a replica.
 #[service]
 pub(crate) trait ReplicaHost {
     /// Calls compute method `method` and keeps watching its result: when it is
     /// invalidated, the server calls `ReplicaSink::invalidated` with `replica` (an id the
-    /// client chose, unique on this connection).
+    /// client chose, unique among its replicas).
+    #[idempotent]
     async fn fetch(&self, method: u32, args: Blob, replica: u64) -> Result<Blob, Failure>;
     /// Calls compute method `method` once; nothing is watched.
+    #[idempotent]
     async fn call(&self, method: u32, args: Blob) -> Result<Blob, Failure>;
+    /// After a reconnect: for each replica, the server compares the hash of its current
+    /// value with the client's. Those that match are watched again, as by `fetch`; the
+    /// answer lists the others (changed, or failing now), which the client drops.
+    #[idempotent]
+    async fn revalidate(&self, replicas: Vec<Held>) -> Vec<u64>;
     /// The client no longer holds these replicas: stop watching them.
     #[oneway]
     async fn release(&self, replicas: Vec<u64>);

@@ -473,6 +473,22 @@ impl Peer {
         }
     }
 
+    /// Like [`closed`](Self::closed), but the future does not hold this handle: waiting on
+    /// it does not keep the connection open when every handle is dropped.
+    pub fn when_closed(&self) -> impl Future<Output = RpcError> + Send + 'static {
+        let mut rx = self.shared.closed.subscribe();
+        async move {
+            loop {
+                if let Some(r) = rx.borrow_and_update().clone() {
+                    return r;
+                }
+                if rx.changed().await.is_err() {
+                    return RpcError::disconnected("connection dropped");
+                }
+            }
+        }
+    }
+
     /// A snapshot of this connection's counters.
     pub fn stats(&self) -> Stats {
         let c = &self.shared.counters;

@@ -100,6 +100,11 @@ impl Reconnecting {
         self.inner.connects.load(Ordering::Relaxed)
     }
 
+    /// The open connection, if there is one now (without connecting).
+    pub fn current(&self) -> Option<Peer> {
+        self.open()
+    }
+
     fn open(&self) -> Option<Peer> {
         self.inner
             .current

@@ -1,6 +1,7 @@
 //! Replicas end to end: a compute service behind an RPC server, client compute methods
 //! reading it through `RemoteClient::replica`, and the server's invalidations arriving.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -64,12 +65,12 @@ async fn a_replica_is_fetched_once_and_recomputed_only_after_the_server_invalida
     assert_eq!(view.greeting(1).await, "hello, ann");
     assert_eq!(view.take_log(), ["greeting(1)", "name(1)"]);
     assert_eq!(users.runs(), 1);
-    let calls = remote.peer().stats().calls_out;
+    let calls = remote.connection().unwrap().stats().calls_out;
 
     // Cached on the client: no method runs, no call goes out.
     assert_eq!(view.greeting(1).await, "hello, ann");
     assert!(view.take_log().is_empty());
-    assert_eq!(remote.peer().stats().calls_out, calls);
+    assert_eq!(remote.connection().unwrap().stats().calls_out, calls);
 
     let greeting = view.greeting_computed(1).await;
     users.rename(1, "anna");
@@ -140,12 +141,18 @@ async fn one_write_invalidates_a_thousand_replicas_with_one_message_each() {
     }
     // One server computation served every replica.
     assert_eq!(users.runs(), 1);
-    let before: u64 = views.iter().map(|v| v.remote.peer().stats().calls_in).sum();
+    let before: u64 = views
+        .iter()
+        .map(|v| v.remote.connection().unwrap().stats().calls_in)
+        .sum();
     users.rename(1, "anna");
     for g in &greetings {
         within("every pushed invalidation", g.when_invalidated()).await;
     }
-    let after: u64 = views.iter().map(|v| v.remote.peer().stats().calls_in).sum();
+    let after: u64 = views
+        .iter()
+        .map(|v| v.remote.connection().unwrap().stats().calls_in)
+        .sum();
     assert_eq!(after - before, 1000, "one invalidation message per replica");
     for view in &views {
         assert_eq!(view.greeting(1).await, "hello, anna");
@@ -154,7 +161,7 @@ async fn one_write_invalidates_a_thousand_replicas_with_one_message_each() {
 }
 
 #[tokio::test]
-async fn closing_the_connection_invalidates_every_replica_it_carried() {
+async fn a_closed_client_invalidates_every_replica_and_serves_nothing_stale() {
     let users = Users::new();
     let remote = RemoteClient::connect_tcp(serve(&users).await)
         .await
@@ -163,12 +170,110 @@ async fn closing_the_connection_invalidates_every_replica_it_carried() {
     assert_eq!(view.greeting(1).await, "hello, ann");
     assert_eq!(remote.replica_count(), 1);
     let greeting = view.greeting_computed(1).await;
-    remote.peer().close();
+    remote.close();
     within("the invalidation on close", greeting.when_invalidated()).await;
     assert_eq!(remote.replica_count(), 0);
-    // Nothing stale is served: the next read asks again and reports the lost connection.
+    // Nothing stale is served: the next read asks again and reports the closed client.
     let err = view.name(1).await.unwrap_err();
     assert_eq!(err.code(), ErrorCode::Disconnected, "{err}");
+}
+
+/// Where a test's client connects, and a gate that holds reconnections back.
+struct Switch {
+    addr: Mutex<SocketAddr>,
+    gate: tokio::sync::Semaphore,
+}
+
+impl Switch {
+    async fn client(addr: SocketAddr) -> (Arc<Switch>, RemoteClient) {
+        let switch = Arc::new(Switch {
+            addr: Mutex::new(addr),
+            gate: tokio::sync::Semaphore::new(1),
+        });
+        let s = switch.clone();
+        let remote = RemoteClient::builder()
+            .connect_with(move |endpoint| {
+                let s = s.clone();
+                async move {
+                    s.gate.acquire().await.expect("open").forget();
+                    let addr = *s.addr.lock();
+                    endpoint.connect_tcp(addr).await
+                }
+            })
+            .await
+            .unwrap();
+        (switch, remote)
+    }
+
+    /// Drops the connection; the client reconnects once `open` is called.
+    fn cut(&self, remote: &RemoteClient) {
+        remote.connection().expect("connected").close();
+    }
+
+    fn open(&self) {
+        self.gate.add_permits(1);
+    }
+}
+
+#[tokio::test]
+async fn after_a_reconnect_only_the_replicas_that_changed_meanwhile_are_invalidated() {
+    let users = Users::new();
+    let (switch, remote) = Switch::client(serve(&users).await).await;
+    let view = View::new(remote.clone());
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    assert_eq!(view.greeting(2).await, "hello, bob");
+    let (one, two) = (
+        view.greeting_computed(1).await,
+        view.greeting_computed(2).await,
+    );
+    view.take_log();
+
+    switch.cut(&remote);
+    // Written while the client is away: no push can reach it.
+    users.rename(1, "anna");
+    switch.open();
+    remote.revalidated(1).await;
+    assert_eq!(remote.connections(), 2);
+    within("the revalidation's invalidation", one.when_invalidated()).await;
+    assert!(
+        two.is_consistent(),
+        "an unchanged replica survives the reconnect"
+    );
+    assert_eq!(view.greeting(1).await, "hello, anna");
+    assert_eq!(view.greeting(2).await, "hello, bob");
+    assert_eq!(view.take_log(), ["greeting(1)", "name(1)"]);
+
+    // Watched again on the new connection: a later write is pushed as usual.
+    users.rename(2, "bobby");
+    within("the pushed invalidation", two.when_invalidated()).await;
+    assert_eq!(view.greeting(2).await, "hello, bobby");
+}
+
+#[tokio::test]
+async fn a_server_restart_is_survived_and_what_it_answers_differently_is_invalidated() {
+    let before = Users::new();
+    let (switch, remote) = Switch::client(serve(&before).await).await;
+    let view = View::new(remote.clone());
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    assert_eq!(view.greeting(2).await, "hello, bob");
+    let (one, two) = (
+        view.greeting_computed(1).await,
+        view.greeting_computed(2).await,
+    );
+    view.take_log();
+
+    // A new server process: a fresh cache over data in which user 2 changed.
+    let after = Users::new();
+    after.rename(2, "robert");
+    *switch.addr.lock() = serve(&after).await;
+    switch.cut(&remote);
+    switch.open();
+    remote.revalidated(1).await;
+    within("the revalidation's invalidation", two.when_invalidated()).await;
+    assert!(one.is_consistent(), "user 1 is the same on the new server");
+    assert_eq!(view.greeting(2).await, "hello, robert");
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    assert_eq!(view.take_log(), ["greeting(2)", "name(2)"]);
 }
 
 #[tokio::test]
@@ -177,12 +282,12 @@ async fn plain_calls_make_a_round_trip_every_time() {
     let remote = RemoteClient::connect_tcp(serve(&users).await)
         .await
         .unwrap();
-    let calls = remote.peer().stats().calls_out;
+    let calls = remote.connection().unwrap().stats().calls_out;
     for _ in 0..3 {
         let name: Option<String> = remote.call("Users.name", (2u64,)).await.unwrap();
         assert_eq!(name.as_deref(), Some("bob"));
     }
-    assert_eq!(remote.peer().stats().calls_out, calls + 3);
+    assert_eq!(remote.connection().unwrap().stats().calls_out, calls + 3);
     assert_eq!(remote.replica_count(), 0);
     // Served from the server's cache: the method ran once.
     assert_eq!(users.runs(), 1);
