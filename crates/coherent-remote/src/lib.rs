@@ -12,13 +12,18 @@
 //! cached) with one invalidation callback, which queues the replica's id; one task per
 //! connection pushes queued ids in batches. The client reads a local token computed per
 //! replica before it asks the server, so the pushed id invalidates the token and the core's
-//! cascade carries it to every dependant. A closed connection invalidates all its replicas.
+//! cascade carries it to every dependant.
 //!
 //! With the `http` feature (on by default), [`RemoteServer::gateway`] serves the same methods
 //! to clients without the SDK: JSON `GET` endpoints with ETags and Server-Sent Events that
 //! report invalidations.
 //!
-//! Not yet here: reconnection with revalidation and a persistent client cache.
+//! After a reconnect (or a server restart) the client revalidates every replica it holds by
+//! the hash of its value: unchanged ones stay, changed ones are invalidated.
+//!
+//! Not yet here: a persistent client cache.
+//!
+//! The runnable example is `examples/remote_server.rs` with `examples/remote_client.rs`.
 
 mod client;
 #[cfg(feature = "http")]
