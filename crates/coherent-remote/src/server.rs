@@ -66,7 +66,11 @@ pub(crate) type JsonFetch =
 pub struct RemoteServer {
     methods: HashMap<u32, Method>,
     max_replicas: usize,
+    /// Shared by every service made from this server, and by its stats.
+    connections: Connections,
 }
+
+type Connections = Arc<Mutex<HashMap<u64, Arc<Connection>>>>;
 
 #[derive(Clone)]
 pub(crate) struct Method {
@@ -88,6 +92,7 @@ impl RemoteServer {
         Self {
             methods: HashMap::new(),
             max_replicas: 100_000,
+            connections: Arc::default(),
         }
     }
 
@@ -167,12 +172,23 @@ impl RemoteServer {
         self.methods.values().map(|m| (m.name, m.clone())).collect()
     }
 
+    /// How many client connections hold replicas now.
+    pub fn connections(&self) -> usize {
+        self.connections.lock().len()
+    }
+
+    /// How many replicas the server watches now, over all connections.
+    pub fn replicas_held(&self) -> usize {
+        let connections: Vec<_> = self.connections.lock().values().cloned().collect();
+        connections.iter().map(|c| c.replicas.lock().len()).sum()
+    }
+
     /// The RPC service to add to an endpoint.
     pub fn service(&self) -> impl Service {
         ReplicaHostServer::new(Host {
             methods: self.methods.clone(),
             max_replicas: self.max_replicas,
-            connections: Arc::new(Mutex::new(HashMap::new())),
+            connections: self.connections.clone(),
         })
     }
 }
@@ -180,7 +196,7 @@ impl RemoteServer {
 struct Host {
     methods: HashMap<u32, Method>,
     max_replicas: usize,
-    connections: Arc<Mutex<HashMap<u64, Arc<Connection>>>>,
+    connections: Connections,
 }
 
 /// What the server keeps for one client connection.
@@ -224,11 +240,7 @@ impl Host {
 
 /// Sends each batch of invalidated replica ids in one message, until the connection closes;
 /// then drops everything the connection held.
-async fn push_invalidations(
-    peer: Peer,
-    connection: Weak<Connection>,
-    connections: Arc<Mutex<HashMap<u64, Arc<Connection>>>>,
-) {
+async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connections: Connections) {
     let sink = ReplicaSinkClient::new(peer.clone());
     loop {
         let Some(c) = connection.upgrade() else { break };

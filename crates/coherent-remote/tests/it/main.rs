@@ -3,3 +3,4 @@
 mod gateway;
 mod replicas;
 mod support;
+mod wire;
