@@ -26,6 +26,9 @@ struct Replica {
     args: Blob,
     /// `value_hash` of the value received; `None` while the fetch is in flight.
     hash: Option<u64>,
+    /// False while the value comes from the persistent cache and the server has not
+    /// confirmed it yet.
+    confirmed: bool,
 }
 
 /// The replicas this client holds; shared by the client, its tokens and its sink.
@@ -124,6 +127,12 @@ struct Inner {
     closed: AtomicBool,
     /// Bumped after each reconnect's revalidation.
     revalidated: watch::Sender<u64>,
+    #[cfg(feature = "persistent")]
+    disk: Option<crate::disk::Disk>,
+    /// Keys whose value was looked up on disk already: the file answers only a key's first
+    /// read in this process (later reads come from the server, or the cache in memory).
+    #[cfg(feature = "persistent")]
+    looked_up: Mutex<std::collections::HashSet<(u32, Blob)>>,
 }
 
 /// Options of a [`RemoteClient`] connection.
@@ -132,6 +141,8 @@ pub struct RemoteClientBuilder {
     config: Config,
     registry: Option<Registry>,
     backoff: Option<Backoff>,
+    #[cfg(feature = "persistent")]
+    persist_to: Option<std::path::PathBuf>,
 }
 
 impl RemoteClientBuilder {
@@ -154,6 +165,17 @@ impl RemoteClientBuilder {
         self
     }
 
+    /// Keeps the last value of every replica in a SQLite file at `path` (feature
+    /// `persistent`). A client started later with the same file answers a replica's first
+    /// read from it at once, unconfirmed, and has the server confirm it behind the answer
+    /// (by hash, as after a reconnect); if the server's value differs, the replica is
+    /// invalidated and the next read fetches the new one.
+    #[cfg(feature = "persistent")]
+    pub fn persist_to(mut self, path: impl AsRef<std::path::Path>) -> Self {
+        self.persist_to = Some(path.as_ref().to_owned());
+        self
+    }
+
     /// Connects over TCP, and reconnects to the same address.
     pub async fn connect_tcp(self, addr: SocketAddr) -> Result<RemoteClient, RpcError> {
         self.connect_with(move |endpoint| async move { endpoint.connect_tcp(addr).await })
@@ -169,9 +191,20 @@ impl RemoteClientBuilder {
         Fut: Future<Output = Result<Peer, RpcError>> + Send + 'static,
     {
         let backoff = self.backoff.unwrap_or_default();
+        #[cfg(feature = "persistent")]
+        let disk = match &self.persist_to {
+            Some(path) => Some(crate::disk::Disk::open(path)?),
+            None => None,
+        };
         let (endpoint, tokens) = self.endpoint();
         let connection = Reconnecting::new(move || connect(endpoint.clone()), backoff);
-        RemoteClient::start(connection, tokens).await
+        RemoteClient::start(
+            connection,
+            tokens,
+            #[cfg(feature = "persistent")]
+            disk,
+        )
+        .await
     }
 
     /// Connects over one byte stream (a child's pipes, an in-memory duplex). Such a
@@ -230,7 +263,11 @@ impl RemoteClient {
         Self::builder().connect_tcp(addr).await
     }
 
-    async fn start(connection: Reconnecting, tokens: Tokens) -> Result<Self, RpcError> {
+    async fn start(
+        connection: Reconnecting,
+        tokens: Tokens,
+        #[cfg(feature = "persistent")] disk: Option<crate::disk::Disk>,
+    ) -> Result<Self, RpcError> {
         let first = connection.peer().await?;
         let client = Self {
             inner: Arc::new(Inner {
@@ -240,6 +277,10 @@ impl RemoteClient {
                 next_replica: AtomicU64::new(1),
                 closed: AtomicBool::new(false),
                 revalidated: watch::Sender::new(0),
+                #[cfg(feature = "persistent")]
+                disk,
+                #[cfg(feature = "persistent")]
+                looked_up: Mutex::default(),
             }),
         };
         tokio::spawn(supervise(
@@ -276,6 +317,7 @@ impl RemoteClient {
                 method,
                 args: args.clone(),
                 hash: None,
+                confirmed: true,
             },
         );
         // Read first, so that an invalidation that overtakes the answer finds the token
@@ -288,15 +330,90 @@ impl RemoteClient {
                 "the client was closed",
             ));
         }
-        let value = match inner.host.fetch(method, args, replica).await {
+        #[cfg(feature = "persistent")]
+        if let Some(stored) = inner
+            .disk
+            .as_ref()
+            .filter(|_| {
+                let mut looked_up = inner.looked_up.lock();
+                // Bounded: forgetting keys only costs a second unconfirmed answer from disk.
+                if looked_up.len() >= 100_000 {
+                    looked_up.clear();
+                }
+                looked_up.insert((method, args.clone()))
+            })
+            .and_then(|d| d.get(method, &args, format))
+        {
+            if let Ok(value) = format.decode_bytes(stored.value.into_bytes()) {
+                if let Some(r) = inner.tokens.live.replicas.lock().get_mut(&replica) {
+                    r.hash = Some(stored.hash);
+                    r.confirmed = false;
+                }
+                let client = self.clone();
+                tokio::spawn(
+                    async move { client.confirm(replica, method, args, stored.hash).await },
+                );
+                return Ok(value);
+            }
+        }
+        let value = match inner.host.fetch(method, args.clone(), replica).await {
             Ok(Ok(value)) => value,
             Ok(Err(failure)) => return Err(failure.into()),
             Err(e) => return Err(e),
         };
+        let hash = value_hash(&value);
         if let Some(r) = inner.tokens.live.replicas.lock().get_mut(&replica) {
-            r.hash = Some(value_hash(&value));
+            r.hash = Some(hash);
         }
+        #[cfg(feature = "persistent")]
+        if let Some(disk) = &inner.disk {
+            disk.put(method, args, value.clone(), hash, format);
+        }
+        #[cfg(not(feature = "persistent"))]
+        drop(args);
         format.decode_bytes(value.into_bytes())
+    }
+
+    /// Has the server confirm a value read from the persistent cache (and watch it from
+    /// now on); invalidates the replica if the server's value differs or cannot be had.
+    #[cfg(feature = "persistent")]
+    async fn confirm(&self, replica: u64, method: u32, args: Blob, hash: u64) {
+        let inner = &*self.inner;
+        let held = Held {
+            replica,
+            method,
+            args: args.clone(),
+            hash,
+        };
+        match inner.host.revalidate(vec![held]).await {
+            Ok(stale) if stale.is_empty() => {
+                if let Some(r) = inner.tokens.live.replicas.lock().get_mut(&replica) {
+                    r.confirmed = true;
+                }
+            }
+            _ => {
+                if let Some(disk) = &inner.disk {
+                    disk.remove(method, args);
+                }
+                inner.tokens.invalidate([replica]);
+            }
+        }
+    }
+
+    /// How many replicas answer with a value from the persistent cache that the server has
+    /// not confirmed yet.
+    pub fn unconfirmed_count(&self) -> usize {
+        let live = self.inner.tokens.live.replicas.lock();
+        live.values().filter(|r| !r.confirmed).count()
+    }
+
+    /// Waits until every value received so far is written to the persistent cache (at
+    /// once without one).
+    pub async fn flush_cache(&self) {
+        #[cfg(feature = "persistent")]
+        if let Some(disk) = &self.inner.disk {
+            disk.flush().await;
+        }
     }
 
     /// Calls the server's compute method `method` once: a round trip every time, nothing

@@ -21,11 +21,15 @@
 //! After a reconnect (or a server restart) the client revalidates every replica it holds by
 //! the hash of its value: unchanged ones stay, changed ones are invalidated.
 //!
-//! Not yet here: a persistent client cache.
+//! With the `persistent` feature, [`RemoteClientBuilder::persist_to`] keeps the last value
+//! of every replica in a SQLite file: a restarted client answers from it at once and has the
+//! server confirm each value behind the answer, the same way.
 //!
 //! The runnable example is `examples/remote_server.rs` with `examples/remote_client.rs`.
 
 mod client;
+#[cfg(feature = "persistent")]
+mod disk;
 #[cfg(feature = "http")]
 mod gateway;
 mod server;

@@ -1,6 +1,7 @@
 //! coherent-remote end to end: replicas over RPC and the HTTP gateway.
 
 mod gateway;
+mod persistent;
 mod replicas;
 mod support;
 mod wire;
