@@ -20,34 +20,34 @@ struct User {
     team: i64,
 }
 
+coherent_remote::replica_service! {
+    /// The typed client stub of the server's `Users` service. Its methods are compute
+    /// methods: a round trip the first time, a cache hit after that, until the server says
+    /// the result changed. Each wraps the server's output in `Result<_, RpcError>`.
+    struct UsersReplica = "Users" {
+        async fn user(&self, id: i64) -> Result<Option<User>, String>;
+    }
+}
+
 #[derive(Clone, ComputeService)]
 struct Team {
     handle: ServiceHandle,
-    remote: RemoteClient,
+    users: UsersReplica,
 }
 
 #[compute_service]
 impl Team {
-    /// A replica of the server's `Users.user`: a round trip the first time, a cache hit
-    /// after that, until the server says it changed.
-    #[compute]
-    async fn user(&self, id: i64) -> Result<Option<User>, String> {
-        match self.remote.replica("Users.user", (id,)).await {
-            Ok(answer) => answer,
-            Err(e) => Err(e.to_string()),
-        }
-    }
-
     /// Built from replicas: recomputed only when one of them is invalidated.
     #[compute]
     async fn roster(&self) -> String {
         println!("  (recomputing the roster)");
         let mut names = Vec::new();
         for id in [1, 2] {
-            match self.user(id).await {
-                Ok(Some(u)) => names.push(format!("{} (#{})", u.name, u.id)),
-                Ok(None) => names.push(format!("nobody (#{id})")),
-                Err(e) => names.push(format!("error: {e}")),
+            match self.users.user(id).await {
+                Ok(Ok(Some(u))) => names.push(format!("{} (#{})", u.name, u.id)),
+                Ok(Ok(None)) => names.push(format!("nobody (#{id})")),
+                Ok(Err(e)) => names.push(format!("database error: {e}")),
+                Err(e) => names.push(format!("connection error: {e}")),
             }
         }
         names.join(", ")
@@ -64,7 +64,7 @@ async fn main() -> anyhow::Result<()> {
     println!("connected to {addr}");
     let team = Team {
         handle: ServiceHandle::new(),
-        remote,
+        users: UsersReplica::new(remote),
     };
     let state = {
         let team = team.clone();

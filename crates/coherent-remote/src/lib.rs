@@ -32,8 +32,17 @@ mod client;
 mod disk;
 #[cfg(feature = "http")]
 mod gateway;
+mod macros;
 mod server;
 mod wire;
 
 pub use client::{RemoteClient, RemoteClientBuilder};
 pub use server::RemoteServer;
+
+/// What the macros expand to; not a public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use coherent;
+    pub use coherent_rpc::RpcError;
+    pub use paste::paste;
+}

@@ -22,7 +22,7 @@ pub(crate) struct Users {
 #[compute_service]
 impl Users {
     #[compute]
-    async fn name(&self, id: u64) -> Option<String> {
+    pub(crate) async fn name(&self, id: u64) -> Option<String> {
         self.runs.fetch_add(1, Ordering::SeqCst);
         self.names.lock().get(&id).cloned()
     }
