@@ -35,6 +35,8 @@ enum Kind {
     Unary,
     OneWay,
     Stream(Box<Type>),
+    /// Takes the caller's stream: the argument's position and its item type.
+    Upload(usize, Box<Type>),
 }
 
 struct Method {
@@ -56,9 +58,14 @@ fn fnv1a(s: &str) -> u32 {
 }
 
 fn stream_item(ty: &Type) -> Option<Type> {
+    generic_of(ty, "ServerStream")
+}
+
+/// `T` of `...::<wrapper><T>`.
+fn generic_of(ty: &Type, wrapper: &str) -> Option<Type> {
     let Type::Path(p) = ty else { return None };
     let seg = p.path.segments.last()?;
-    if seg.ident != "ServerStream" {
+    if seg.ident != wrapper {
         return None;
     }
     let PathArguments::AngleBracketed(a) = &seg.arguments else {
@@ -115,7 +122,26 @@ fn parse_method(f: &syn::TraitItemFn) -> syn::Result<Method> {
         ReturnType::Type(_, t) => (**t).clone(),
     };
     let oneway = f.attrs.iter().any(|a| a.path().is_ident("oneway"));
-    let kind = if oneway {
+    let uploads: Vec<(usize, Type)> = args
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (_, t))| generic_of(t, "Upload").map(|item| (i, item)))
+        .collect();
+    if uploads.len() > 1 {
+        return Err(syn::Error::new(
+            sig.span(),
+            "a method takes at most one `Upload` argument",
+        ));
+    }
+    let kind = if let Some((i, item)) = uploads.into_iter().next() {
+        if oneway || stream_item(&output).is_some() {
+            return Err(syn::Error::new(
+                sig.span(),
+                "a method that takes an `Upload` answers with one value (not #[oneway], not a stream)",
+            ));
+        }
+        Kind::Upload(i, Box::new(item))
+    } else if oneway {
         let unit = matches!(&output, Type::Tuple(t) if t.elems.is_empty());
         if !unit {
             return Err(syn::Error::new(
@@ -194,6 +220,7 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
             Kind::Unary => quote!(Unary),
             Kind::OneWay => quote!(OneWay),
             Kind::Stream(_) => quote!(Stream),
+            Kind::Upload(..) => quote!(Upload),
         };
         quote!(#krate::MethodInfo { id: #id, name: #name, kind: #krate::MethodKind::#kind })
     });
@@ -220,6 +247,23 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
                     Ok(#krate::item_stream(stream))
                 })),
             },
+            Kind::Upload(at, _) => {
+                // The other arguments travel in the call; the upload comes from the context.
+                let (upload_name, _) = &m.args[*at];
+                let sent: Vec<_> = m.args.iter().enumerate().filter(|(j, _)| j != at).map(|(_, a)| a).collect();
+                let sent_names: Vec<_> = sent.iter().map(|(n, _)| n).collect();
+                let sent_types: Vec<_> = sent.iter().map(|(_, t)| t).collect();
+                quote! {
+                    #i => #krate::Response::Unary(::std::boxed::Box::pin(async move {
+                        let (#(#sent_names,)*): (#(#sent_types,)*) = format.decode_bytes(args)?;
+                        let #upload_name = #krate::CallContext::current()
+                            .ok_or_else(|| #krate::RpcError::new(#krate::ErrorCode::Internal, "no call context"))?
+                            .take_upload()?;
+                        let out = svc.#name(#(#arg_names),*).await;
+                        format.encode(&out)
+                    })),
+                }
+            }
         }
     });
 
@@ -253,6 +297,25 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
                     #krate::Caller::call_stream(&self.caller, #id, (#(#arg_names,)*)).await
                 }
             },
+            Kind::Upload(at, item) => {
+                let (upload_name, _) = &m.args[*at];
+                let params = m.args.iter().enumerate().map(|(j, (n, t))| {
+                    if j == *at {
+                        quote!(#n: impl #krate::__private::Stream<Item = #item> + ::core::marker::Send + 'static)
+                    } else {
+                        quote!(#n: #t)
+                    }
+                });
+                let sent_names: Vec<_> = m.args.iter().enumerate().filter(|(j, _)| j != at).map(|(_, (n, _))| n).collect();
+                quote! {
+                    #[doc = #doc]
+                    #[doc = ""]
+                    #[doc = "The stream argument is uploaded alongside the call, under the callee's credits."]
+                    pub async fn #name(&self, #(#params),*) -> ::core::result::Result<#output, #krate::RpcError> {
+                        #krate::Caller::call_upload(&self.caller, #id, (#(#sent_names,)*), #upload_name, self.options).await
+                    }
+                }
+            }
         }
     });
     let id_consts = methods.iter().zip(&ids).map(|(m, id)| {

@@ -40,9 +40,39 @@ pub trait Caller: Clone + Send + Sync + 'static {
     where
         A: Serialize + Send,
         T: DeserializeOwned + Send;
+
+    /// A call that uploads `items` as its stream argument.
+    fn call_upload<A, T, R, S>(
+        &self,
+        method_id: u32,
+        args: A,
+        items: S,
+        options: CallOptions,
+    ) -> impl Future<Output = Result<R, RpcError>> + Send
+    where
+        A: Serialize + Send,
+        T: Serialize + Send + 'static,
+        R: DeserializeOwned + Send,
+        S: futures::Stream<Item = T> + Send + 'static;
 }
 
 impl Caller for Peer {
+    fn call_upload<A, T, R, S>(
+        &self,
+        method_id: u32,
+        args: A,
+        items: S,
+        options: CallOptions,
+    ) -> impl Future<Output = Result<R, RpcError>> + Send
+    where
+        A: Serialize + Send,
+        T: Serialize + Send + 'static,
+        R: DeserializeOwned + Send,
+        S: futures::Stream<Item = T> + Send + 'static,
+    {
+        Peer::call_upload(self, method_id, args, items, options)
+    }
+
     fn call<A, R>(
         &self,
         method_id: u32,

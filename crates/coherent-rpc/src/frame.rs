@@ -82,6 +82,10 @@ pub struct Header {
     pub kind: Kind,
     /// How the payload is compressed.
     pub compression: Compression,
+    /// Bit 6: a stream frame (`StreamItem`, `StreamBatch`, `StreamEnd`, `StreamAck`) of an
+    /// *upload*, the stream a caller sends to the callee as a call's argument, instead of
+    /// the callee's answer stream. The call id then names a call the other way round.
+    pub upload: bool,
     /// Which call the frame belongs to (0 for connection-level frames).
     pub call_id: u64,
     /// The called method (0 when the frame is not a call).
@@ -97,7 +101,8 @@ pub enum FrameError {
     /// The kind nibble names no kind.
     #[error("unknown frame kind {0}")]
     UnknownKind(u8),
-    /// Reserved bits or the compression value 3 are set.
+    /// Bit 7 or the compression value 3 is set, or bit 6 on a frame that is not a stream
+    /// frame.
     #[error("invalid frame flags {0:#04x}")]
     BadFlags(u8),
     /// The call id varint runs past 10 bytes, overflows u64 or is not minimal.
@@ -119,7 +124,7 @@ pub enum FrameError {
 impl Header {
     /// Writes the envelope into `out` and returns how many bytes it took.
     pub fn encode(&self, out: &mut [u8; MAX_HEADER_LEN]) -> usize {
-        out[0] = self.kind as u8 | ((self.compression as u8) << 4);
+        out[0] = self.kind as u8 | ((self.compression as u8) << 4) | (u8::from(self.upload) << 6);
         let mut n = 1 + write_varint(self.call_id, &mut out[1..]);
         out[n..n + 4].copy_from_slice(&self.method_id.to_le_bytes());
         n += 4;
@@ -137,12 +142,20 @@ impl Header {
             return Ok(None);
         };
         let kind = Kind::from_u8(first & 0x0F).ok_or(FrameError::UnknownKind(first & 0x0F))?;
-        let compression = match (first >> 4) & 0x0F {
+        let compression = match (first >> 4) & 0x03 {
             0 => Compression::None,
             1 => Compression::Lz4,
             2 => Compression::Zstd,
             _ => return Err(FrameError::BadFlags(first)),
         };
+        let upload = first & 0x40 != 0;
+        let stream_kind = matches!(
+            kind,
+            Kind::StreamItem | Kind::StreamBatch | Kind::StreamEnd | Kind::StreamAck
+        );
+        if first & 0x80 != 0 || (upload && !stream_kind) {
+            return Err(FrameError::BadFlags(first));
+        }
         let Some((call_id, vlen)) = read_varint(&buf[1..])? else {
             return Ok(None);
         };
@@ -159,6 +172,7 @@ impl Header {
             Header {
                 kind,
                 compression,
+                upload,
                 call_id,
                 method_id,
                 len,

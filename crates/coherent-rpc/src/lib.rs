@@ -62,12 +62,12 @@ pub use service::{
     item_stream, method_id, BoxFuture, CallContext, EncodeItems, Identity, ItemStream, MethodInfo,
     MethodKind, Response, ServerStream, Service,
 };
-pub use stream::ClientStream;
+pub use stream::{ClientStream, Upload};
 
 /// Plumbing for the code `#[service]` generates; not a public API.
 #[doc(hidden)]
 pub mod __private {
     pub use bytes::Bytes;
-    pub use futures::{FutureExt, StreamExt};
+    pub use futures::{FutureExt, Stream, StreamExt};
     pub use serde;
 }

@@ -84,7 +84,16 @@ impl Pending {
 struct Inbound {
     abort: AbortHandle,
     credits: Option<Arc<Semaphore>>,
+    /// Where the caller's upload goes (methods that take one), until its end.
+    upload: Option<Receiving>,
 }
+
+/// The receiving end's half of a stream as the reader sees it: where items go, and how many
+/// are buffered unconsumed (never more than the window from an honest sender).
+pub(crate) type Receiving = (
+    mpsc::UnboundedSender<crate::stream::Event>,
+    Arc<std::sync::atomic::AtomicU32>,
+);
 
 /// Counters of one connection; read them with [`Peer::stats`].
 #[derive(Debug, Default)]
@@ -120,6 +129,8 @@ pub(crate) struct Shared {
     out: mpsc::UnboundedSender<Out>,
     // parking_lot mutexes, not tokio ones: no `.await` happens while either is held.
     pending: Mutex<HashMap<u64, Pending>>,
+    /// Credits of this side's uploads in flight, by call id.
+    uploads: Mutex<HashMap<u64, Arc<Semaphore>>>,
     inbound: Mutex<HashMap<u64, Inbound>>,
     next_id: AtomicU64,
     pub(crate) settings: Settings,
@@ -143,7 +154,19 @@ impl Shared {
         method_id: u32,
         payload: Bytes,
     ) -> Result<(), RpcError> {
-        let out = self.prepare(kind, call_id, method_id, payload)?;
+        let out = self.prepare(kind, false, call_id, method_id, payload)?;
+        self.enqueue(out)
+    }
+
+    /// Like [`send`](Self::send) for a stream frame, flagged as an upload's or not.
+    pub(crate) fn send_stream(
+        &self,
+        kind: Kind,
+        upload: bool,
+        call_id: u64,
+        payload: Bytes,
+    ) -> Result<(), RpcError> {
+        let out = self.prepare(kind, upload, call_id, 0, payload)?;
         self.enqueue(out)
     }
 
@@ -151,6 +174,7 @@ impl Shared {
     fn prepare(
         &self,
         kind: Kind,
+        upload: bool,
         call_id: u64,
         method_id: u32,
         payload: Bytes,
@@ -175,7 +199,14 @@ impl Shared {
                 payload = Bytes::from(c);
             }
         }
-        Ok(encode(kind, compression, call_id, method_id, payload))
+        Ok(encode(
+            kind,
+            compression,
+            upload,
+            call_id,
+            method_id,
+            payload,
+        ))
     }
 
     fn enqueue(&self, out: Out) -> Result<(), RpcError> {
@@ -212,6 +243,7 @@ impl Shared {
             Box::new(encode(
                 Kind::Close,
                 Compression::None,
+                false,
                 0,
                 0,
                 Bytes::from(reason.to_payload()),
@@ -262,6 +294,7 @@ impl Shared {
 pub(crate) fn encode(
     kind: Kind,
     compression: Compression,
+    upload: bool,
     call_id: u64,
     method_id: u32,
     payload: Bytes,
@@ -270,6 +303,7 @@ pub(crate) fn encode(
     let head_len = Header {
         kind,
         compression,
+        upload,
         call_id,
         method_id,
         len: payload.len() as u32,
@@ -322,6 +356,18 @@ impl Drop for Owner {
             RpcError::disconnected("the client dropped the connection"),
             true,
         );
+    }
+}
+
+/// Forgets an upload's credits when its call ends, however it ends.
+struct UploadGuard<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl Drop for UploadGuard<'_> {
+    fn drop(&mut self) {
+        self.shared.uploads.lock().remove(&self.id);
     }
 }
 
@@ -427,6 +473,75 @@ impl Peer {
         Ok(ClientStream::new(s.clone(), id, rx, buffered))
     }
 
+    /// Makes a call whose method takes an upload: `args` is the tuple of the other
+    /// arguments, `items` the stream sent alongside, under the callee's credits. The reply
+    /// may come before the upload ends (the handler stopped reading); the rest of the
+    /// upload is then dropped. Dropping the future cancels the call.
+    pub async fn call_upload<A, T, R, S>(
+        &self,
+        method_id: u32,
+        args: A,
+        items: S,
+        opts: CallOptions,
+    ) -> Result<R, RpcError>
+    where
+        A: Serialize,
+        T: Serialize + 'static,
+        R: DeserializeOwned,
+        S: futures::Stream<Item = T> + Send + 'static,
+    {
+        let s = &*self.shared;
+        let format = s.settings.format;
+        let payload = format.encode(&args)?;
+        drop(args);
+        let id = s.next_id();
+        let credits = Arc::new(Semaphore::new(s.settings.remote_window as usize));
+        s.uploads.lock().insert(id, credits.clone());
+        let _upload = UploadGuard { shared: s, id };
+        let (tx, rx) = oneshot::channel();
+        s.register(id, Pending::Unary(tx))?;
+        let mut guard = CallGuard {
+            shared: s,
+            id,
+            armed: true,
+        };
+        s.send(Kind::Call, id, method_id, payload)?;
+        s.counters.calls_out.fetch_add(1, Ordering::Relaxed);
+        let mut items = crate::service::item_stream(Box::pin(items));
+        let sending = async {
+            pump(s, id, true, &mut items, &credits).await?;
+            s.send_stream(Kind::StreamEnd, true, id, Bytes::new())
+        };
+        let exchange = async {
+            let mut sending = std::pin::pin!(sending);
+            let mut rx = rx;
+            let mut sent = false;
+            loop {
+                tokio::select! {
+                    reply = &mut rx => return reply.map_err(|_| RpcError::disconnected("connection closed"))?,
+                    r = &mut sending, if !sent => {
+                        sent = true;
+                        // An item that does not encode ends the call (the guard cancels it).
+                        r?;
+                    }
+                }
+            }
+        };
+        let reply = match opts.timeout.or(s.settings.call_timeout) {
+            None => exchange.await,
+            Some(d) => tokio::time::timeout(d, exchange).await.unwrap_or_else(|_| {
+                Err(RpcError::new(
+                    ErrorCode::DeadlineExceeded,
+                    format!("no reply within {d:?}"),
+                ))
+            }),
+        };
+        if reply.is_ok() {
+            guard.armed = false;
+        }
+        format.decode_bytes(reply?)
+    }
+
     /// A number that identifies this end of the connection among all of this process's
     /// connection ends (every clone of this handle shares it): a key for per-connection
     /// state kept outside the connection.
@@ -526,6 +641,7 @@ impl Peer {
             id: NEXT_CONNECTION.fetch_add(1, Ordering::Relaxed),
             out: tx,
             pending: Mutex::new(HashMap::new()),
+            uploads: Mutex::new(HashMap::new()),
             inbound: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             settings,
@@ -767,7 +883,19 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
                 crate::frame::batch_len(&payload)
                     .map_err(|e| RpcError::protocol(format!("stream {}: {e}", h.call_id)))?
             };
-            if let Some(Pending::Stream(tx, buffered)) = s.pending.lock().get(&h.call_id) {
+            let receiving = if h.upload {
+                s.inbound
+                    .lock()
+                    .get(&h.call_id)
+                    .and_then(|i| i.upload.clone())
+            } else {
+                match s.pending.lock().get(&h.call_id) {
+                    Some(Pending::Stream(tx, buffered)) => Some((tx.clone(), buffered.clone())),
+                    _ => None,
+                }
+            };
+            // An unknown id is a stream this side gave up on (or a finished call).
+            if let Some((tx, buffered)) = receiving {
                 let before = buffered.fetch_add(count, Ordering::Relaxed);
                 if before.saturating_add(count) > s.settings.local_window {
                     return Err(RpcError::protocol(format!(
@@ -780,6 +908,16 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
                 } else {
                     crate::stream::Event::Batch(payload)
                 });
+            }
+        }
+        Kind::StreamEnd if h.upload => {
+            let upload = s
+                .inbound
+                .lock()
+                .get_mut(&h.call_id)
+                .and_then(|i| i.upload.take());
+            if let Some((tx, _)) = upload {
+                let _ = tx.send(crate::stream::Event::End);
             }
         }
         Kind::StreamEnd => {
@@ -797,10 +935,16 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
                 return Err(RpcError::protocol("stream ack payload is not 4 bytes"));
             };
             let n = u32::from_le_bytes(n) as usize;
-            if let Some(Inbound {
-                credits: Some(c), ..
-            }) = s.inbound.lock().get(&h.call_id)
-            {
+            // For an upload, the callee returns credits of a call this side made.
+            let credits = if h.upload {
+                s.uploads.lock().get(&h.call_id).cloned()
+            } else {
+                s.inbound
+                    .lock()
+                    .get(&h.call_id)
+                    .and_then(|i| i.credits.clone())
+            };
+            if let Some(c) = credits {
                 // Never more credits than the window, whatever the other side claims.
                 let room =
                     (s.settings.remote_window as usize).saturating_sub(c.available_permits());
@@ -874,10 +1018,19 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
         )));
     }
     s.counters.calls_in.fetch_add(1, Ordering::Relaxed);
+    // A method that takes an upload reads it through its call context.
+    let (upload, upload_rx) = if entry.kind == MethodKind::Upload {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let buffered = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        (Some((tx, buffered.clone())), Some((rx, buffered)))
+    } else {
+        (None, None)
+    };
     let ctx = CallContext {
         peer: Peer::unowned(shared.clone()),
         call_id: id,
         method_id: h.method_id,
+        upload: Arc::new(parking_lot::Mutex::new(upload_rx)),
     };
     let span = tracing::debug_span!("rpc.serve", call_id = id, method_id = h.method_id);
     // Unlocked while the handler runs inline: a handler may look at this connection.
@@ -942,6 +1095,7 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
         Inbound {
             abort: handle.abort_handle(),
             credits,
+            upload,
         },
     );
 }
@@ -970,8 +1124,20 @@ async fn produce(
     fut: crate::service::BoxFuture<Result<crate::service::ItemStream, RpcError>>,
     credits: &Semaphore,
 ) -> Result<(), RpcError> {
-    use std::task::{Context, Poll};
     let mut items = fut.await?;
+    pump(s, id, false, &mut items, credits).await
+}
+
+/// Sends `items` as the stream of call `id` (an answer stream, or this side's upload) under
+/// `credits`, in batches; the caller sends the end.
+async fn pump(
+    s: &Shared,
+    id: u64,
+    upload: bool,
+    items: &mut crate::service::ItemStream,
+    credits: &Semaphore,
+) -> Result<(), RpcError> {
+    use std::task::{Context, Poll};
     let format = s.settings.format;
     let limit = STREAM_BATCH.min(s.settings.remote_max as usize);
     let mut batch = Batch {
@@ -979,6 +1145,7 @@ async fn produce(
         count: 0,
         capacity: 256,
         limit,
+        upload,
     };
     let mut credit = 0u32;
     loop {
@@ -1052,6 +1219,8 @@ struct Batch {
     /// What a new batch reserves: twice the last batch, within `256..=limit`.
     capacity: usize,
     limit: usize,
+    /// Whether the frames are an upload's.
+    upload: bool,
 }
 
 impl Batch {
@@ -1093,9 +1262,9 @@ impl Batch {
                 .flatten()
                 .expect("a sealed item starts with its length");
             payload.advance(prefix);
-            s.send(Kind::StreamItem, id, 0, payload)
+            s.send_stream(Kind::StreamItem, self.upload, id, payload)
         } else {
-            s.send(Kind::StreamBatch, id, 0, payload)
+            s.send_stream(Kind::StreamBatch, self.upload, id, payload)
         }
     }
 }

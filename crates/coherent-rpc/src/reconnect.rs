@@ -186,6 +186,26 @@ impl Reconnecting {
 }
 
 impl Caller for Reconnecting {
+    /// Over the open connection (connecting first if needed); an upload is never resent.
+    async fn call_upload<A, T, R, S>(
+        &self,
+        method_id: u32,
+        args: A,
+        items: S,
+        options: CallOptions,
+    ) -> Result<R, RpcError>
+    where
+        A: Serialize + Send,
+        T: Serialize + Send + 'static,
+        R: DeserializeOwned + Send,
+        S: futures::Stream<Item = T> + Send + 'static,
+    {
+        self.peer()
+            .await?
+            .call_upload(method_id, args, items, options)
+            .await
+    }
+
     async fn call<A, R>(&self, method_id: u32, args: A, options: CallOptions) -> Result<R, RpcError>
     where
         A: Serialize + Send,

@@ -46,6 +46,8 @@ pub enum MethodKind {
     OneWay,
     /// Zero or more `StreamItem`s, then `StreamEnd` or `Error`.
     Stream,
+    /// Reads the caller's upload (a stream argument), then one reply.
+    Upload,
 }
 
 /// One method of a service, as listed by [`Service::methods`].
@@ -201,7 +203,14 @@ pub struct CallContext {
     pub(crate) peer: Peer,
     pub(crate) call_id: u64,
     pub(crate) method_id: u32,
+    /// The receiving end of the call's upload, until the handler takes it.
+    pub(crate) upload: Arc<parking_lot::Mutex<Option<UploadParts>>>,
 }
+
+pub(crate) type UploadParts = (
+    tokio::sync::mpsc::UnboundedReceiver<crate::stream::Event>,
+    Arc<std::sync::atomic::AtomicU32>,
+);
 
 tokio::task_local! {
     pub(crate) static CONTEXT: CallContext;
@@ -231,5 +240,22 @@ impl CallContext {
     /// The called method's id.
     pub fn method_id(&self) -> u32 {
         self.method_id
+    }
+
+    /// The caller's upload, once: what `#[service]` passes to a method that takes an
+    /// [`Upload`](crate::Upload) argument.
+    pub fn take_upload<T>(&self) -> Result<crate::Upload<T>, RpcError> {
+        let (rx, buffered) = self.upload.lock().take().ok_or_else(|| {
+            RpcError::new(
+                crate::ErrorCode::Internal,
+                "this call has no upload, or it was taken already",
+            )
+        })?;
+        Ok(crate::Upload::new(
+            self.peer.shared.clone(),
+            self.call_id,
+            rx,
+            buffered,
+        ))
     }
 }

@@ -41,6 +41,8 @@ pub struct ClientStream<T> {
     buffered: Arc<AtomicU32>,
     unacked: u32,
     done: bool,
+    /// The receiving end of an upload (the callee's), not of an answer stream.
+    upload: bool,
     _item: PhantomData<fn() -> T>,
 }
 
@@ -60,6 +62,7 @@ impl<T> ClientStream<T> {
             buffered,
             unacked: 0,
             done: false,
+            upload: false,
             _item: PhantomData,
         }
     }
@@ -127,10 +130,10 @@ impl<T> ClientStream<T> {
             // Released before the credits go out: the producer can then send `n` more
             // without the reader seeing more than the window buffered.
             self.buffered.fetch_sub(n, Ordering::Relaxed);
-            let _ = self.shared.send(
+            let _ = self.shared.send_stream(
                 Kind::StreamAck,
+                self.upload,
                 self.id,
-                0,
                 Bytes::copy_from_slice(&n.to_le_bytes()),
             );
         }
@@ -139,8 +142,37 @@ impl<T> ClientStream<T> {
 
 impl<T> Drop for ClientStream<T> {
     fn drop(&mut self) {
-        if !self.done {
+        // An answer stream dropped early cancels its call; an upload's receiver dropped
+        // early only stops reading (the handler's answer ends the call).
+        if !self.done && !self.upload {
             self.shared.forget_call(self.id, true);
         }
+    }
+}
+
+/// The stream a caller uploads, as the handler of a method that takes it reads it: items in
+/// order, then `None` at the upload's end (an `Err` item if the connection closed first).
+/// Credits go back as items are consumed, so the caller never runs more than the window
+/// ahead.
+pub struct Upload<T>(ClientStream<T>);
+
+impl<T> Upload<T> {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        id: u64,
+        rx: mpsc::UnboundedReceiver<Event>,
+        buffered: Arc<AtomicU32>,
+    ) -> Self {
+        let mut stream = ClientStream::new(shared, id, rx, buffered);
+        stream.upload = true;
+        Self(stream)
+    }
+}
+
+impl<T: DeserializeOwned> Stream for Upload<T> {
+    type Item = Result<T, RpcError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.0).poll_next(cx)
     }
 }

@@ -32,8 +32,8 @@ def varint(v):
         out.append(b | 0x80)
 
 
-def frame(kind, call_id, method_id, payload, comp="None"):
-    return (bytes([KINDS[kind] | (COMP[comp] << 4)]) + varint(call_id)
+def frame(kind, call_id, method_id, payload, comp="None", upload=False):
+    return (bytes([KINDS[kind] | (COMP[comp] << 4) | (0x40 if upload else 0)]) + varint(call_id)
             + struct.pack("<II", method_id, len(payload)) + payload)
 
 
@@ -54,10 +54,10 @@ sum_id = fnv1a("Calc.sum")
 frames = []
 
 
-def add(name, kind, call_id, method_id, payload, comp="None", note=""):
+def add(name, kind, call_id, method_id, payload, comp="None", note="", upload=False):
     frames.append({"name": name, "kind": kind, "compression": comp, "call_id": str(call_id),
-                   "method_id": method_id, "payload": payload.hex(),
-                   "bytes": frame(kind, call_id, method_id, payload, comp).hex(), "note": note})
+                   "method_id": method_id, "payload": payload.hex(), "upload": upload,
+                   "bytes": frame(kind, call_id, method_id, payload, comp, upload).hex(), "note": note})
 
 
 h = hello(0, 3, 4 << 20, 1024, 64, "secret")
@@ -75,6 +75,10 @@ add("stream batch of three items", "StreamBatch", 2, 0,
     bytes([3, 2, 1, 0x62]) + bytes([0]) + varint(130) + bytes([4]) + varint(127) + b"c" * 127,
     note="items of 3, 0 and 130 bytes, each after its varint length")
 add("stream end", "StreamEnd", 2, 0, b"")
+add("an upload's item", "StreamItem", 4, 0, bytes([zigzag(21)]), upload=True,
+    note="bit 6: the caller's stream of call 4, which the receiver serves")
+add("an upload's end", "StreamEnd", 4, 0, b"", upload=True)
+add("credits for an upload", "StreamAck", 4, 0, struct.pack("<I", 8), upload=True)
 add("stream ack of 32 credits", "StreamAck", 2, 0, struct.pack("<I", 32))
 add("ping", "Ping", 0, 0, b"")
 add("close for a protocol error", "Close", 0, 0, err(9, "unknown frame kind 15"))
@@ -86,7 +90,8 @@ invalid = [
     {"name": "kind 0", "bytes": "00010000000000000000", "error": "UnknownKind"},
     {"name": "kind 15", "bytes": "0f010000000000000000", "error": "UnknownKind"},
     {"name": "compression value 3", "bytes": "33010000000000000000", "error": "BadFlags"},
-    {"name": "reserved bit 6", "bytes": "43010000000000000000", "error": "BadFlags"},
+    {"name": "upload bit 6 on a call", "bytes": "43010000000000000000", "error": "BadFlags"},
+    {"name": "reserved bit 7", "bytes": "88010000000000000000", "error": "BadFlags"},
     {"name": "overlong varint", "bytes": "0380000000000000000000", "error": "BadVarint"},
     {"name": "varint past 64 bits", "bytes": "03ffffffffffffffffff02", "error": "BadVarint"},
     {"name": "varint past 10 bytes", "bytes": "03ffffffffffffffffffff", "error": "BadVarint"},

@@ -17,10 +17,22 @@ struct Raw {
 }
 
 pub(crate) fn frame_bytes(kind: Kind, call_id: u64, method_id: u32, payload: &[u8]) -> Vec<u8> {
+    frame_bytes_flagged(kind, false, call_id, method_id, payload)
+}
+
+/// A frame with the upload flag as given.
+pub(crate) fn frame_bytes_flagged(
+    kind: Kind,
+    upload: bool,
+    call_id: u64,
+    method_id: u32,
+    payload: &[u8],
+) -> Vec<u8> {
     let mut head = [0u8; MAX_HEADER_LEN];
     let n = Header {
         kind,
         compression: Compression::None,
+        upload,
         call_id,
         method_id,
         len: payload.len() as u32,
@@ -428,4 +440,50 @@ async fn a_ping_flood_from_a_client_that_stops_reading_is_cut_off() {
         frames < 128,
         "every pong got through: the writer never stalled"
     );
+}
+
+#[tokio::test]
+async fn an_upload_past_the_callees_window_closes_with_a_protocol_reason() {
+    let server = calc_server(Config::default().stream_window(8)).0;
+    let mut raw = Raw::connected(&server).await;
+    // sum_upload(offset 0): postcard of the tuple (0i64,)
+    raw.send(&frame_bytes(
+        Kind::Call,
+        1,
+        method_id("Calc.sum_upload"),
+        &[0],
+    ))
+    .await;
+    let mut flood = Vec::new();
+    for _ in 0..20 {
+        flood.extend_from_slice(&frame_bytes_flagged(Kind::StreamItem, true, 1, 0, &[2]));
+    }
+    raw.send(&flood).await;
+    let reason = raw.close_reason().await;
+    assert_eq!(reason.code(), ErrorCode::Protocol, "{reason}");
+    assert!(reason.message().contains("window"), "{reason}");
+    still_serves(&server).await;
+}
+
+#[tokio::test]
+async fn upload_frames_for_calls_that_are_not_running_are_ignored() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    raw.send(&frame_bytes_flagged(Kind::StreamItem, true, 77, 0, &[2]))
+        .await;
+    raw.send(&frame_bytes_flagged(Kind::StreamEnd, true, 77, 0, &[]))
+        .await;
+    raw.send(&frame_bytes_flagged(
+        Kind::StreamAck,
+        true,
+        77,
+        0,
+        &8u32.to_le_bytes(),
+    ))
+    .await;
+    // Still open and answering on the same connection.
+    raw.send(&frame_bytes(Kind::Call, 2, sum_id(), &[2, 4]))
+        .await;
+    let (h, payload) = raw.next().await.expect("an answer");
+    assert_eq!((h.kind, h.call_id, payload), (Kind::Ok, 2, vec![6]));
 }

@@ -129,3 +129,51 @@ async fn several_streams_and_calls_interleave_on_one_connection() {
         assert_eq!(t.await.unwrap(), k as i32 + 1);
     }
 }
+
+#[tokio::test]
+async fn an_upload_arrives_whole_and_in_order_alongside_the_other_arguments() {
+    let (calc, _, _) = calc_pair().await;
+    let items = futures::stream::iter(0..10_000i64);
+    assert_eq!(
+        calc.sum_upload(7, items).await.unwrap(),
+        7 + (0..10_000).sum::<i64>()
+    );
+    // An empty upload is a stream that ends at once.
+    assert_eq!(
+        calc.sum_upload(1, futures::stream::empty()).await.unwrap(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_handler_that_stops_reading_answers_and_the_rest_of_the_upload_is_dropped() {
+    let (calc, _, _) = calc_pair().await;
+    // An endless upload: the answer must end the call, not the stream.
+    let endless = futures::stream::iter(0i64..);
+    assert_eq!(calc.count_until(5, endless).await.unwrap(), 6);
+    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+}
+
+#[tokio::test]
+async fn an_uploader_is_held_to_the_callees_window() {
+    let (server, probe) = calc_server(Config::default().stream_window(8));
+    let client = Endpoint::builder().build();
+    let (c, _s) = pair(&server, &client).await.unwrap();
+    let calc = CalcClient::new(c);
+    let pulled = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = pulled.clone();
+    let items = futures::stream::iter(0..1000i64).inspect(move |_| {
+        counter.fetch_add(1, Ordering::SeqCst);
+    });
+    let call = tokio::spawn(async move { calc.read_slowly(items).await });
+    eventually("the handler read its first item", || {
+        probe.started.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // Give a runaway uploader the chance to overrun (a settle, not a timing assertion).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The window (8), plus the item pulled while waiting for a credit.
+    assert!(pulled.load(Ordering::SeqCst) <= 9, "{pulled:?}");
+    probe.release.notify_one();
+    assert_eq!(call.await.unwrap().unwrap(), 1000);
+}

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use coherent_rpc::{service, Blob, CallContext, Endpoint, Peer, RpcError, ServerStream};
+use coherent_rpc::{service, Blob, CallContext, Endpoint, Peer, RpcError, ServerStream, Upload};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
@@ -45,6 +45,12 @@ pub trait Calc {
     async fn record(&self, v: u32);
     async fn recorded(&self) -> Vec<u32>;
     async fn items(&self, count: u32, size: u32) -> ServerStream<Item>;
+    /// `offset` plus the sum of the uploaded numbers.
+    async fn sum_upload(&self, offset: i64, items: Upload<i64>) -> i64;
+    /// How many numbers arrive up to and including `stop_at`; stops reading there.
+    async fn count_until(&self, stop_at: i64, items: Upload<i64>) -> u64;
+    /// Reads one number, then waits for the probe's release before reading the rest.
+    async fn read_slowly(&self, items: Upload<i64>) -> u64;
     /// `count` items, then a panic in the stream.
     async fn items_then_panic(&self, count: u32) -> ServerStream<Item>;
     /// Hangs on its first run, answers the run count afterwards.
@@ -166,6 +172,39 @@ impl Calc for CalcImpl {
                 data: vec![(i % 251) as u8; size as usize],
             }
         }))
+    }
+
+    async fn sum_upload(&self, offset: i64, mut items: Upload<i64>) -> i64 {
+        let mut sum = offset;
+        while let Some(item) = items.next().await {
+            sum += item.expect("an uploaded item");
+        }
+        sum
+    }
+
+    async fn count_until(&self, stop_at: i64, mut items: Upload<i64>) -> u64 {
+        let mut n = 0;
+        while let Some(item) = items.next().await {
+            n += 1;
+            if item.expect("an uploaded item") == stop_at {
+                break;
+            }
+        }
+        n
+    }
+
+    async fn read_slowly(&self, mut items: Upload<i64>) -> u64 {
+        let mut n = 0;
+        if items.next().await.is_some() {
+            n += 1;
+        }
+        self.probe.started.fetch_add(1, Ordering::SeqCst);
+        self.probe.release.notified().await;
+        while let Some(item) = items.next().await {
+            item.expect("an uploaded item");
+            n += 1;
+        }
+        n
     }
 
     async fn items_then_panic(&self, count: u32) -> ServerStream<Item> {

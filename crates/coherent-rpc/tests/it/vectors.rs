@@ -75,6 +75,7 @@ fn frames_encode_and_decode_to_the_vectors() {
                 "Zstd" => Compression::Zstd,
                 c => panic!("{c}"),
             },
+            upload: v["upload"].as_bool().unwrap_or(false),
             call_id: v["call_id"].as_str().unwrap().parse().unwrap(),
             method_id: v["method_id"].as_u64().unwrap() as u32,
             len: payload.len() as u32,
