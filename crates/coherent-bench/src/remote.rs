@@ -31,7 +31,9 @@ use parking_lot::Mutex;
 
 use crate::local::service::UserService;
 use crate::local::store::{Store, StoreError, User};
-use crate::local::{read_loop, Committed, Getter, Ids, MUTATOR_PERIOD, READERS_PER_CORE};
+use crate::local::{
+    spawn_readers, stop_readers, Committed, Getter, Ids, MUTATOR_PERIOD, READERS_PER_CORE,
+};
 use crate::report::{cores, progress, Report, Row};
 use crate::Timing;
 
@@ -322,17 +324,7 @@ async fn run_once<G: Getter>(
     let returned = Committed::new();
     let arrived = Committed::new();
     let floor = if replica_floor { &arrived } else { &returned };
-    let tasks: Vec<_> = (0..readers)
-        .map(|i| {
-            tokio::spawn(read_loop(
-                getter.clone(),
-                floor.clone(),
-                stop.clone(),
-                0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i as u64 + 1),
-                true,
-            ))
-        })
-        .collect();
+    let tasks = spawn_readers(getter, readers, floor, &stop, true);
     let latencies = Arc::new(Mutex::new(Vec::new()));
     let mutator = {
         let (service, replica) = (service.clone(), replica.clone());
@@ -379,23 +371,8 @@ async fn run_once<G: Getter>(
         })
     };
     let started = Instant::now();
-    // The stop signal comes from an OS thread (see the `local` suite: hits never yield).
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(duration);
-            stop.store(true, Ordering::Relaxed);
-            let _ = done_tx.send(());
-        });
-    }
-    let _ = done_rx.await;
     let mut outcome = Outcome::default();
-    for task in tasks {
-        let (calls, stale) = task.await.expect("a reader task");
-        outcome.calls += calls;
-        outcome.stale += stale;
-    }
+    (outcome.calls, outcome.stale) = stop_readers(tasks, &stop, duration).await;
     outcome.elapsed = started.elapsed();
     outcome.writes = tokio::task::spawn_blocking(move || mutator.join())
         .await

@@ -113,7 +113,7 @@ impl Writer {
     }
 }
 
-pub(crate) async fn read_loop<G: Getter>(
+async fn read_loop<G: Getter>(
     getter: Arc<G>,
     committed: Arc<Committed>,
     stop: Arc<AtomicBool>,
@@ -143,6 +143,54 @@ pub(crate) async fn read_loop<G: Getter>(
     (calls, stale)
 }
 
+/// Starts `readers` reader tasks, each with its own id sequence.
+pub(crate) fn spawn_readers<G: Getter>(
+    getter: &Arc<G>,
+    readers: usize,
+    committed: &Arc<Committed>,
+    stop: &Arc<AtomicBool>,
+    check: bool,
+) -> Vec<tokio::task::JoinHandle<(u64, u64)>> {
+    (0..readers)
+        .map(|i| {
+            tokio::spawn(read_loop(
+                getter.clone(),
+                committed.clone(),
+                stop.clone(),
+                0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i as u64 + 1),
+                check,
+            ))
+        })
+        .collect()
+}
+
+/// Sets `stop` after `duration` and waits for the readers; returns their calls and stale
+/// reads. The signal comes from an OS thread, not a tokio timer: a reader whose calls are all
+/// hits never yields, and would keep the worker that drives the timers from firing them.
+pub(crate) async fn stop_readers(
+    tasks: Vec<tokio::task::JoinHandle<(u64, u64)>>,
+    stop: &Arc<AtomicBool>,
+    duration: Duration,
+) -> (u64, u64) {
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(duration);
+            stop.store(true, Ordering::Relaxed);
+            let _ = done_tx.send(());
+        });
+    }
+    let _ = done_rx.await;
+    let (mut calls, mut stale) = (0, 0);
+    for task in tasks {
+        let (c, s) = task.await.expect("a reader task");
+        calls += c;
+        stale += s;
+    }
+    (calls, stale)
+}
+
 /// Runs `readers` reader tasks (and the mutator, if any) for `duration`.
 async fn run_once<G: Getter>(
     getter: &Arc<G>,
@@ -155,17 +203,7 @@ async fn run_once<G: Getter>(
     let stop = Arc::new(AtomicBool::new(false));
     let before = registry.map(Registry::metrics);
     let check = writer.is_some();
-    let tasks: Vec<_> = (0..readers)
-        .map(|i| {
-            tokio::spawn(read_loop(
-                getter.clone(),
-                committed.clone(),
-                stop.clone(),
-                0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i as u64 + 1),
-                check,
-            ))
-        })
-        .collect();
+    let tasks = spawn_readers(getter, readers, committed, &stop, check);
     // The mutator runs on a thread of its own, so that its write rate (one every 10 ms) does
     // not depend on how the scheduler treats it among the readers.
     let mutator = writer.map(|writer| {
@@ -199,24 +237,8 @@ async fn run_once<G: Getter>(
         })
     });
     let started = Instant::now();
-    // The stop signal comes from an OS thread, not a tokio timer: a reader whose calls are all
-    // hits never yields, and would keep the worker that drives the timers from firing them.
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(duration);
-            stop.store(true, Ordering::Relaxed);
-            let _ = done_tx.send(());
-        });
-    }
-    let _ = done_rx.await;
     let mut outcome = Outcome::default();
-    for task in tasks {
-        let (calls, stale) = task.await.expect("a reader task");
-        outcome.calls += calls;
-        outcome.stale += stale;
-    }
+    (outcome.calls, outcome.stale) = stop_readers(tasks, &stop, duration).await;
     outcome.elapsed = started.elapsed();
     if let Some(mutator) = mutator {
         outcome.writes = tokio::task::spawn_blocking(move || mutator.join())
