@@ -38,6 +38,18 @@ struct Live {
     /// Replicas dropped here while the server still watches them.
     released: Mutex<Vec<u64>>,
     wake: Notify,
+    /// The persistent cache, whose entry for a key goes when its replica is invalidated.
+    #[cfg(feature = "persistent")]
+    disk: Option<crate::disk::Disk>,
+}
+
+impl Live {
+    /// Asks the server to stop watching `replica` (again, if it may have started after
+    /// an earlier release overtook the watch).
+    fn release(&self, replica: u64) {
+        self.released.lock().push(replica);
+        self.wake.notify_one();
+    }
 }
 
 /// A replica's token. Dropped when the core drops the token's computed (after it was
@@ -51,8 +63,7 @@ struct Token {
 impl Drop for Token {
     fn drop(&mut self) {
         if self.live.replicas.lock().remove(&self.replica).is_some() {
-            self.live.released.lock().push(self.replica);
-            self.live.wake.notify_one();
+            self.live.release(self.replica);
         }
     }
 }
@@ -80,10 +91,17 @@ impl Tokens {
     fn invalidate(&self, replicas: impl IntoIterator<Item = u64>) {
         let replicas: Vec<u64> = replicas.into_iter().collect();
         let mut live = self.live.replicas.lock();
-        for id in &replicas {
-            live.remove(id);
-        }
+        let removed: Vec<Replica> = replicas.iter().filter_map(|id| live.remove(id)).collect();
         drop(live);
+        #[cfg(feature = "persistent")]
+        if let Some(disk) = &self.live.disk {
+            // What the file holds for these keys is stale now.
+            for r in removed {
+                disk.remove(r.method, r.args);
+            }
+        }
+        #[cfg(not(feature = "persistent"))]
+        drop(removed);
         for id in replicas {
             self.invalidate_token(id);
         }
@@ -127,12 +145,10 @@ struct Inner {
     closed: AtomicBool,
     /// Bumped after each reconnect's revalidation.
     revalidated: watch::Sender<u64>,
+    /// The keys the file held when the client started, until each is first read: the
+    /// file answers only those reads (later ones come from the server or from memory).
     #[cfg(feature = "persistent")]
-    disk: Option<crate::disk::Disk>,
-    /// Keys whose value was looked up on disk already: the file answers only a key's first
-    /// read in this process (later reads come from the server, or the cache in memory).
-    #[cfg(feature = "persistent")]
-    looked_up: Mutex<std::collections::HashSet<(u32, Blob)>>,
+    from_disk: Mutex<std::collections::HashSet<(u32, Blob)>>,
 }
 
 /// Options of a [`RemoteClient`] connection.
@@ -196,13 +212,21 @@ impl RemoteClientBuilder {
             Some(path) => Some(crate::disk::Disk::open(path)?),
             None => None,
         };
-        let (endpoint, tokens) = self.endpoint();
+        #[cfg(feature = "persistent")]
+        let from_disk = disk
+            .as_ref()
+            .map(crate::disk::Disk::keys)
+            .unwrap_or_default();
+        let (endpoint, tokens) = self.endpoint(
+            #[cfg(feature = "persistent")]
+            disk,
+        );
         let connection = Reconnecting::new(move || connect(endpoint.clone()), backoff);
         RemoteClient::start(
             connection,
             tokens,
             #[cfg(feature = "persistent")]
-            disk,
+            from_disk,
         )
         .await
     }
@@ -233,14 +257,21 @@ impl RemoteClientBuilder {
         .await
     }
 
-    fn endpoint(self) -> (Endpoint, Tokens) {
+    fn endpoint(
+        self,
+        #[cfg(feature = "persistent")] disk: Option<crate::disk::Disk>,
+    ) -> (Endpoint, Tokens) {
         let handle = match &self.registry {
             Some(r) => ServiceHandle::with_registry(r),
             None => ServiceHandle::new(),
         };
         let tokens = Tokens {
             handle,
-            live: Arc::new(Live::default()),
+            live: Arc::new(Live {
+                #[cfg(feature = "persistent")]
+                disk,
+                ..Live::default()
+            }),
         };
         let endpoint = Endpoint::builder()
             .config(self.config)
@@ -266,7 +297,7 @@ impl RemoteClient {
     async fn start(
         connection: Reconnecting,
         tokens: Tokens,
-        #[cfg(feature = "persistent")] disk: Option<crate::disk::Disk>,
+        #[cfg(feature = "persistent")] from_disk: std::collections::HashSet<(u32, Blob)>,
     ) -> Result<Self, RpcError> {
         let first = connection.peer().await?;
         let client = Self {
@@ -278,9 +309,7 @@ impl RemoteClient {
                 closed: AtomicBool::new(false),
                 revalidated: watch::Sender::new(0),
                 #[cfg(feature = "persistent")]
-                disk,
-                #[cfg(feature = "persistent")]
-                looked_up: Mutex::default(),
+                from_disk: Mutex::new(from_disk),
             }),
         };
         tokio::spawn(supervise(
@@ -306,6 +335,12 @@ impl RemoteClient {
         T: DeserializeOwned,
     {
         let inner = &*self.inner;
+        if inner.closed.load(Ordering::Acquire) {
+            return Err(RpcError::new(
+                ErrorCode::Disconnected,
+                "the client was closed",
+            ));
+        }
         let peer = inner.connection.peer().await?;
         let format = peer.format();
         let args = Blob::from(format.encode(&args)?);
@@ -332,16 +367,11 @@ impl RemoteClient {
         }
         #[cfg(feature = "persistent")]
         if let Some(stored) = inner
+            .tokens
+            .live
             .disk
             .as_ref()
-            .filter(|_| {
-                let mut looked_up = inner.looked_up.lock();
-                // Bounded: forgetting keys only costs a second unconfirmed answer from disk.
-                if looked_up.len() >= 100_000 {
-                    looked_up.clear();
-                }
-                looked_up.insert((method, args.clone()))
-            })
+            .filter(|_| inner.from_disk.lock().remove(&(method, args.clone())))
             .and_then(|d| d.get(method, &args, format))
         {
             if let Ok(value) = format.decode_bytes(stored.value.into_bytes()) {
@@ -362,15 +392,28 @@ impl RemoteClient {
             Err(e) => return Err(e),
         };
         let hash = value_hash(&value);
-        if let Some(r) = inner.tokens.live.replicas.lock().get_mut(&replica) {
-            r.hash = Some(hash);
+        let live = &inner.tokens.live;
+        let mut replicas = live.replicas.lock();
+        match replicas.get_mut(&replica) {
+            Some(r) => {
+                r.hash = Some(hash);
+                // Written while still live, under the lock: an invalidation that comes
+                // later removes it again, in order.
+                #[cfg(feature = "persistent")]
+                if let Some(disk) = &live.disk {
+                    disk.put(method, args, value.clone(), hash, format);
+                }
+                #[cfg(not(feature = "persistent"))]
+                drop(args);
+            }
+            // Dropped or invalidated meanwhile: the server may have started watching after
+            // the release went out, so release it again.
+            None => {
+                drop(args);
+                live.release(replica);
+            }
         }
-        #[cfg(feature = "persistent")]
-        if let Some(disk) = &inner.disk {
-            disk.put(method, args, value.clone(), hash, format);
-        }
-        #[cfg(not(feature = "persistent"))]
-        drop(args);
+        drop(replicas);
         format.decode_bytes(value.into_bytes())
     }
 
@@ -392,11 +435,12 @@ impl RemoteClient {
                 }
             }
             _ => {
-                if let Some(disk) = &inner.disk {
-                    disk.remove(method, args);
-                }
+                drop(args);
                 inner.tokens.invalidate([replica]);
             }
+        }
+        if !inner.tokens.live.replicas.lock().contains_key(&replica) {
+            inner.tokens.live.release(replica);
         }
     }
 
@@ -411,7 +455,7 @@ impl RemoteClient {
     /// once without one).
     pub async fn flush_cache(&self) {
         #[cfg(feature = "persistent")]
-        if let Some(disk) = &self.inner.disk {
+        if let Some(disk) = &self.inner.tokens.live.disk {
             disk.flush().await;
         }
     }
@@ -423,6 +467,12 @@ impl RemoteClient {
         A: Serialize,
         T: DeserializeOwned,
     {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(RpcError::new(
+                ErrorCode::Disconnected,
+                "the client was closed",
+            ));
+        }
         let format = self.inner.connection.peer().await?.format();
         let args = Blob::from(format.encode(&args)?);
         let value = self.inner.host.call(method_id(method), args).await??;
@@ -477,41 +527,57 @@ async fn supervise(
     let mut reconnects = 0u64;
     loop {
         closed.as_mut().await;
+        let next = loop {
+            let Some(inner) = client.upgrade() else {
+                return;
+            };
+            if inner.closed.load(Ordering::Acquire) {
+                invalidate_all(&inner, "the client was closed");
+                return;
+            }
+            match inner.connection.peer().await {
+                Ok(next) if inner.closed.load(Ordering::Acquire) => {
+                    // `close()` ran while this connection was being made.
+                    next.close();
+                    invalidate_all(&inner, "the client was closed");
+                    return;
+                }
+                Ok(next) => break next,
+                Err(e) => {
+                    // Nothing can be confirmed: invalidate (reads fail until a connection
+                    // comes back), then keep trying.
+                    invalidate_all(&inner, &e.to_string());
+                    drop(inner);
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                }
+            }
+        };
         let Some(inner) = client.upgrade() else {
-            return;
-        };
-        let next = if inner.closed.load(Ordering::Acquire) {
-            None
-        } else {
-            inner.connection.peer().await.ok()
-        };
-        let Some(next) = next else {
-            let all: Vec<u64> = inner.tokens.live.replicas.lock().keys().copied().collect();
-            tracing::debug!(
-                count = all.len(),
-                "disconnected for good: invalidating replicas"
-            );
-            inner.tokens.invalidate(all);
             return;
         };
         closed = Box::pin(next.when_closed());
         drop(next);
         reconnects += 1;
-        let held: Vec<Held> = inner
-            .tokens
-            .live
-            .replicas
-            .lock()
-            .iter()
-            .filter_map(|(&replica, r)| {
-                r.hash.map(|hash| Held {
-                    replica,
-                    method: r.method,
-                    args: r.args.clone(),
-                    hash,
-                })
-            })
-            .collect();
+        // Replicas whose fetch was answered (or not) on the old connection without a hash
+        // yet cannot be revalidated: they are invalidated, so that they are fetched again.
+        let (held, unanswered): (Vec<Held>, Vec<u64>) = {
+            let replicas = inner.tokens.live.replicas.lock();
+            let mut held = Vec::new();
+            let mut unanswered = Vec::new();
+            for (&replica, r) in replicas.iter() {
+                match r.hash {
+                    Some(hash) => held.push(Held {
+                        replica,
+                        method: r.method,
+                        args: r.args.clone(),
+                        hash,
+                    }),
+                    None => unanswered.push(replica),
+                }
+            }
+            (held, unanswered)
+        };
+        inner.tokens.invalidate(unanswered);
         let all: Vec<u64> = held.iter().map(|h| h.replica).collect();
         match inner.host.revalidate(held).await {
             Ok(stale) => {
@@ -523,10 +589,26 @@ async fn supervise(
                 inner.tokens.invalidate(stale);
             }
             // Not confirmed: none of them can be trusted.
-            Err(_) => inner.tokens.invalidate(all),
+            Err(_) => inner.tokens.invalidate(all.iter().copied()),
+        }
+        // Those dropped while revalidating may be watched again now: release them again.
+        let gone: Vec<u64> = {
+            let replicas = inner.tokens.live.replicas.lock();
+            all.into_iter()
+                .filter(|id| !replicas.contains_key(id))
+                .collect()
+        };
+        for id in gone {
+            inner.tokens.live.release(id);
         }
         inner.revalidated.send_replace(reconnects);
     }
+}
+
+fn invalidate_all(inner: &Inner, why: &str) {
+    let all: Vec<u64> = inner.tokens.live.replicas.lock().keys().copied().collect();
+    tracing::debug!(count = all.len(), why, "invalidating every replica");
+    inner.tokens.invalidate(all);
 }
 
 /// Tells the server about dropped replicas, in batches, until the client is dropped.

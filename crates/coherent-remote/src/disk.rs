@@ -74,6 +74,23 @@ impl Disk {
         })
     }
 
+    /// Every key the file holds now.
+    pub(crate) fn keys(&self) -> std::collections::HashSet<(u32, Blob)> {
+        let db = self.reads.lock();
+        let keys = db
+            .prepare("SELECT method, args FROM replicas")
+            .and_then(|mut q| {
+                q.query_map([], |row| {
+                    Ok((row.get::<_, u32>(0)?, Blob::from(row.get::<_, Vec<u8>>(1)?)))
+                })?
+                .collect::<rusqlite::Result<_>>()
+            });
+        keys.unwrap_or_else(|e| {
+            tracing::warn!(%e, "persistent cache keys could not be read");
+            Default::default()
+        })
+    }
+
     /// The stored value of `method(args)` in `format`, if any.
     pub(crate) fn get(&self, method: u32, args: &[u8], format: Format) -> Option<Stored> {
         let db = self.reads.lock();

@@ -199,12 +199,20 @@ struct Host {
     connections: Connections,
 }
 
+/// One replica's watch: the computed, and a marker whose loss turns the computed's
+/// callback into a no-op (the core cannot take a callback back, so a released or replaced
+/// watch leaves it behind, inert).
+struct Watch {
+    _watched: Box<dyn Watched>,
+    _live: Arc<()>,
+}
+
 /// What the server keeps for one client connection.
 struct Connection {
     /// Replica id → the computed it watches.
-    replicas: Mutex<HashMap<u64, Box<dyn Watched>>>,
-    /// Replicas invalidated and not yet pushed. Each id enters once (a computed's callback
-    /// runs once), so this never outgrows `replicas`.
+    replicas: Mutex<HashMap<u64, Watch>>,
+    /// Replicas invalidated and not yet pushed. Only a live watch's callback adds its id,
+    /// once, and the watch is removed when the id is pushed: this never outgrows `replicas`.
     invalidated: Mutex<Vec<u64>>,
     wake: Notify,
 }
@@ -261,8 +269,16 @@ async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connection
         drop(dropped);
         drop(c);
         tracing::debug!(count = ids.len(), "pushing replica invalidations");
-        if sink.invalidated(ids).await.is_err() {
-            break;
+        // Each message within the client's limit (an id takes at most 10 bytes).
+        let per_message = (peer.remote_max_message_size() as usize / 10).max(1);
+        for chunk in ids.chunks(per_message) {
+            if let Err(e) = sink.invalidated(chunk.to_vec()).await {
+                // The client must not keep replicas this side stopped watching: closing
+                // makes it reconnect and revalidate them.
+                tracing::debug!(%e, "an invalidation push failed: closing the connection");
+                peer.close();
+                break;
+            }
         }
     }
     connections.lock().remove(&peer.id());
@@ -271,22 +287,25 @@ async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connection
 impl Connection {
     /// Holds `watched` for `replica` and pushes the replica's id when it is invalidated.
     fn watch(self: &Arc<Self>, replica: u64, watched: Box<dyn Watched>) {
-        let watch = Arc::downgrade(self);
-        // A replica id the client reuses replaces the old watch; the old callback then
-        // pushes an invalidation the client no longer waits for, which is harmless.
-        let previous = self.replicas.lock().insert(replica, watched);
+        let connection = Arc::downgrade(self);
+        let live = Arc::new(());
+        let marker = Arc::downgrade(&live);
+        // Runs at once if the computed is already invalidated: the client then gets the
+        // value and, right behind it, the news that it is stale.
+        watched.on_invalidated(Box::new(move || {
+            if let (Some(c), Some(_live)) = (connection.upgrade(), marker.upgrade()) {
+                c.invalidated.lock().push(replica);
+                c.wake.notify_one();
+            }
+        }));
+        let previous = self.replicas.lock().insert(
+            replica,
+            Watch {
+                _watched: watched,
+                _live: live,
+            },
+        );
         drop(previous);
-        let replicas = self.replicas.lock();
-        if let Some(watched) = replicas.get(&replica) {
-            // Runs at once if the computed is already invalidated: the client then gets
-            // the value and, right behind it, the news that it is stale.
-            watched.on_invalidated(Box::new(move || {
-                if let Some(c) = watch.upgrade() {
-                    c.invalidated.lock().push(replica);
-                    c.wake.notify_one();
-                }
-            }));
-        }
     }
 }
 
@@ -297,6 +316,11 @@ impl ReplicaHost for Host {
         let connection = self.connection(ctx.peer());
         if connection.replicas.lock().len() >= self.max_replicas {
             return Err(Failure::TooManyReplicas(self.max_replicas));
+        }
+        if connection.replicas.lock().contains_key(&replica) {
+            return Err(Failure::BadArguments(format!(
+                "replica id {replica} is already watched on this connection"
+            )));
         }
         let (value, watched) = fetch(args, ctx.peer().format()).await?;
         connection.watch(replica, watched);

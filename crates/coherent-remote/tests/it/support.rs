@@ -44,6 +44,20 @@ impl Users {
         self.invalidate_name(id);
     }
 
+    /// Renames everyone; their invalidations happen back to back.
+    pub(crate) fn rename_all(&self, name: &str) {
+        let ids: Vec<u64> = {
+            let mut names = self.names.lock();
+            for n in names.values_mut() {
+                *n = name.to_owned();
+            }
+            names.keys().copied().collect()
+        };
+        for id in ids {
+            self.invalidate_name(id);
+        }
+    }
+
     pub(crate) fn runs(&self) -> usize {
         self.runs.load(Ordering::SeqCst)
     }

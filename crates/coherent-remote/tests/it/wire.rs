@@ -246,3 +246,28 @@ async fn the_stub_and_expose_macros_make_typed_replicas() {
     assert_eq!(stub.name(1).await.unwrap().as_deref(), Some("anna"));
     assert_eq!(users.runs(), 2);
 }
+
+#[tokio::test]
+async fn pushes_larger_than_the_clients_message_limit_arrive_in_several_messages() {
+    let users = Users::new();
+    for id in 3..=1000 {
+        users.rename(id, &format!("user {id}"));
+    }
+    let remote = RemoteClient::builder()
+        .config(Config::default().max_message_size(1024))
+        .connect_tcp(serve(&users).await)
+        .await
+        .unwrap();
+    let cards = Cards::new(remote.clone());
+    let mut computed = Vec::new();
+    for id in 1..=1000 {
+        cards.name(id).await.unwrap();
+        computed.push(cards.name_computed(id).await);
+    }
+    // One write path that invalidates all 1,000 at once: about 3 KB of ids.
+    users.rename_all("x");
+    for c in &computed {
+        within("every pushed invalidation", c.when_invalidated()).await;
+    }
+    assert_eq!(remote.connections(), 1, "the connection was never dropped");
+}
