@@ -87,21 +87,23 @@ impl Tokens {
 }
 
 impl Tokens {
-    /// Forgets these replicas and invalidates everything that read them.
-    fn invalidate(&self, replicas: impl IntoIterator<Item = u64>) {
+    /// Forgets these replicas and invalidates everything that read them. `stale`: the
+    /// server said their values changed, so the persistent cache forgets them too (not when
+    /// they are only unconfirmed, e.g. after a disconnect).
+    fn invalidate(&self, replicas: impl IntoIterator<Item = u64>, stale: bool) {
         let replicas: Vec<u64> = replicas.into_iter().collect();
         let mut live = self.live.replicas.lock();
         let removed: Vec<Replica> = replicas.iter().filter_map(|id| live.remove(id)).collect();
         drop(live);
         #[cfg(feature = "persistent")]
-        if let Some(disk) = &self.live.disk {
+        if let Some(disk) = self.live.disk.as_ref().filter(|_| stale) {
             // What the file holds for these keys is stale now.
             for r in removed {
                 disk.remove(r.method, r.args);
             }
         }
         #[cfg(not(feature = "persistent"))]
-        drop(removed);
+        drop((removed, stale));
         for id in replicas {
             self.invalidate_token(id);
         }
@@ -116,7 +118,7 @@ struct Sink {
 impl ReplicaSink for Sink {
     async fn invalidated(&self, replicas: Vec<u64>) {
         tracing::debug!(count = replicas.len(), "replicas invalidated by the server");
-        self.tokens.invalidate(replicas);
+        self.tokens.invalidate(replicas, true);
     }
 }
 
@@ -359,7 +361,7 @@ impl RemoteClient {
         // (and the caller, still computing, is stored as invalidated).
         drop(inner.tokens.token(replica).await);
         if inner.closed.load(Ordering::Acquire) {
-            inner.tokens.invalidate([replica]);
+            inner.tokens.invalidate([replica], false);
             return Err(RpcError::new(
                 ErrorCode::Disconnected,
                 "the client was closed",
@@ -428,16 +430,16 @@ impl RemoteClient {
             args: args.clone(),
             hash,
         };
+        drop(args);
         match inner.host.revalidate(vec![held]).await {
             Ok(stale) if stale.is_empty() => {
                 if let Some(r) = inner.tokens.live.replicas.lock().get_mut(&replica) {
                     r.confirmed = true;
                 }
             }
-            _ => {
-                drop(args);
-                inner.tokens.invalidate([replica]);
-            }
+            Ok(_) => inner.tokens.invalidate([replica], true),
+            // Not confirmed, but not known to be stale either: the file keeps it.
+            Err(_) => inner.tokens.invalidate([replica], false),
         }
         if !inner.tokens.live.replicas.lock().contains_key(&replica) {
             inner.tokens.live.release(replica);
@@ -577,7 +579,7 @@ async fn supervise(
             }
             (held, unanswered)
         };
-        inner.tokens.invalidate(unanswered);
+        inner.tokens.invalidate(unanswered, false);
         let all: Vec<u64> = held.iter().map(|h| h.replica).collect();
         match inner.host.revalidate(held).await {
             Ok(stale) => {
@@ -586,10 +588,10 @@ async fn supervise(
                     stale = stale.len(),
                     "replicas revalidated"
                 );
-                inner.tokens.invalidate(stale);
+                inner.tokens.invalidate(stale, true);
             }
             // Not confirmed: none of them can be trusted.
-            Err(_) => inner.tokens.invalidate(all.iter().copied()),
+            Err(_) => inner.tokens.invalidate(all.iter().copied(), false),
         }
         // Those dropped while revalidating may be watched again now: release them again.
         let gone: Vec<u64> = {
@@ -608,7 +610,7 @@ async fn supervise(
 fn invalidate_all(inner: &Inner, why: &str) {
     let all: Vec<u64> = inner.tokens.live.replicas.lock().keys().copied().collect();
     tracing::debug!(count = all.len(), why, "invalidating every replica");
-    inner.tokens.invalidate(all);
+    inner.tokens.invalidate(all, false);
 }
 
 /// Tells the server about dropped replicas, in batches, until the client is dropped.
