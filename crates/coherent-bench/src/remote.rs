@@ -32,9 +32,9 @@ use parking_lot::Mutex;
 use crate::local::service::UserService;
 use crate::local::store::{Store, StoreError, User};
 use crate::local::{
-    spawn_readers, stop_readers, Committed, Getter, Ids, MUTATOR_PERIOD, READERS_PER_CORE,
+    spawn_mutator, spawn_readers, stop_readers, Committed, Getter, READERS_PER_CORE,
 };
-use crate::report::{cores, progress, Report, Row};
+use crate::report::{cores, percentile, progress, Report, Row};
 use crate::Timing;
 
 /// The name the server exposes `UserService::get` under.
@@ -303,13 +303,6 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
-
 /// Readers for `duration` while the mutator writes. With `replica_floor`, a read must see a
 /// write once its invalidation reached the client; otherwise once the write returned.
 async fn run_once<G: Getter>(
@@ -327,28 +320,21 @@ async fn run_once<G: Getter>(
     let tasks = spawn_readers(getter, readers, floor, &stop, true);
     let latencies = Arc::new(Mutex::new(Vec::new()));
     let mutator = {
-        let (service, replica) = (service.clone(), replica.clone());
-        let (returned, arrived, stop) = (returned.clone(), arrived.clone(), stop.clone());
-        let latencies = latencies.clone();
-        // Its own thread, runtime and store connections, as in the `local` suite.
-        std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a runtime for the mutator");
-            runtime.block_on(async move {
+        let (service, replica, latencies) = (service.clone(), replica.clone(), latencies.clone());
+        let (returned, arrived) = (returned.clone(), arrived.clone());
+        spawn_mutator(
+            stop.clone(),
+            move || {
                 let store = service
                     .store()
                     .for_another_runtime()
                     .expect("a store connection for the mutator");
-                let service = service.with_store(Arc::new(store));
-                let mut ids = Ids(0xDEAD_BEEF);
-                let mut tick = tokio::time::interval(MUTATOR_PERIOD);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                let mut writes = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    tick.tick().await;
-                    let id = ids.next();
+                (service.with_store(Arc::new(store)), replica)
+            },
+            move |(service, replica): (UserService, UserReplica), id| {
+                let (returned, arrived, latencies) =
+                    (returned.clone(), arrived.clone(), latencies.clone());
+                async move {
                     // The client's replica of this user, as it is before the write.
                     let held = replica.get_computed(id).await;
                     let version = returned.floor(id) + 1;
@@ -364,11 +350,9 @@ async fn run_once<G: Getter>(
                     let micros = written.elapsed().as_secs_f64() * 1e6;
                     arrived.0[id as usize].store(version, Ordering::Release);
                     latencies.lock().push(micros);
-                    writes += 1;
                 }
-                writes
-            })
-        })
+            },
+        )
     };
     let started = Instant::now();
     let mut outcome = Outcome::default();

@@ -154,6 +154,15 @@ fn format_value(value: f64) -> String {
     }
 }
 
+/// The value at fraction `p` of `sorted` (nearest rank); 0 when empty.
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
 pub(crate) fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }

@@ -220,6 +220,24 @@ impl Shared {
             .map_err(|_| RpcError::disconnected("connection closed"))
     }
 
+    /// Awaits a call's `reply` within its deadline (`opts.timeout`, else the connection's
+    /// default); past it, the answer is `DeadlineExceeded`.
+    async fn within_deadline<T>(
+        &self,
+        opts: CallOptions,
+        reply: impl Future<Output = Result<T, RpcError>>,
+    ) -> Result<T, RpcError> {
+        match opts.timeout.or(self.settings.call_timeout) {
+            None => reply.await,
+            Some(d) => tokio::time::timeout(d, reply).await.unwrap_or_else(|_| {
+                Err(RpcError::new(
+                    ErrorCode::DeadlineExceeded,
+                    format!("no reply within {d:?}"),
+                ))
+            }),
+        }
+    }
+
     fn closed_reason(&self) -> Option<RpcError> {
         self.closed.borrow().clone()
     }
@@ -428,20 +446,17 @@ impl Peer {
             return Err(e);
         }
         s.counters.calls_out.fetch_add(1, Ordering::Relaxed);
-        let reply = match opts.timeout.or(s.settings.call_timeout) {
-            None => rx.await,
-            Some(d) => match tokio::time::timeout(d, rx).await {
-                Ok(r) => r,
-                Err(_) => {
-                    return Err(RpcError::new(
-                        ErrorCode::DeadlineExceeded,
-                        format!("no reply within {d:?}"),
-                    ))
-                }
-            },
-        };
-        guard.armed = false;
-        reply.map_err(|_| RpcError::disconnected("connection closed"))?
+        let reply = s
+            .within_deadline(opts, async {
+                rx.await
+                    .map_err(|_| RpcError::disconnected("connection closed"))?
+            })
+            .await;
+        // Past its deadline, the call stays armed: the guard cancels it on the callee.
+        if reply.is_ok() {
+            guard.armed = false;
+        }
+        reply
     }
 
     /// Sends a one-way call: no reply, no delivery guarantee beyond the queue.
@@ -527,15 +542,7 @@ impl Peer {
                 }
             }
         };
-        let reply = match opts.timeout.or(s.settings.call_timeout) {
-            None => exchange.await,
-            Some(d) => tokio::time::timeout(d, exchange).await.unwrap_or_else(|_| {
-                Err(RpcError::new(
-                    ErrorCode::DeadlineExceeded,
-                    format!("no reply within {d:?}"),
-                ))
-            }),
-        };
+        let reply = s.within_deadline(opts, exchange).await;
         if reply.is_ok() {
             guard.armed = false;
         }
@@ -883,24 +890,15 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
                 crate::frame::batch_len(&payload)
                     .map_err(|e| RpcError::protocol(format!("stream {}: {e}", h.call_id)))?
             };
-            let receiving = if h.upload {
-                s.inbound
-                    .lock()
-                    .get(&h.call_id)
-                    .and_then(|i| i.upload.clone())
-            } else {
-                match s.pending.lock().get(&h.call_id) {
-                    Some(Pending::Stream(tx, buffered)) => Some((tx.clone(), buffered.clone())),
-                    _ => None,
-                }
-            };
-            // An unknown id is a stream this side gave up on (or a finished call).
-            if let Some((tx, buffered)) = receiving {
+            let window = s.settings.local_window;
+            let deliver = |tx: &mpsc::UnboundedSender<crate::stream::Event>,
+                           buffered: &std::sync::atomic::AtomicU32|
+             -> Result<(), RpcError> {
                 let before = buffered.fetch_add(count, Ordering::Relaxed);
-                if before.saturating_add(count) > s.settings.local_window {
+                if before.saturating_add(count) > window {
                     return Err(RpcError::protocol(format!(
-                        "stream {} sent more than its window of {} items",
-                        h.call_id, s.settings.local_window
+                        "stream {} sent more than its window of {window} items",
+                        h.call_id
                     )));
                 }
                 let _ = tx.send(if h.kind == Kind::StreamItem {
@@ -908,6 +906,20 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
                 } else {
                     crate::stream::Event::Batch(payload)
                 });
+                Ok(())
+            };
+            // An unknown id is a stream this side gave up on (or a finished call).
+            if h.upload {
+                if let Some((tx, buffered)) = s
+                    .inbound
+                    .lock()
+                    .get(&h.call_id)
+                    .and_then(|i| i.upload.as_ref())
+                {
+                    deliver(tx, buffered)?;
+                }
+            } else if let Some(Pending::Stream(tx, buffered)) = s.pending.lock().get(&h.call_id) {
+                deliver(tx, buffered)?;
             }
         }
         Kind::StreamEnd if h.upload => {

@@ -24,15 +24,15 @@ use store::{Store, StoreError, User, USERS};
 /// Calls between two checks of the stop flag (and, with many readers, a yield).
 const BATCH: u32 = 64;
 pub(crate) const READERS_PER_CORE: usize = 20;
-pub(crate) const MUTATOR_PERIOD: Duration = Duration::from_millis(10);
+const MUTATOR_PERIOD: Duration = Duration::from_millis(10);
 
 /// A cheap deterministic generator of user ids.
 #[derive(Clone, Copy)]
-pub(crate) struct Ids(pub(crate) u64);
+struct Ids(u64);
 
 impl Ids {
     #[inline]
-    pub(crate) fn next(&mut self) -> u64 {
+    fn next(&mut self) -> u64 {
         // xorshift64*
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
@@ -191,6 +191,43 @@ pub(crate) async fn stop_readers(
     (calls, stale)
 }
 
+/// Writes every `MUTATOR_PERIOD` (a random user per write) until `stop`, on a thread and
+/// runtime of its own, so that its write rate does not depend on how the scheduler treats it
+/// among the readers. `setup` runs on that runtime first (store connections belong to the
+/// runtime that made them); `write` gets a clone of what it made and the user's id. The
+/// thread answers how many writes it made.
+pub(crate) fn spawn_mutator<W, S, F, Fut>(
+    stop: Arc<AtomicBool>,
+    setup: S,
+    mut write: F,
+) -> std::thread::JoinHandle<u64>
+where
+    W: Clone,
+    S: FnOnce() -> W + Send + 'static,
+    F: FnMut(W, u64) -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime for the mutator");
+        runtime.block_on(async move {
+            let target = setup();
+            let mut ids = Ids(0xDEAD_BEEF);
+            let mut tick = tokio::time::interval(MUTATOR_PERIOD);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut writes = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                write(target.clone(), ids.next()).await;
+                writes += 1;
+            }
+            writes
+        })
+    })
+}
+
 /// Runs `readers` reader tasks (and the mutator, if any) for `duration`.
 async fn run_once<G: Getter>(
     getter: &Arc<G>,
@@ -207,34 +244,26 @@ async fn run_once<G: Getter>(
     // The mutator runs on a thread of its own, so that its write rate (one every 10 ms) does
     // not depend on how the scheduler treats it among the readers.
     let mutator = writer.map(|writer| {
-        let (writer, committed, stop) = (writer.clone(), committed.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a runtime for the mutator");
-            runtime.block_on(async move {
-                let writer = writer
+        let (writer, committed) = (writer.clone(), committed.clone());
+        spawn_mutator(
+            stop.clone(),
+            move || {
+                writer
                     .for_this_runtime()
-                    .expect("a store connection for the mutator");
-                let mut ids = Ids(0xDEAD_BEEF);
-                let mut tick = tokio::time::interval(MUTATOR_PERIOD);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                let mut writes = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    tick.tick().await;
-                    let id = ids.next();
+                    .expect("a store connection for the mutator")
+            },
+            move |writer: Writer, id| {
+                let committed = committed.clone();
+                async move {
                     let version = committed.floor(id) + 1;
                     writer
                         .update(id, version)
                         .await
                         .expect("the store accepts the write");
                     committed.0[id as usize].store(version, Ordering::Release);
-                    writes += 1;
                 }
-                writes
-            })
-        })
+            },
+        )
     });
     let started = Instant::now();
     let mut outcome = Outcome::default();

@@ -93,14 +93,6 @@ where
     Ok(out)
 }
 
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[i]
-}
-
 pub(crate) fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }

@@ -18,10 +18,10 @@ use std::time::Instant;
 use coherent_rpc::Compression;
 use indicatif::ProgressBar;
 
-use crate::report::{progress, Report, Row};
+use crate::report::{percentile, progress, Report, Row};
 use crate::Timing;
 use coherent::Coherent;
-use harness::{interleaved, micros, percentile, samples, throughput, Work};
+use harness::{interleaved, micros, samples, throughput, Work};
 use http::Http;
 use model::PayloadKind;
 use peer::Peer;
