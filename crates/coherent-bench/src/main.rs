@@ -39,7 +39,7 @@ struct Cli {
     only: Option<String>,
 }
 
-#[derive(Subcommand, Debug, Clone, Copy)]
+#[derive(Subcommand, Debug, Clone)]
 enum Suite {
     /// The compute core in one process: a user service over SQLite and PostgreSQL, direct vs
     /// cached, against a concurrent map, moka and quick_cache.
@@ -50,6 +50,16 @@ enum Suite {
     /// Compute services over the wire: client replicas against in-process, RPC round-trip
     /// and (later) HTTP reads of the same service, with writes invalidating.
     Remote,
+    /// A fixed number of single-reader `local` calls on one contender, untimed: for counting
+    /// instructions per call under callgrind (see BENCHMARKS.md).
+    #[command(hide = true)]
+    Hits {
+        /// `ours`, `map`, `moka` or `quickcache`.
+        contender: String,
+        /// How many calls.
+        #[arg(long, default_value_t = 1_000_000)]
+        calls: u64,
+    },
 }
 
 /// How long and how often each case runs.
@@ -84,7 +94,8 @@ fn main() -> anyhow::Result<()> {
         anyhow::bail!("--only applies to the rpc suite");
     }
     let timing = Timing::from_cli(&cli);
-    let report = match cli.suite {
+    let report = match &cli.suite {
+        Suite::Hits { contender, calls } => return local::count_calls(contender, *calls),
         Suite::Local => local::run(timing)?,
         Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Remote => remote::run(timing)?,

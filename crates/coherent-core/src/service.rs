@@ -101,9 +101,20 @@ impl fmt::Debug for MethodDescriptor {
     }
 }
 
-/// A method's table, with its type id beside it: checking the id inline costs a compare, where
-/// `downcast_ref` would make a virtual call on every hit.
-type Slot = OnceLock<(TypeId, Arc<dyn Any + Send + Sync>)>;
+/// A method's table: its type id and a thin pointer to it beside the owning `Arc`, so that the
+/// hit path checks the type with a compare (`downcast_ref` would make a virtual call) and
+/// reaches the table with one load (`Arc::as_ptr` on a `dyn` reads the vtable's alignment).
+struct Slot {
+    type_id: TypeId,
+    table: *const (),
+    _owner: Arc<dyn Any + Send + Sync>,
+}
+
+// SAFETY: `table` points into `_owner`, a `Send + Sync` value that the slot keeps alive; the
+// pointer is only read, never used to mutate.
+unsafe impl Send for Slot {}
+// SAFETY: as above.
+unsafe impl Sync for Slot {}
 
 /// The part of a compute service that owns its cached results. Put one in the service struct;
 /// clones share it.
@@ -116,7 +127,7 @@ struct HandleInner {
     registry: Registry,
     /// Two levels, allocated on first use, so that a handle costs a few hundred bytes until its
     /// methods are called, and the hit path finds its table with two loads and no lock.
-    chunks: [OnceLock<Box<[Slot; CHUNK]>>; CHUNKS],
+    chunks: [OnceLock<Box<[OnceLock<Slot>; CHUNK]>>; CHUNKS],
 }
 
 impl ServiceHandle {
@@ -145,7 +156,7 @@ impl ServiceHandle {
     /// # Panics
     /// If the process declares more than [`MAX_METHODS`] compute methods, or if one handle is
     /// shared by services whose same method has different argument or output types.
-    #[inline]
+    #[inline(always)]
     pub fn table<K, T>(
         &self,
         method: &'static MethodDescriptor,
@@ -156,12 +167,44 @@ impl ServiceHandle {
         T: Clone + Send + Sync + 'static,
     {
         let index = method.index();
+        let slot = self
+            .inner
+            .chunks
+            .get(index / CHUNK)
+            .and_then(OnceLock::get)
+            .and_then(|chunk| chunk[index % CHUNK].get());
+        let slot = match slot {
+            Some(slot) => slot,
+            None => self.create_table::<K, T>(method, classify, index),
+        };
+        if slot.type_id != TypeId::of::<Table<K, T>>() {
+            mismatched_types(method)
+        }
+        // SAFETY: the slot's table was created as a `Table<K, T>` (its type id, stored with it,
+        // matches), and the slot's `Arc` keeps it alive as long as the slot, which outlives the
+        // returned borrow of `self`.
+        unsafe { &*slot.table.cast::<Table<K, T>>() }
+    }
+
+    /// The miss of [`table`](Self::table): creates the chunk and the table (or finds what a
+    /// racing thread created).
+    #[cold]
+    #[inline(never)]
+    fn create_table<K, T>(
+        &self,
+        method: &'static MethodDescriptor,
+        classify: fn(&T) -> OutputKind,
+        index: usize,
+    ) -> &Slot
+    where
+        K: Hash + Eq + Clone + Send + Sync + 'static,
+        T: Clone + Send + Sync + 'static,
+    {
         let Some(chunk) = self.inner.chunks.get(index / CHUNK) else {
             too_many_methods()
         };
-        // A fixed-size chunk: the index below needs no bounds check on the hit path.
         let chunk = chunk.get_or_init(|| Box::new([const { OnceLock::new() }; CHUNK]));
-        let (type_id, table) = chunk[index % CHUNK].get_or_init(|| {
+        chunk[index % CHUNK].get_or_init(|| {
             let table = Arc::new(Table::<K, T>::new(
                 self.inner.registry.clone(),
                 method,
@@ -169,21 +212,22 @@ impl ServiceHandle {
             ));
             let weak = Arc::downgrade(&table);
             self.inner.registry.register_table(weak as _);
-            (
-                TypeId::of::<Table<K, T>>(),
-                table as Arc<dyn Any + Send + Sync>,
-            )
-        });
-        assert!(
-            *type_id == TypeId::of::<Table<K, T>>(),
-            "coherent: one ServiceHandle is shared by services whose method {} has different types",
-            method.name()
-        );
-        // SAFETY: the slot's value was created as a `Table<K, T>` (its type id, stored with it,
-        // matches), so the data pointer of the `Arc<dyn Any>` points to one, alive as long as
-        // the slot, which outlives the returned borrow of `self`.
-        unsafe { &*Arc::as_ptr(table).cast::<Table<K, T>>() }
+            Slot {
+                type_id: TypeId::of::<Table<K, T>>(),
+                table: Arc::as_ptr(&table).cast(),
+                _owner: table as Arc<dyn Any + Send + Sync>,
+            }
+        })
     }
+}
+
+#[cold]
+#[inline(never)]
+fn mismatched_types(method: &MethodDescriptor) -> ! {
+    panic!(
+        "coherent: one ServiceHandle is shared by services whose method {} has different types",
+        method.name()
+    )
 }
 
 #[cold]

@@ -253,9 +253,13 @@ fn expand_method(
                 if let ::core::option::Option::Some(value) = table.try_hit(&key) {
                     return value;
                 }
-                table
-                    .compute(key, |key| self.#input_fn(key), |#key| self.#body_name(#(#arg_names),*))
-                    .await
+                // Boxed: the miss path's future (the body's included) can be kilobytes, and
+                // inline it would make every call's future that large, hits too, which then
+                // pay for moving it.
+                ::std::boxed::Box::pin(
+                    table.compute(key, |key| self.#input_fn(key), |#key| self.#body_name(#(#arg_names),*)),
+                )
+                .await
             }
         },
         syn::parse_quote! {

@@ -487,3 +487,29 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     bar.finish_and_clear();
     Ok(report)
 }
+
+/// `hits`: a fixed number of single-reader calls on one contender (`ours`, `map`, `moka`,
+/// `quickcache`), with nothing timed, for instruction counts under
+/// `valgrind --tool=callgrind`: the difference between two call counts, divided by the
+/// difference in calls, is what one call costs, whatever the machine is doing meanwhile.
+pub(crate) fn count_calls(contender: &str, calls: u64) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let dir = tempfile::tempdir()?;
+        let store = Arc::new(Store::sqlite(&dir.path().join("users.db"), 1)?);
+        let made = match contender {
+            "ours" => peers::Peer::Ours(Arc::new(UserService::new(store, &Registry::new()))),
+            other => match peers::all().into_iter().find(|(name, _)| *name == other) {
+                Some((_, make)) => make(),
+                None => anyhow::bail!("unknown contender {other:?}: ours, map, moka or quickcache"),
+            },
+        };
+        // Every key once, so that the counted calls are all hits.
+        made.call_n(USERS, 1).await;
+        let sum = made.call_n(calls, 7).await;
+        println!("{contender}: {calls} calls (checksum {sum})");
+        Ok(())
+    })
+}

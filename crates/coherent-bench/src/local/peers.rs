@@ -86,3 +86,24 @@ pub(crate) fn all() -> Vec<PeerMaker> {
         }),
     ]
 }
+
+impl Peer {
+    /// `calls` calls of `get`, ids drawn from `seed`; answers the sum of the versions read.
+    pub(crate) async fn call_n(&self, calls: u64, seed: u64) -> u64 {
+        async fn calls_on<G: Getter>(getter: &G, calls: u64, seed: u64) -> u64 {
+            let mut ids = super::Ids(seed);
+            let mut sum = 0u64;
+            for _ in 0..calls {
+                let user = std::hint::black_box(getter.get(ids.next()).await.expect("answers"));
+                sum = sum.wrapping_add(user.id ^ user.version);
+            }
+            sum
+        }
+        match self {
+            Peer::Ours(p) => calls_on(&**p, calls, seed).await,
+            Peer::Map(p) => calls_on(&**p, calls, seed).await,
+            Peer::Moka(p) => calls_on(&**p, calls, seed).await,
+            Peer::QuickCache(p) => calls_on(&**p, calls, seed).await,
+        }
+    }
+}
