@@ -1,5 +1,5 @@
-//! Counters a registry keeps, and the snapshot it reports. Hits are counted in the shard of the
-//! table they hit (a cache line the hit already writes), never in one shared hot counter.
+//! Counters a registry keeps, and the snapshot it reports. Hits are counted on the stripe of the
+//! table lock they entered (a cache line the hit already writes), never in one shared hot counter.
 
 use crossbeam_utils::CachePadded;
 

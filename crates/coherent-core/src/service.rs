@@ -4,7 +4,7 @@
 use std::any::{Any, TypeId};
 use std::fmt;
 use std::hash::Hash;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use crate::options::{ComputeOptions, OutputKind};
@@ -40,7 +40,25 @@ pub struct MethodDescriptor {
     name: &'static str,
     options: ComputeOptions,
     index: AtomicUsize,
+    /// The first handle that made a table for this method, and that table's slot: a method
+    /// is usually served by one service instance, whose calls then reach their table from this
+    /// static with no chain of loads through the handle.
+    home: OnceLock<Home>,
 }
+
+/// See [`MethodDescriptor::home`]. The `Weak` keeps the handle's allocation (not its tables)
+/// alive, so that no other handle can be allocated at its address: a handle whose address
+/// equals `handle`'s is that handle, alive, and `slot` is its slot.
+struct Home {
+    handle: std::sync::Weak<HandleInner>,
+    slot: *const Slot,
+}
+
+// SAFETY: `slot` is only dereferenced while its handle is proven alive (see `Home`), and a
+// `Slot` is `Send + Sync`.
+unsafe impl Send for Home {}
+// SAFETY: as above.
+unsafe impl Sync for Home {}
 
 const UNASSIGNED: usize = usize::MAX;
 const CHUNK: usize = 64;
@@ -57,6 +75,7 @@ impl MethodDescriptor {
             name,
             options,
             index: AtomicUsize::new(UNASSIGNED),
+            home: OnceLock::new(),
         }
     }
 
@@ -123,11 +142,37 @@ pub struct ServiceHandle {
     inner: Arc<HandleInner>,
 }
 
+/// A second-level array of slots; a null pointer is an empty slot.
+type Chunk = [AtomicPtr<Slot>; CHUNK];
+
 struct HandleInner {
     registry: Registry,
     /// Two levels, allocated on first use, so that a handle costs a few hundred bytes until its
-    /// methods are called, and the hit path finds its table with two loads and no lock.
-    chunks: [OnceLock<Box<[OnceLock<Slot>; CHUNK]>>; CHUNKS],
+    /// methods are called, and the hit path finds its table with two loads and no lock. Both
+    /// levels are leaked boxes, set once (under `creating`) and freed with the handle.
+    chunks: [AtomicPtr<Chunk>; CHUNKS],
+    creating: parking_lot::Mutex<()>,
+}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        for chunk in &mut self.chunks {
+            let chunk = *chunk.get_mut();
+            if chunk.is_null() {
+                continue;
+            }
+            // SAFETY: a non-null chunk or slot pointer came from `Box::into_raw` in
+            // `create_table` and is freed only here, once, when no borrow of the handle is left.
+            let mut chunk = unsafe { Box::from_raw(chunk) };
+            for slot in chunk.iter_mut() {
+                let slot = *slot.get_mut();
+                if !slot.is_null() {
+                    // SAFETY: as above.
+                    drop(unsafe { Box::from_raw(slot) });
+                }
+            }
+        }
+    }
 }
 
 impl ServiceHandle {
@@ -141,7 +186,8 @@ impl ServiceHandle {
         Self {
             inner: Arc::new(HandleInner {
                 registry: registry.clone(),
-                chunks: [const { OnceLock::new() }; CHUNKS],
+                chunks: [const { AtomicPtr::new(std::ptr::null_mut()) }; CHUNKS],
+                creating: parking_lot::Mutex::new(()),
             }),
         }
     }
@@ -166,16 +212,34 @@ impl ServiceHandle {
         K: Hash + Eq + Clone + Send + Sync + 'static,
         T: Clone + Send + Sync + 'static,
     {
+        if let Some(home) = method.home.get() {
+            if std::ptr::eq(home.handle.as_ptr(), Arc::as_ptr(&self.inner)) {
+                // SAFETY: `self` is the home handle, alive (see `Home`), so its slot is.
+                let slot = unsafe { &*home.slot };
+                if slot.type_id == TypeId::of::<Table<K, T>>() {
+                    // SAFETY: as below.
+                    return unsafe { &*slot.table.cast::<Table<K, T>>() };
+                }
+            }
+        }
         let index = method.index();
-        let slot = self
-            .inner
-            .chunks
-            .get(index / CHUNK)
-            .and_then(OnceLock::get)
-            .and_then(|chunk| chunk[index % CHUNK].get());
-        let slot = match slot {
-            Some(slot) => slot,
-            None => self.create_table::<K, T>(method, classify, index),
+        let Some(chunk) = self.inner.chunks.get(index / CHUNK) else {
+            too_many_methods()
+        };
+        let chunk = chunk.load(Ordering::Acquire);
+        let slot = if chunk.is_null() {
+            std::ptr::null()
+        } else {
+            // SAFETY: a non-null chunk is a live box owned by the handle (see `HandleInner`).
+            let chunk = unsafe { &*chunk };
+            chunk[index % CHUNK].load(Ordering::Acquire)
+        };
+        let slot = if slot.is_null() {
+            self.create_table::<K, T>(method, classify, index)
+        } else {
+            // SAFETY: a non-null slot is a live box owned by the handle (see `HandleInner`),
+            // never changed once set.
+            unsafe { &*slot }
         };
         if slot.type_id != TypeId::of::<Table<K, T>>() {
             mismatched_types(method)
@@ -186,8 +250,8 @@ impl ServiceHandle {
         unsafe { &*slot.table.cast::<Table<K, T>>() }
     }
 
-    /// The miss of [`table`](Self::table): creates the chunk and the table (or finds what a
-    /// racing thread created).
+    /// The miss of [`table`](Self::table): creates the chunk and the table, or finds what a
+    /// racing thread created.
     #[cold]
     #[inline(never)]
     fn create_table<K, T>(
@@ -200,11 +264,17 @@ impl ServiceHandle {
         K: Hash + Eq + Clone + Send + Sync + 'static,
         T: Clone + Send + Sync + 'static,
     {
-        let Some(chunk) = self.inner.chunks.get(index / CHUNK) else {
-            too_many_methods()
-        };
-        let chunk = chunk.get_or_init(|| Box::new([const { OnceLock::new() }; CHUNK]));
-        chunk[index % CHUNK].get_or_init(|| {
+        let _creating = self.inner.creating.lock();
+        let chunk = &self.inner.chunks[index / CHUNK];
+        if chunk.load(Ordering::Acquire).is_null() {
+            let fresh: Box<Chunk> =
+                Box::new([const { AtomicPtr::new(std::ptr::null_mut()) }; CHUNK]);
+            chunk.store(Box::into_raw(fresh), Ordering::Release);
+        }
+        // SAFETY: set above or before, a live box owned by the handle.
+        let chunk = unsafe { &*chunk.load(Ordering::Acquire) };
+        let slot = &chunk[index % CHUNK];
+        if slot.load(Ordering::Acquire).is_null() {
             let table = Arc::new(Table::<K, T>::new(
                 self.inner.registry.clone(),
                 method,
@@ -212,12 +282,20 @@ impl ServiceHandle {
             ));
             let weak = Arc::downgrade(&table);
             self.inner.registry.register_table(weak as _);
-            Slot {
+            let fresh = Box::new(Slot {
                 type_id: TypeId::of::<Table<K, T>>(),
                 table: Arc::as_ptr(&table).cast(),
                 _owner: table as Arc<dyn Any + Send + Sync>,
-            }
-        })
+            });
+            let fresh = Box::into_raw(fresh);
+            slot.store(fresh, Ordering::Release);
+            let _ = method.home.set(Home {
+                handle: Arc::downgrade(&self.inner),
+                slot: fresh,
+            });
+        }
+        // SAFETY: set above or before, a live box owned by the handle, never changed once set.
+        unsafe { &*slot.load(Ordering::Acquire) }
     }
 }
 
