@@ -5,7 +5,6 @@ use std::any::{Any, TypeId};
 use std::fmt;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
-use std::sync::OnceLock;
 
 use crate::options::{ComputeOptions, OutputKind};
 use crate::registry::{Prunable, Registry};
@@ -40,11 +39,18 @@ pub struct MethodDescriptor {
     name: &'static str,
     options: ComputeOptions,
     index: AtomicUsize,
-    /// The first handle that made a table for this method, and that table's slot: a method
-    /// is usually served by one service instance, whose calls then reach their table from this
-    /// static with no chain of loads through the handle.
-    home: OnceLock<Home>,
+    /// A handle that made a table for this method, and that table's slot: a method is usually
+    /// served by one service instance at a time, whose calls then reach their table from this
+    /// static with no chain of loads through the handle. The first handle becomes the home; a
+    /// handle that makes its table after the home handle was dropped takes its place, at most
+    /// [`HOME_MOVES`] times. A replaced `Home` is leaked (a hit may be reading it), so the moves
+    /// are bounded: services created and dropped over and over keep the chain of loads.
+    home: AtomicPtr<Home>,
+    home_moves: AtomicUsize,
 }
+
+/// How many times a method's home may move to another handle.
+const HOME_MOVES: usize = 16;
 
 /// See [`MethodDescriptor::home`]. The `Weak` keeps the handle's allocation (not its tables)
 /// alive, so that no other handle can be allocated at its address: a handle whose address
@@ -75,7 +81,8 @@ impl MethodDescriptor {
             name,
             options,
             index: AtomicUsize::new(UNASSIGNED),
-            home: OnceLock::new(),
+            home: AtomicPtr::new(std::ptr::null_mut()),
+            home_moves: AtomicUsize::new(0),
         }
     }
 
@@ -87,6 +94,33 @@ impl MethodDescriptor {
     /// The method's options.
     pub fn options(&self) -> &ComputeOptions {
         &self.options
+    }
+
+    /// Makes `handle` the home of this method if it has none, or if the home handle was dropped
+    /// and the home may still move.
+    fn offer_home(&self, handle: &Arc<HandleInner>, slot: *const Slot) {
+        let current = self.home.load(Ordering::Acquire);
+        if !current.is_null() {
+            // SAFETY: a published `Home` is never freed.
+            let alive = unsafe { &*current }.handle.strong_count() > 0;
+            if alive || self.home_moves.fetch_add(1, Ordering::Relaxed) >= HOME_MOVES {
+                return;
+            }
+        }
+        let fresh = Box::into_raw(Box::new(Home {
+            handle: Arc::downgrade(handle),
+            slot,
+        }));
+        if self
+            .home
+            .compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            // Another handle moved in first; ours was never published.
+            // SAFETY: `fresh` came from `Box::into_raw` above and nobody else saw it.
+            drop(unsafe { Box::from_raw(fresh) });
+        }
+        // The replaced `Home`, if any, is leaked on purpose: a hit may be reading it.
     }
 
     #[inline]
@@ -212,7 +246,9 @@ impl ServiceHandle {
         K: Hash + Eq + Clone + Send + Sync + 'static,
         T: Clone + Send + Sync + 'static,
     {
-        if let Some(home) = method.home.get() {
+        let home = method.home.load(Ordering::Acquire);
+        // SAFETY: a published `Home` is never freed (see `MethodDescriptor::home`).
+        if let Some(home) = unsafe { home.as_ref() } {
             if std::ptr::eq(home.handle.as_ptr(), Arc::as_ptr(&self.inner)) {
                 // SAFETY: `self` is the home handle, alive (see `Home`), so its slot is.
                 let slot = unsafe { &*home.slot };
@@ -289,10 +325,7 @@ impl ServiceHandle {
             });
             let fresh = Box::into_raw(fresh);
             slot.store(fresh, Ordering::Release);
-            let _ = method.home.set(Home {
-                handle: Arc::downgrade(&self.inner),
-                slot: fresh,
-            });
+            method.offer_home(&self.inner, fresh);
         }
         // SAFETY: set above or before, a live box owned by the handle, never changed once set.
         unsafe { &*slot.load(Ordering::Acquire) }

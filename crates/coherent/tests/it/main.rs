@@ -4,6 +4,7 @@
 mod alloc;
 mod churn;
 mod graph;
+mod handles;
 mod options;
 mod postgres;
 mod race;
