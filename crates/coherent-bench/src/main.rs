@@ -59,6 +59,9 @@ enum Suite {
         /// How many calls.
         #[arg(long, default_value_t = 1_000_000)]
         calls: u64,
+        /// How many threads share them.
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
     },
 }
 
@@ -95,7 +98,11 @@ fn main() -> anyhow::Result<()> {
     }
     let timing = Timing::from_cli(&cli);
     let report = match &cli.suite {
-        Suite::Hits { contender, calls } => return local::count_calls(contender, *calls),
+        Suite::Hits {
+            contender,
+            calls,
+            threads,
+        } => return local::count_calls(contender, *calls, *threads),
         Suite::Local => local::run(timing)?,
         Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Remote => remote::run(timing)?,

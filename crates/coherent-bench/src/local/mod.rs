@@ -21,8 +21,10 @@ use crate::Timing;
 use service::UserService;
 use store::{Store, StoreError, User, USERS};
 
-/// Calls between two checks of the stop flag (and, with many readers, a yield).
-const BATCH: u32 = 64;
+/// Calls between two checks of the stop flag (and, with many readers, a yield). A yield costs
+/// the reader's task a trip through the scheduler, several hits' worth: at 64 the yields were a
+/// visible part of the readers+mutator rows, which measure reads, not the scheduler.
+const BATCH: u32 = 256;
 pub(crate) const READERS_PER_CORE: usize = 20;
 const MUTATOR_PERIOD: Duration = Duration::from_millis(10);
 
@@ -488,16 +490,19 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-/// `hits`: a fixed number of single-reader calls on one contender (`ours`, `map`, `moka`,
-/// `quickcache`), with nothing timed, for instruction counts under
-/// `valgrind --tool=callgrind`: the difference between two call counts, divided by the
-/// difference in calls, is what one call costs, whatever the machine is doing meanwhile.
-pub(crate) fn count_calls(contender: &str, calls: u64) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(async move {
-        let dir = tempfile::tempdir()?;
+/// `hits`: a fixed number of calls on one contender (`ours`, `map`, `moka`, `quickcache`),
+/// from `threads` threads at once (each with `calls / threads`), with nothing timed, for
+/// instruction counts under `valgrind --tool=callgrind` (the difference between two call
+/// counts, divided by the difference in calls, is what one call costs, whatever the machine is
+/// doing meanwhile) and for wall-clock comparisons run in turns (`time`).
+pub(crate) fn count_calls(contender: &str, calls: u64, threads: usize) -> anyhow::Result<()> {
+    let current_thread = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    };
+    let dir = tempfile::tempdir()?;
+    let made = current_thread()?.block_on(async {
         let store = Arc::new(Store::sqlite(&dir.path().join("users.db"), 1)?);
         let made = match contender {
             "ours" => peers::Peer::Ours(Arc::new(UserService::new(store, &Registry::new()))),
@@ -508,8 +513,23 @@ pub(crate) fn count_calls(contender: &str, calls: u64) -> anyhow::Result<()> {
         };
         // Every key once, so that the counted calls are all hits.
         made.call_n(USERS, 1).await;
-        let sum = made.call_n(calls, 7).await;
-        println!("{contender}: {calls} calls (checksum {sum})");
-        Ok(())
-    })
+        anyhow::Ok(Arc::new(made))
+    })?;
+    let threads = threads.max(1);
+    let workers: Vec<_> = (0..threads as u64)
+        .map(|i| {
+            let made = made.clone();
+            let runtime = current_thread();
+            std::thread::spawn(move || {
+                let runtime = runtime.expect("a runtime per thread");
+                runtime.block_on(made.call_n(calls / threads as u64, 7 + 2 * i))
+            })
+        })
+        .collect();
+    let mut sum = 0u64;
+    for worker in workers {
+        sum ^= worker.join().expect("a calling thread");
+    }
+    println!("{contender}: {calls} calls on {threads} threads (checksum {sum})");
+    Ok(())
 }
