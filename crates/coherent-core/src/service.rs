@@ -39,20 +39,23 @@ pub struct MethodDescriptor {
     name: &'static str,
     options: ComputeOptions,
     index: AtomicUsize,
-    /// A handle that made a table for this method, and that table's slot: a method is usually
-    /// served by one service instance at a time, whose calls then reach their table from this
-    /// static with no chain of loads through the handle. The first handle becomes the home; a
-    /// handle that makes its table after the home handle was dropped takes its place, at most
-    /// [`HOME_MOVES`] times. A replaced `Home` is leaked (a hit may be reading it), so the moves
-    /// are bounded: services created and dropped over and over keep the chain of loads.
-    home: AtomicPtr<Home>,
+    /// Handles that made a table for this method, each with that table's slot: a method is
+    /// usually served by one service instance, or a few, whose calls then reach their table
+    /// from this static with no chain of loads through the handle. The first [`HOMES`] handles
+    /// take the places in order; a handle that makes its table after the handle in a place was
+    /// dropped takes that place, at most [`HOME_MOVES`] times in all. A replaced `Home` is
+    /// leaked (a hit may be reading it), so the moves are bounded: services created and
+    /// dropped over and over keep the chain of loads.
+    homes: [AtomicPtr<Home>; HOMES],
     home_moves: AtomicUsize,
 }
 
-/// How many times a method's home may move to another handle.
+/// How many handles per method reach their table from the method's static.
+const HOMES: usize = 4;
+/// How many times, in all, a method's home places may go to another handle.
 const HOME_MOVES: usize = 16;
 
-/// See [`MethodDescriptor::home`]. The `Weak` keeps the handle's allocation (not its tables)
+/// See [`MethodDescriptor::homes`]. The `Weak` keeps the handle's allocation (not its tables)
 /// alive, so that no other handle can be allocated at its address: a handle whose address
 /// equals `handle`'s is that handle, alive, and `slot` is its slot.
 struct Home {
@@ -81,7 +84,7 @@ impl MethodDescriptor {
             name,
             options,
             index: AtomicUsize::new(UNASSIGNED),
-            home: AtomicPtr::new(std::ptr::null_mut()),
+            homes: [const { AtomicPtr::new(std::ptr::null_mut()) }; HOMES],
             home_moves: AtomicUsize::new(0),
         }
     }
@@ -96,31 +99,34 @@ impl MethodDescriptor {
         &self.options
     }
 
-    /// Makes `handle` the home of this method if it has none, or if the home handle was dropped
-    /// and the home may still move.
+    /// Gives `handle` a home place of this method: an empty one, or one whose handle was
+    /// dropped while places may still move.
     fn offer_home(&self, handle: &Arc<HandleInner>, slot: *const Slot) {
-        let current = self.home.load(Ordering::Acquire);
-        if !current.is_null() {
-            // SAFETY: a published `Home` is never freed.
-            let alive = unsafe { &*current }.handle.strong_count() > 0;
-            if alive || self.home_moves.fetch_add(1, Ordering::Relaxed) >= HOME_MOVES {
-                return;
-            }
-        }
         let fresh = Box::into_raw(Box::new(Home {
             handle: Arc::downgrade(handle),
             slot,
         }));
-        if self
-            .home
-            .compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
-            // Another handle moved in first; ours was never published.
-            // SAFETY: `fresh` came from `Box::into_raw` above and nobody else saw it.
-            drop(unsafe { Box::from_raw(fresh) });
+        for place in &self.homes {
+            let current = place.load(Ordering::Acquire);
+            if !current.is_null() {
+                // SAFETY: a published `Home` is never freed.
+                if unsafe { &*current }.handle.strong_count() > 0
+                    || self.home_moves.fetch_add(1, Ordering::Relaxed) >= HOME_MOVES
+                {
+                    continue;
+                }
+            }
+            if place
+                .compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                // The replaced `Home`, if any, is leaked on purpose: a hit may be reading it.
+                return;
+            }
         }
-        // The replaced `Home`, if any, is leaked on purpose: a hit may be reading it.
+        // No place: this handle keeps the chain of loads.
+        // SAFETY: `fresh` came from `Box::into_raw` above and was never published.
+        drop(unsafe { Box::from_raw(fresh) });
     }
 
     #[inline]
@@ -246,16 +252,20 @@ impl ServiceHandle {
         K: Hash + Eq + Clone + Send + Sync + 'static,
         T: Clone + Send + Sync + 'static,
     {
-        let home = method.home.load(Ordering::Acquire);
-        // SAFETY: a published `Home` is never freed (see `MethodDescriptor::home`).
-        if let Some(home) = unsafe { home.as_ref() } {
+        for place in &method.homes {
+            // SAFETY: a published `Home` is never freed (see `MethodDescriptor::homes`).
+            let Some(home) = (unsafe { place.load(Ordering::Acquire).as_ref() }) else {
+                // Places are taken in order: none further on is taken either.
+                break;
+            };
             if std::ptr::eq(home.handle.as_ptr(), Arc::as_ptr(&self.inner)) {
-                // SAFETY: `self` is the home handle, alive (see `Home`), so its slot is.
+                // SAFETY: `self` is this home's handle, alive (see `Home`), so its slot is.
                 let slot = unsafe { &*home.slot };
                 if slot.type_id == TypeId::of::<Table<K, T>>() {
                     // SAFETY: as below.
                     return unsafe { &*slot.table.cast::<Table<K, T>>() };
                 }
+                break;
             }
         }
         let index = method.index();

@@ -209,6 +209,7 @@ fn expand_method(
     let method_fn = format_ident!("__coherent_method_{}", name);
     let classify_fn = format_ident!("__coherent_classify_{}", name);
     let input_fn = format_ident!("__coherent_input_{}", name);
+    let miss_fn = format_ident!("__coherent_miss_{}", name);
     let key_ty = quote!((#(#arg_types,)*));
     let key = quote!((#(#arg_names,)*));
     let args = quote!(#(#arg_names: #arg_types),*);
@@ -247,19 +248,31 @@ fn expand_method(
     let items: Vec<ImplItem> = vec![
         syn::parse_quote! {
             #(#attrs)*
+            // Inline: a hit is a few dozen instructions, and a call (with the answer copied out
+            // of it) would be a third of them.
+            #[inline]
             #vis async fn #name(&self, #args) -> #output {
                 let table = #table;
                 let key = #key;
                 if let ::core::option::Option::Some(value) = table.try_hit(&key) {
                     return value;
                 }
-                // Boxed: the miss path's future (the body's included) can be kilobytes, and
-                // inline it would make every call's future that large, hits too, which then
-                // pay for moving it.
+                self.#miss_fn(key).await
+            }
+        },
+        syn::parse_quote! {
+            /// The miss path, out of line and boxed: its future (the body's included) can be
+            /// kilobytes, and inline it would make every call's future that large, hits too,
+            /// which then pay for moving it, and the front too big to inline into its callers.
+            #[doc(hidden)]
+            #[inline(never)]
+            fn #miss_fn(
+                &self,
+                key: #key_ty,
+            ) -> ::core::pin::Pin<::std::boxed::Box<impl ::core::future::Future<Output = #output> + '_>> {
                 ::std::boxed::Box::pin(
-                    table.compute(key, |key| self.#input_fn(key), |#key| self.#body_name(#(#arg_names),*)),
+                    #table.compute(key, |key| self.#input_fn(key), |#key| self.#body_name(#(#arg_names),*)),
                 )
-                .await
             }
         },
         syn::parse_quote! {
