@@ -12,7 +12,10 @@
 //! operations (see `ANNOUNCE`), so at least one of them sees the other: a reader that sees `writing` lowers its
 //! count again and waits on the writers' mutex; a writer that sees a count waits for it.
 //! Threads beyond the stripes of a lock (more reading threads than stripes) share one more
-//! stripe, entered with a `fetch_add` and left with a `fetch_sub`.
+//! stripe, entered with a `fetch_add` and left with a `fetch_sub`. A thread may read a lock it
+//! already reads, even while a writer waits, on its own stripe only: on the shared one the
+//! second read waits for the writer, which waits for the first (std's and parking_lot's
+//! read-write locks have the same rule for every thread). The tables never read one lock twice.
 //!
 //! A table is read on every hit and written only on a miss or a prune, so the trade (a writer
 //! scans every stripe) is the right one. Under `--cfg loom` the lock is model-checked on its
@@ -146,8 +149,12 @@ fn thread_slot() -> usize {
 
 impl<T> StripedRwLock<T> {
     pub(crate) fn new(value: T) -> Self {
+        Self::with_stripes(value, stripe_count())
+    }
+
+    fn with_stripes(value: T, stripes: usize) -> Self {
         Self {
-            stripes: (0..stripe_count())
+            stripes: (0..stripes)
                 .map(|_| CachePadded::new(Stripe::new()))
                 .collect(),
             shared: CachePadded::new(Stripe::new()),
@@ -187,7 +194,8 @@ impl<T> StripedRwLock<T> {
                     return ReadGuard {
                         lock: self,
                         stripe,
-                        exclusive: Some(before),
+                        exclusive: true,
+                        _not_send: std::marker::PhantomData,
                     };
                 }
                 stripe.readers.store(before, Ordering::Release);
@@ -201,7 +209,8 @@ impl<T> StripedRwLock<T> {
                     return ReadGuard {
                         lock: self,
                         stripe,
-                        exclusive: None,
+                        exclusive: false,
+                        _not_send: std::marker::PhantomData,
                     };
                 }
                 stripe.readers.fetch_sub(1, Ordering::Release);
@@ -288,8 +297,11 @@ fn yield_now() {
 pub(crate) struct ReadGuard<'a, T> {
     lock: &'a StripedRwLock<T>,
     stripe: &'a Stripe,
-    /// The thread's own stripe: the count to restore. `None`: the shared stripe.
-    exclusive: Option<usize>,
+    /// Whether the stripe is the thread's own (left with a plain store) or the shared one.
+    exclusive: bool,
+    /// Not `Send`: a guard on a thread's own stripe must be dropped by that thread, the only
+    /// one that writes the stripe.
+    _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl<T> ReadGuard<'_, T> {
@@ -314,12 +326,14 @@ impl<T> Deref for ReadGuard<'_, T> {
 impl<T> Drop for ReadGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
-        match self.exclusive {
-            // Release: a writer that sees the count fall sees our reads done.
-            Some(before) => self.stripe.readers.store(before, Ordering::Release),
-            None => {
-                self.stripe.readers.fetch_sub(1, Ordering::Release);
-            }
+        if self.exclusive {
+            // Only this thread writes its stripe (the guard is not `Send`), so load-then-store
+            // is a decrement, whatever order its guards are dropped in. Release: a writer that
+            // sees the count fall sees our reads done.
+            let count = self.stripe.readers.load(Ordering::Relaxed);
+            self.stripe.readers.store(count - 1, Ordering::Release);
+        } else {
+            self.stripe.readers.fetch_sub(1, Ordering::Release);
         }
     }
 }
@@ -390,7 +404,11 @@ mod tests {
 
     #[test]
     fn a_thread_may_read_again_while_a_writer_waits() {
-        let lock = Arc::new(StripedRwLock::new(1u32));
+        // Re-entry is promised on a thread's own stripe only (on the shared one it would wait
+        // for the writer, which waits for it, as with std's and parking_lot's locks): enough
+        // stripes that this thread has its own, whatever other tests run at once.
+        let lock = Arc::new(StripedRwLock::with_stripes(1u32, 4096));
+        assert!(thread_slot() < 4096);
         let outer = lock.read();
         let writer = {
             let lock = lock.clone();
