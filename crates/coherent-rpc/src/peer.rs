@@ -1164,6 +1164,7 @@ async fn pump(
         capacity: 256,
         limit,
         upload,
+        prefix: 1,
     };
     let mut credit = 0u32;
     loop {
@@ -1174,7 +1175,9 @@ async fn pump(
         }
         batch.reserve();
         let start = batch.buf.len();
-        batch.buf.push(0);
+        // Room for the item's length, as long as the last item's was: a stream's items are
+        // mostly alike, and a wrong guess costs moving the item once.
+        batch.buf.resize(start + batch.prefix, 0);
         // A panicking item fails the stream after the items before it went out.
         let mut poll = |cx: &mut Context<'_>| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1228,7 +1231,7 @@ async fn pump(
 }
 
 /// The largest `StreamBatch` payload a producer builds.
-const STREAM_BATCH: usize = 32 * 1024;
+const STREAM_BATCH: usize = 64 * 1024;
 
 /// Items of one stream waiting to be sent, each as `length (varint) · item`.
 struct Batch {
@@ -1239,6 +1242,8 @@ struct Batch {
     limit: usize,
     /// Whether the frames are an upload's.
     upload: bool,
+    /// Bytes left before each item for its length: the last item's.
+    prefix: usize,
 }
 
 impl Batch {
@@ -1251,15 +1256,21 @@ impl Batch {
         }
     }
 
-    /// Writes the length of the item encoded after the placeholder byte at `start`.
+    /// Writes the length of the item encoded after the `prefix` bytes left at `start`.
     fn seal(&mut self, start: usize) {
-        let len = self.buf.len() - start - 1;
+        let len = self.buf.len() - start - self.prefix;
         let mut prefix = [0u8; 10];
         let n = crate::frame::write_varint(len as u64, &mut prefix);
-        if n > 1 {
-            // Rare (items of 128 bytes and more): make room for the longer prefix.
-            self.buf.resize(self.buf.len() + n - 1, 0);
-            self.buf.copy_within(start + 1..start + 1 + len, start + n);
+        if n != self.prefix {
+            // The guess was wrong (the first item of 128 bytes or more, or sizes that changed):
+            // move the item to fit the length, and guess this length for the next.
+            let item = start + self.prefix..start + self.prefix + len;
+            if n > self.prefix {
+                self.buf.resize(self.buf.len() + n - self.prefix, 0);
+            }
+            self.buf.copy_within(item, start + n);
+            self.buf.truncate(start + n + len);
+            self.prefix = n;
         }
         self.buf[start..start + n].copy_from_slice(&prefix[..n]);
         self.count += 1;

@@ -42,8 +42,26 @@ async fn items_of_every_size_arrive_whole_whether_batched_or_not() {
 }
 
 #[tokio::test]
+async fn items_whose_sizes_change_within_a_stream_arrive_whole() {
+    // A batch leaves room for each length as long as the last one's: shorter and longer
+    // lengths than that guess, in every order.
+    let (calc, _, _) = calc_pair().await;
+    let items: Vec<_> = calc.items(400, MIXED).await.unwrap().collect().await;
+    assert_eq!(items.len(), 400);
+    for (i, item) in items.into_iter().enumerate() {
+        let item = item.unwrap();
+        assert_eq!(item.index, i as i64);
+        assert_eq!(
+            item.data,
+            vec![(i % 251) as u8; mixed_size(i as u32) as usize],
+            "item {i}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn batches_stay_under_the_consumers_message_limit() {
-    // Items of ~500 bytes against a 2 KiB limit: a batch of 32 KiB would be refused.
+    // Items of ~500 bytes against a 2 KiB limit: a batch of 64 KiB would be refused.
     let (server, _) = calc_server(Config::default());
     let client = Endpoint::builder()
         .config(Config::default().max_message_size(2048))

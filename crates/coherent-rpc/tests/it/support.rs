@@ -63,6 +63,15 @@ pub trait Doubler {
     async fn double(&self, x: i32) -> i32;
 }
 
+/// An `items` size that asks for [`mixed_size`] instead: items whose lengths need one-, two-
+/// and three-byte prefixes, in turns.
+pub(crate) const MIXED: u32 = u32::MAX;
+
+/// The size of item `i` of a `MIXED` stream.
+pub(crate) fn mixed_size(i: u32) -> u32 {
+    [0, 200, 20_000, 5, 130, 127, 16_384, 1, 300, 70_000][i as usize % 10]
+}
+
 /// What the tests observe of the server's handlers.
 #[derive(Default)]
 pub(crate) struct Probe {
@@ -167,6 +176,7 @@ impl Calc for CalcImpl {
         let probe = self.probe.clone();
         Box::pin(futures::stream::iter(0..count).map(move |i| {
             probe.produced.fetch_add(1, Ordering::SeqCst);
+            let size = if size == MIXED { mixed_size(i) } else { size };
             Item {
                 index: i64::from(i),
                 data: vec![(i % 251) as u8; size as usize],
