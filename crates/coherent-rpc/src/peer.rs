@@ -302,6 +302,30 @@ impl Shared {
         Ok(())
     }
 
+    /// Registers unary call `id` and sends its `Call` frame. The guard, while armed, forgets
+    /// the call and cancels it on the callee when dropped.
+    #[inline]
+    fn start_unary(
+        &self,
+        id: u64,
+        method_id: u32,
+        payload: Bytes,
+    ) -> Result<(oneshot::Receiver<Result<Bytes, RpcError>>, CallGuard<'_>), RpcError> {
+        let (tx, rx) = oneshot::channel();
+        self.register(id, Pending::Unary(tx))?;
+        if let Err(e) = self.send(Kind::Call, id, method_id, payload) {
+            self.pending.lock().remove(&id);
+            return Err(e);
+        }
+        self.counters.calls_out.fetch_add(1, Ordering::Relaxed);
+        let guard = CallGuard {
+            shared: self,
+            id,
+            armed: true,
+        };
+        Ok((rx, guard))
+    }
+
     pub(crate) fn forget_call(&self, id: u64, send_cancel: bool) {
         if self.pending.lock().remove(&id).is_some() && send_cancel {
             let _ = self.send(Kind::Cancel, id, 0, Bytes::new());
@@ -432,20 +456,7 @@ impl Peer {
         opts: CallOptions,
     ) -> Result<Bytes, RpcError> {
         let s = &*self.shared;
-        let id = s.next_id();
-        let (tx, rx) = oneshot::channel();
-        s.register(id, Pending::Unary(tx))?;
-        let mut guard = CallGuard {
-            shared: s,
-            id,
-            armed: true,
-        };
-        if let Err(e) = s.send(Kind::Call, id, method_id, payload) {
-            s.pending.lock().remove(&id);
-            guard.armed = false;
-            return Err(e);
-        }
-        s.counters.calls_out.fetch_add(1, Ordering::Relaxed);
+        let (rx, mut guard) = s.start_unary(s.next_id(), method_id, payload)?;
         // Not through `within_deadline`: on this hot path the extra future layer cost about
         // 9% of `calls.sum` (measured with `coherent-bench rpc --only calls.sum`).
         let reply = match opts.timeout.or(s.settings.call_timeout) {
@@ -519,15 +530,7 @@ impl Peer {
         let credits = Arc::new(Semaphore::new(s.settings.remote_window as usize));
         s.uploads.lock().insert(id, credits.clone());
         let _upload = UploadGuard { shared: s, id };
-        let (tx, rx) = oneshot::channel();
-        s.register(id, Pending::Unary(tx))?;
-        let mut guard = CallGuard {
-            shared: s,
-            id,
-            armed: true,
-        };
-        s.send(Kind::Call, id, method_id, payload)?;
-        s.counters.calls_out.fetch_add(1, Ordering::Relaxed);
+        let (rx, mut guard) = s.start_unary(id, method_id, payload)?;
         let mut items = crate::service::item_stream(Box::pin(items));
         let sending = async {
             pump(s, id, true, &mut items, &credits).await?;
