@@ -5,6 +5,7 @@ use std::any::{Any, TypeId};
 use std::fmt;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use crate::options::{ComputeOptions, OutputKind};
 use crate::registry::{Prunable, Registry};
@@ -183,36 +184,12 @@ pub struct ServiceHandle {
 }
 
 /// A second-level array of slots; a null pointer is an empty slot.
-type Chunk = [AtomicPtr<Slot>; CHUNK];
-
 struct HandleInner {
     registry: Registry,
     /// Two levels, allocated on first use, so that a handle costs a few hundred bytes until its
-    /// methods are called, and the hit path finds its table with two loads and no lock. Both
-    /// levels are leaked boxes, set once (under `creating`) and freed with the handle.
-    chunks: [AtomicPtr<Chunk>; CHUNKS],
-    creating: parking_lot::Mutex<()>,
-}
-
-impl Drop for HandleInner {
-    fn drop(&mut self) {
-        for chunk in &mut self.chunks {
-            let chunk = *chunk.get_mut();
-            if chunk.is_null() {
-                continue;
-            }
-            // SAFETY: a non-null chunk or slot pointer came from `Box::into_raw` in
-            // `create_table` and is freed only here, once, when no borrow of the handle is left.
-            let mut chunk = unsafe { Box::from_raw(chunk) };
-            for slot in chunk.iter_mut() {
-                let slot = *slot.get_mut();
-                if !slot.is_null() {
-                    // SAFETY: as above.
-                    drop(unsafe { Box::from_raw(slot) });
-                }
-            }
-        }
-    }
+    /// methods are called, and the hit path finds its table with two loads and no lock. A slot
+    /// never moves once set (its chunk is boxed), so a `Home` may point at it.
+    chunks: [OnceLock<Box<[OnceLock<Slot>; CHUNK]>>; CHUNKS],
 }
 
 impl ServiceHandle {
@@ -226,8 +203,7 @@ impl ServiceHandle {
         Self {
             inner: Arc::new(HandleInner {
                 registry: registry.clone(),
-                chunks: [const { AtomicPtr::new(std::ptr::null_mut()) }; CHUNKS],
-                creating: parking_lot::Mutex::new(()),
+                chunks: [const { OnceLock::new() }; CHUNKS],
             }),
         }
     }
@@ -269,23 +245,15 @@ impl ServiceHandle {
             }
         }
         let index = method.index();
-        let Some(chunk) = self.inner.chunks.get(index / CHUNK) else {
-            too_many_methods()
-        };
-        let chunk = chunk.load(Ordering::Acquire);
-        let slot = if chunk.is_null() {
-            std::ptr::null()
-        } else {
-            // SAFETY: a non-null chunk is a live box owned by the handle (see `HandleInner`).
-            let chunk = unsafe { &*chunk };
-            chunk[index % CHUNK].load(Ordering::Acquire)
-        };
-        let slot = if slot.is_null() {
-            self.create_table::<K, T>(method, classify, index)
-        } else {
-            // SAFETY: a non-null slot is a live box owned by the handle (see `HandleInner`),
-            // never changed once set.
-            unsafe { &*slot }
+        let slot = self
+            .inner
+            .chunks
+            .get(index / CHUNK)
+            .and_then(OnceLock::get)
+            .and_then(|chunk| chunk[index % CHUNK].get());
+        let slot = match slot {
+            Some(slot) => slot,
+            None => self.create_table::<K, T>(method, classify, index),
         };
         if slot.type_id != TypeId::of::<Table<K, T>>() {
             mismatched_types(method)
@@ -310,17 +278,13 @@ impl ServiceHandle {
         K: Hash + Eq + Clone + Send + Sync + 'static,
         T: Clone + Send + Sync + 'static,
     {
-        let _creating = self.inner.creating.lock();
-        let chunk = &self.inner.chunks[index / CHUNK];
-        if chunk.load(Ordering::Acquire).is_null() {
-            let fresh: Box<Chunk> =
-                Box::new([const { AtomicPtr::new(std::ptr::null_mut()) }; CHUNK]);
-            chunk.store(Box::into_raw(fresh), Ordering::Release);
-        }
-        // SAFETY: set above or before, a live box owned by the handle.
-        let chunk = unsafe { &*chunk.load(Ordering::Acquire) };
-        let slot = &chunk[index % CHUNK];
-        if slot.load(Ordering::Acquire).is_null() {
+        let Some(chunk) = self.inner.chunks.get(index / CHUNK) else {
+            too_many_methods()
+        };
+        let chunk = chunk.get_or_init(|| Box::new([const { OnceLock::new() }; CHUNK]));
+        let mut created = false;
+        let slot = chunk[index % CHUNK].get_or_init(|| {
+            created = true;
             let table = Arc::new(Table::<K, T>::new(
                 self.inner.registry.clone(),
                 method,
@@ -328,17 +292,16 @@ impl ServiceHandle {
             ));
             let weak = Arc::downgrade(&table);
             self.inner.registry.register_table(weak as _);
-            let fresh = Box::new(Slot {
+            Slot {
                 type_id: TypeId::of::<Table<K, T>>(),
                 table: Arc::as_ptr(&table).cast(),
                 _owner: table as Arc<dyn Any + Send + Sync>,
-            });
-            let fresh = Box::into_raw(fresh);
-            slot.store(fresh, Ordering::Release);
-            method.offer_home(&self.inner, fresh);
+            }
+        });
+        if created {
+            method.offer_home(&self.inner, slot);
         }
-        // SAFETY: set above or before, a live box owned by the handle, never changed once set.
-        unsafe { &*slot.load(Ordering::Acquire) }
+        slot
     }
 }
 
