@@ -237,7 +237,7 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
                 #i => #krate::Response::Unary(::std::boxed::Box::pin(async move {
                     #decode
                     let out = svc.#name(#(#arg_names),*).await;
-                    format.encode(&out)
+                    format.encode_message(&out)
                 })),
             },
             Kind::Stream(_) => quote! {
@@ -260,7 +260,7 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
                             .ok_or_else(|| #krate::RpcError::new(#krate::ErrorCode::Internal, "no call context"))?
                             .take_upload()?;
                         let out = svc.#name(#(#arg_names),*).await;
-                        format.encode(&out)
+                        format.encode_message(&out)
                     })),
                 }
             }

@@ -18,7 +18,9 @@ thread_local! {
 /// Immutable bytes that serialize as a byte string and deserialize without a copy when
 /// the connection decodes them: a `Blob` of 512 bytes or more then shares the received
 /// buffer (as a [`Bytes`] slice) instead of owning a copy (shorter ones are cheaper to
-/// copy). Use it for payloads: a 10 MB argument is then never copied on the receiving side.
+/// copy). Use it for payloads: a 10 MB argument is then never copied on the receiving side,
+/// and a `Blob` of 32 KiB or more that a connection sends goes to the socket from its own
+/// buffer instead of being copied into the message.
 ///
 /// A `Blob` that is decoded some other way (e.g. `serde_json`) owns a copy. Holding a
 /// decoded `Blob` keeps the buffer it came in alive; [`Blob::detach`] copies it out.
@@ -88,7 +90,8 @@ impl From<Blob> for Bytes {
 
 impl Serialize for Blob {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_bytes(&self.0)
+        // A large blob that a connection encodes is sent from its own buffer, not copied.
+        crate::codec::offer_blob(&self.0, || s.serialize_bytes(&self.0))
     }
 }
 

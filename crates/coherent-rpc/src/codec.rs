@@ -42,13 +42,35 @@ impl Format {
         }
     }
 
-    /// Serializes `value` in this format.
+    /// Serializes `value` in this format into one buffer.
     ///
     /// Messages are written back to back into this thread's 16 KiB chunk, and each is a `Bytes`
     /// slice of it: a small message costs no allocation of its own (a `Vec` per message would
     /// cost two: the buffer, and the shared header that `Bytes::from(Vec)` adds). A chunk is
     /// freed when the last message in it has been written.
     pub fn encode<T: Serialize + ?Sized>(self, value: &T) -> Result<Bytes, RpcError> {
+        let mut parts = Parts::new();
+        self.encode_parts(value, &mut parts, false)?;
+        debug_assert!(parts.rest.is_empty());
+        Ok(parts.first)
+    }
+
+    /// Serializes `value` in this format as a [`Message`], as the connection sends it: like
+    /// [`encode`](Self::encode), except that a [`Blob`](crate::Blob) of `SPLICE_FROM` bytes or
+    /// more is not copied but becomes a part of its own, written to the socket from its
+    /// own buffer.
+    pub fn encode_message<T: Serialize + ?Sized>(self, value: &T) -> Result<Message, RpcError> {
+        let mut parts = Parts::new();
+        self.encode_parts(value, &mut parts, true)?;
+        Ok(Message(parts))
+    }
+
+    fn encode_parts<T: Serialize + ?Sized>(
+        self,
+        value: &T,
+        parts: &mut Parts,
+        splice: bool,
+    ) -> Result<(), RpcError> {
         thread_local! {
             static ARENA: RefCell<BytesMut> = RefCell::new(BytesMut::new());
         }
@@ -58,15 +80,23 @@ impl Format {
                     // A fresh chunk; the old one lives on in the messages that share it.
                     *arena = BytesMut::with_capacity(ARENA_CHUNK);
                 }
-                let written = self.write(value, &mut *arena);
+                let written = self.write(
+                    value,
+                    &mut Splicing {
+                        buf: &mut arena,
+                        parts,
+                        splice,
+                    },
+                );
                 // Taken even on failure, so that a half-written message never prefixes the next.
-                let message = arena.split().freeze();
-                written.map(|()| message)
+                let last = arena.split().freeze();
+                written.map(|()| parts.push(last))
             }
             // A `Serialize` impl that encodes another message while being encoded.
             Err(_) => {
                 let mut own = BytesMut::new();
-                self.write(value, &mut own).map(|()| own.freeze())
+                self.write(value, &mut own)
+                    .map(|()| parts.push(own.freeze()))
             }
         });
         encoded.map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))
@@ -126,6 +156,148 @@ impl Sink for BytesMut {
     #[inline]
     fn extend(&mut self, bytes: &[u8]) {
         self.extend_from_slice(bytes);
+    }
+}
+
+/// The arena, where a blob offered by [`offer_blob`] is taken as a part of its own
+/// instead of being copied in.
+struct Splicing<'a> {
+    buf: &'a mut BytesMut,
+    parts: &'a mut Parts,
+    splice: bool,
+}
+
+impl Sink for Splicing<'_> {
+    #[inline]
+    fn push(&mut self, byte: u8) {
+        self.buf.put_u8(byte);
+    }
+
+    #[inline]
+    fn extend(&mut self, bytes: &[u8]) {
+        if self.splice && bytes.len() >= SPLICE_FROM {
+            if let Some(blob) = offered(bytes) {
+                // What precedes the blob (its length among it), then the blob itself.
+                self.parts.push(self.buf.split().freeze());
+                self.parts.push(blob);
+                return;
+            }
+        }
+        self.buf.extend_from_slice(bytes);
+    }
+}
+
+/// Blobs of this size or more are sent from their own buffer, not copied into the message
+/// (the writer sends parts of this size straight from their buffer too).
+pub(crate) const SPLICE_FROM: usize = 32 * 1024;
+
+thread_local! {
+    /// The blob being serialized on this thread, while its bytes go to the serializer.
+    static OFFER: RefCell<Option<Bytes>> = const { RefCell::new(None) };
+}
+
+/// Runs `serialize` (which writes `blob`'s bytes) with `blob` offered to [`Splicing`]: if the
+/// slice that reaches it is this blob, it takes a reference to the blob instead of a copy.
+/// Serializers other than ours never look at the offer, and it is withdrawn on return.
+pub(crate) fn offer_blob<R>(blob: &Bytes, serialize: impl FnOnce() -> R) -> R {
+    if blob.len() < SPLICE_FROM {
+        return serialize();
+    }
+    let previous = OFFER.with(|o| o.replace(Some(blob.clone())));
+    let out = serialize();
+    OFFER.with(|o| *o.borrow_mut() = previous);
+    out
+}
+
+/// The offered blob, if `bytes` is exactly it.
+fn offered(bytes: &[u8]) -> Option<Bytes> {
+    OFFER.with(|o| {
+        o.borrow()
+            .as_ref()
+            .filter(|b| b.as_ptr() == bytes.as_ptr() && b.len() == bytes.len())
+            .cloned()
+    })
+}
+
+/// The buffers of one encoded message, in order.
+#[derive(Clone, Default)]
+struct Parts {
+    first: Bytes,
+    rest: Vec<Bytes>,
+}
+
+impl Parts {
+    fn new() -> Self {
+        Self::default()
+    }
+
+    fn push(&mut self, b: Bytes) {
+        if self.first.is_empty() && self.rest.is_empty() {
+            self.first = b;
+        } else if !b.is_empty() {
+            self.rest.push(b);
+        }
+    }
+}
+
+/// An encoded message as a connection sends it: one buffer, or, when it holds large
+/// [`Blob`](crate::Blob)s, several in order, so that a blob goes to the socket from its
+/// own buffer instead of being copied into the message. Made by
+/// [`Format::encode_message`], or from `Bytes`.
+#[derive(Clone, Default)]
+pub struct Message(Parts);
+
+impl Message {
+    /// The message's length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.first.len() + self.0.rest.iter().map(Bytes::len).sum::<usize>()
+    }
+
+    /// Whether the message has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its buffers, in order.
+    pub fn parts(&self) -> impl Iterator<Item = &Bytes> {
+        std::iter::once(&self.0.first).chain(self.0.rest.iter())
+    }
+
+    /// The message in one buffer (a copy only when it has several parts).
+    pub fn into_bytes(self) -> Bytes {
+        if self.0.rest.is_empty() {
+            return self.0.first;
+        }
+        let mut all = BytesMut::with_capacity(self.len());
+        for part in self.parts() {
+            all.extend_from_slice(part);
+        }
+        all.freeze()
+    }
+}
+
+impl From<Bytes> for Message {
+    fn from(first: Bytes) -> Self {
+        Self(Parts {
+            first,
+            rest: Vec::new(),
+        })
+    }
+}
+
+impl From<Vec<u8>> for Message {
+    fn from(v: Vec<u8>) -> Self {
+        Bytes::from(v).into()
+    }
+}
+
+impl std::fmt::Debug for Message {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Message({} bytes", self.len())?;
+        if !self.0.rest.is_empty() {
+            write!(f, " in {} parts", 1 + self.0.rest.len())?;
+        }
+        f.write_str(")")
     }
 }
 
@@ -263,6 +435,53 @@ pub fn decompress(c: Compression, data: Bytes, max: u32) -> Result<Bytes, RpcErr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn large_blobs_are_parts_of_their_own_and_the_message_decodes_whole() {
+        use crate::Blob;
+        let big =
+            |n: usize, seed: u8| Blob::from((0..n).map(|i| seed ^ i as u8).collect::<Vec<u8>>());
+        type Value = (Blob, u32, Blob, String, Blob);
+        let value: Value = (
+            big(SPLICE_FROM, 1),
+            7,
+            big(100_000, 2),
+            "tail".to_owned(),
+            big(SPLICE_FROM - 1, 3),
+        );
+        for format in [Format::Postcard, Format::MessagePack] {
+            let message = format.encode_message(&value).unwrap();
+            let parts: Vec<&Bytes> = message.parts().collect();
+            // Head, first blob, the bytes between, second blob, the rest (the short blob copied).
+            assert_eq!(parts.len(), 5, "{format:?}: {message:?}");
+            assert_eq!(
+                parts[1].as_ptr(),
+                value.0.as_ptr(),
+                "{format:?}: not copied"
+            );
+            assert_eq!(
+                parts[3].as_ptr(),
+                value.2.as_ptr(),
+                "{format:?}: not copied"
+            );
+            let whole = format.encode(&value).unwrap();
+            assert_eq!(message.len(), whole.len());
+            assert_eq!(message.clone().into_bytes(), whole, "{format:?}");
+            assert_eq!(format.decode::<Value>(&whole).unwrap(), value);
+        }
+    }
+
+    #[test]
+    fn a_blob_serialized_by_another_serializer_leaves_no_offer_behind() {
+        let blob = crate::Blob::from(vec![4u8; SPLICE_FROM * 2]);
+        let encoded = postcard::to_allocvec(&blob).unwrap();
+        assert_eq!(postcard::from_bytes::<crate::Blob>(&encoded).unwrap(), blob);
+        assert!(OFFER.with(|o| o.borrow().is_none()));
+        // Nor does `encode`, which copies every blob.
+        let whole = Format::Postcard.encode(&blob).unwrap();
+        assert_eq!(whole.len(), encoded.len());
+        assert!(OFFER.with(|o| o.borrow().is_none()));
+    }
 
     #[test]
     fn messages_sharing_a_chunk_each_decode_to_their_own_value() {

@@ -321,7 +321,7 @@ async fn write_frame<W: AsyncWrite + Unpin>(
     payload: &[u8],
 ) -> Result<(), RpcError> {
     let Out::Frame { head, head_len, .. } =
-        peer::encode(kind, Compression::None, false, 0, 0, Bytes::new())
+        peer::encode(kind, Compression::None, false, 0, 0, Bytes::new().into())
     else {
         unreachable!("encode returns a frame")
     };

@@ -50,7 +50,7 @@ mod websocket;
 
 pub use blob::Blob;
 pub use caller::Caller;
-pub use codec::{decompress, CompressionSet, Format};
+pub use codec::{decompress, CompressionSet, Format, Message};
 pub use coherent_rpc_macros::service;
 pub use config::Config;
 pub use endpoint::{Endpoint, EndpointBuilder};

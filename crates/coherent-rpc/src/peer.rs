@@ -18,15 +18,16 @@ use tokio::sync::{mpsc, oneshot, watch, Notify, Semaphore};
 use tokio::task::AbortHandle;
 use tracing::Instrument;
 
-use crate::codec::{self, Format};
+use crate::codec::{self, Format, Message};
 use crate::error::{ErrorCode, RpcError};
 use crate::frame::{Compression, Header, Kind, MAX_HEADER_LEN};
 use crate::service::{CallContext, Identity, MethodKind, Registry, Response, CONTEXT};
 use crate::stream::ClientStream;
 
-/// Payloads above this are written straight from their buffer instead of being copied
-/// into the batch: copying 10 MB to save one syscall does not pay.
-const DIRECT_WRITE: usize = 32 * 1024;
+/// Payload parts this large are written straight from their buffer instead of being copied
+/// into the batch: copying 10 MB to save one syscall does not pay. Blobs this large are
+/// parts of their own (`codec::SPLICE_FROM`).
+const DIRECT_WRITE: usize = codec::SPLICE_FROM;
 /// The writer stops coalescing and writes once a batch reaches this size.
 const BATCH: usize = 64 * 1024;
 /// Below this, the writer yields once before writing so that callers woken by the same
@@ -55,7 +56,7 @@ pub(crate) enum Out {
     Frame {
         head: [u8; MAX_HEADER_LEN],
         head_len: u8,
-        payload: Bytes,
+        payload: Message,
     },
     Stop(Option<Box<Out>>),
 }
@@ -152,9 +153,9 @@ impl Shared {
         kind: Kind,
         call_id: u64,
         method_id: u32,
-        payload: Bytes,
+        payload: impl Into<Message>,
     ) -> Result<(), RpcError> {
-        let out = self.prepare(kind, false, call_id, method_id, payload)?;
+        let out = self.prepare(kind, false, call_id, method_id, payload.into())?;
         self.enqueue(out)
     }
 
@@ -166,7 +167,7 @@ impl Shared {
         call_id: u64,
         payload: Bytes,
     ) -> Result<(), RpcError> {
-        let out = self.prepare(kind, upload, call_id, 0, payload)?;
+        let out = self.prepare(kind, upload, call_id, 0, payload.into())?;
         self.enqueue(out)
     }
 
@@ -177,7 +178,7 @@ impl Shared {
         upload: bool,
         call_id: u64,
         method_id: u32,
-        payload: Bytes,
+        payload: Message,
     ) -> Result<Out, RpcError> {
         if payload.len() > self.settings.remote_max as usize {
             return Err(RpcError::new(
@@ -194,10 +195,14 @@ impl Shared {
         if self.settings.send_compression != Compression::None
             && payload.len() >= self.settings.compression_threshold
         {
-            if let Some(c) = codec::compress(self.settings.send_compression, &payload) {
-                compression = self.settings.send_compression;
-                payload = Bytes::from(c);
-            }
+            let whole = payload.into_bytes();
+            payload = match codec::compress(self.settings.send_compression, &whole) {
+                Some(c) => {
+                    compression = self.settings.send_compression;
+                    Bytes::from(c).into()
+                }
+                None => whole.into(),
+            };
         }
         Ok(encode(
             kind,
@@ -264,7 +269,7 @@ impl Shared {
                 false,
                 0,
                 0,
-                Bytes::from(reason.to_payload()),
+                Bytes::from(reason.to_payload()).into(),
             ))
         });
         let _ = self.out.send(Out::Stop(close));
@@ -309,7 +314,7 @@ impl Shared {
         &self,
         id: u64,
         method_id: u32,
-        payload: Bytes,
+        payload: Message,
     ) -> Result<(oneshot::Receiver<Result<Bytes, RpcError>>, CallGuard<'_>), RpcError> {
         let (tx, rx) = oneshot::channel();
         self.register(id, Pending::Unary(tx))?;
@@ -339,7 +344,7 @@ pub(crate) fn encode(
     upload: bool,
     call_id: u64,
     method_id: u32,
-    payload: Bytes,
+    payload: Message,
 ) -> Out {
     let mut head = [0u8; MAX_HEADER_LEN];
     let head_len = Header {
@@ -442,9 +447,9 @@ impl Peer {
         R: DeserializeOwned,
     {
         let format = self.shared.settings.format;
-        let payload = format.encode(&args)?;
+        let payload = format.encode_message(&args)?;
         drop(args);
-        let bytes = self.call_bytes(method_id, payload, opts).await?;
+        let bytes = self.call_message(method_id, payload, opts).await?;
         format.decode_bytes(bytes)
     }
 
@@ -453,6 +458,18 @@ impl Peer {
         &self,
         method_id: u32,
         payload: Bytes,
+        opts: CallOptions,
+    ) -> Result<Bytes, RpcError> {
+        self.call_message(method_id, payload.into(), opts).await
+    }
+
+    /// Like [`call_bytes`](Self::call_bytes), with arguments made by
+    /// [`Format::encode_message`] (their large blobs are sent without a copy).
+    #[inline]
+    pub async fn call_message(
+        &self,
+        method_id: u32,
+        payload: Message,
         opts: CallOptions,
     ) -> Result<Bytes, RpcError> {
         let s = &*self.shared;
@@ -479,7 +496,7 @@ impl Peer {
     /// Sends a one-way call: no reply, no delivery guarantee beyond the queue.
     pub fn call_oneway<A: Serialize>(&self, method_id: u32, args: A) -> Result<(), RpcError> {
         let s = &*self.shared;
-        let payload = s.settings.format.encode(&args)?;
+        let payload = s.settings.format.encode_message(&args)?;
         let id = s.next_id();
         s.counters.calls_out.fetch_add(1, Ordering::Relaxed);
         s.send(Kind::OneWay, id, method_id, payload)
@@ -492,7 +509,7 @@ impl Peer {
         T: DeserializeOwned,
     {
         let s = &self.shared;
-        let payload = s.settings.format.encode(&args)?;
+        let payload = s.settings.format.encode_message(&args)?;
         let id = s.next_id();
         let (tx, rx) = mpsc::unbounded_channel();
         let buffered = Arc::new(std::sync::atomic::AtomicU32::new(0));
@@ -524,7 +541,7 @@ impl Peer {
     {
         let s = &*self.shared;
         let format = s.settings.format;
-        let payload = format.encode(&args)?;
+        let payload = format.encode_message(&args)?;
         drop(args);
         let id = s.next_id();
         let credits = Arc::new(Semaphore::new(s.settings.remote_window as usize));
@@ -747,11 +764,13 @@ async fn push<W: AsyncWrite + Unpin>(
         } => {
             buf.extend_from_slice(&head[..head_len as usize]);
             *written += payload.len();
-            if payload.len() > DIRECT_WRITE {
-                flush(wr, buf, stall).await?;
-                write_all(wr, &payload, stall).await?;
-            } else {
-                buf.extend_from_slice(&payload);
+            for part in payload.parts() {
+                if part.len() >= DIRECT_WRITE {
+                    flush(wr, buf, stall).await?;
+                    write_all(wr, part, stall).await?;
+                } else {
+                    buf.extend_from_slice(part);
+                }
             }
             Ok(false)
         }
@@ -1122,7 +1141,7 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
 }
 
 /// Sends a unary call's answer (nothing for a one-way call).
-fn answer(s: &Shared, id: u64, reply: bool, r: std::thread::Result<Result<Bytes, RpcError>>) {
+fn answer(s: &Shared, id: u64, reply: bool, r: std::thread::Result<Result<Message, RpcError>>) {
     if !reply {
         return;
     }

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures::Stream;
 use serde::Serialize;
 
-use crate::codec::Format;
+use crate::codec::{Format, Message};
 use crate::error::RpcError;
 use crate::peer::Peer;
 
@@ -63,8 +63,8 @@ pub struct MethodInfo {
 
 /// What a dispatcher hands back for one inbound call.
 pub enum Response {
-    /// A unary (or one-way) call: the encoded result.
-    Unary(BoxFuture<Result<Bytes, RpcError>>),
+    /// A unary (or one-way) call: the encoded result (see [`Format::encode_message`]).
+    Unary(BoxFuture<Result<Message, RpcError>>),
     /// A streaming call: its items, once the handler produced them.
     Stream(BoxFuture<Result<ItemStream, RpcError>>),
 }

@@ -97,8 +97,9 @@ async fn blobs_of_every_size_round_trip_in_both_formats() {
             .build();
         let (c, _s) = pair(&server, &client).await.unwrap();
         let calc = CalcClient::new(c);
-        // Below and above the size from which a received blob shares its buffer.
-        for len in [0usize, 1, 511, 512, 100_000] {
+        // Below and above the sizes from which a received blob shares its buffer (512)
+        // and a sent one goes out from its own (32 KiB).
+        for len in [0usize, 1, 511, 512, 32_767, 32_768, 100_000] {
             let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
             let (n, back) = calc.echo_blob(Blob::from(data.clone())).await.unwrap();
             assert_eq!(n, len, "{format:?}");
@@ -118,6 +119,21 @@ async fn compressed_payloads_round_trip_with_lz4_and_zstd() {
         let text: Vec<u8> = b"coherent ".iter().copied().cycle().take(100_000).collect();
         assert_eq!(calc.echo(text.clone()).await.unwrap(), text);
         // Compression shows in the bytes actually written.
+        assert!(calc.caller().stats().bytes_out < 50_000);
+    }
+}
+
+#[tokio::test]
+async fn large_blobs_are_compressed_whole() {
+    for c in [Compression::Lz4, Compression::Zstd] {
+        let cfg = Config::default().compression(c, 64);
+        let (server, _) = calc_server(cfg.clone());
+        let client = Endpoint::builder().config(cfg).build();
+        let (c, _s) = pair(&server, &client).await.unwrap();
+        let calc = CalcClient::new(c);
+        let text: Vec<u8> = b"coherent ".iter().copied().cycle().take(200_000).collect();
+        let (n, back) = calc.echo_blob(Blob::from(text.clone())).await.unwrap();
+        assert_eq!((n, &back[..]), (text.len(), &text[..]));
         assert!(calc.caller().stats().bytes_out < 50_000);
     }
 }
