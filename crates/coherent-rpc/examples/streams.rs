@@ -1,7 +1,7 @@
 //! Quick stream throughput check: concurrent server streams of small items over one TCP
 //! connection on loopback. A smoke measure for profiling, not the benchmark suite.
 //!
-//! `cargo run --release -p coherent-rpc --example streams -- [streams] [item bytes] [seconds]`
+//! `cargo run --release -p coherent-rpc --example streams -- [streams] [item bytes] [seconds] [window]`
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -35,8 +35,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let streams = args.first().copied().unwrap_or(4) as usize;
     let size = args.get(1).copied().unwrap_or(1) as u32;
     let seconds = args.get(2).copied().unwrap_or(3);
+    let window = args.get(3).copied().unwrap_or(1024) as u32;
 
-    let config = Config::default().stream_window(1024);
+    let config = Config::default().stream_window(window);
     let server = Endpoint::builder()
         .service(ItemsServer::new(Impl))
         .config(config.clone())

@@ -89,6 +89,7 @@ impl From<Blob> for Bytes {
 }
 
 impl Serialize for Blob {
+    #[inline]
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         // A large blob that a connection encodes is sent from its own buffer, not copied.
         crate::codec::offer_blob(&self.0, || s.serialize_bytes(&self.0))
@@ -104,7 +105,7 @@ impl<'de> Deserialize<'de> for Blob {
 /// Blobs shorter than this are copied even from a published buffer: sharing costs an
 /// atomic increment on the buffer's reference count, which the connection's reader
 /// touches from another thread, and that costs more than copying a few hundred bytes.
-const SHARE_FROM: usize = 512;
+pub(crate) const SHARE_FROM: usize = 512;
 
 struct BlobVisitor;
 
@@ -161,11 +162,16 @@ fn shared_slice(v: &[u8]) -> Option<Bytes> {
 /// Runs `decode` on `src[range]` with `src` published to this thread's [`Blob`]s, so that
 /// the blobs it decodes share `src`. `src` is moved in and back out, not cloned: no
 /// reference count changes unless a blob is made.
+#[inline]
 pub(crate) fn decode_in<T>(
     src: &mut Bytes,
     range: Range<usize>,
     decode: impl FnOnce(&[u8]) -> T,
 ) -> T {
+    if range.len() < SHARE_FROM {
+        // No blob in so few bytes would share them: no need to publish.
+        return decode(&src[range]);
+    }
     SOURCE.with(|source| {
         let Ok(mut slot) = source.try_borrow_mut() else {
             // A decode inside a decode (a `Deserialize` impl that decodes a message):

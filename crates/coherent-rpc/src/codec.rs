@@ -199,10 +199,16 @@ thread_local! {
 /// Runs `serialize` (which writes `blob`'s bytes) with `blob` offered to [`Splicing`]: if the
 /// slice that reaches it is this blob, it takes a reference to the blob instead of a copy.
 /// Serializers other than ours never look at the offer, and it is withdrawn on return.
+#[inline(always)]
 pub(crate) fn offer_blob<R>(blob: &Bytes, serialize: impl FnOnce() -> R) -> R {
     if blob.len() < SPLICE_FROM {
         return serialize();
     }
+    offer_large_blob(blob, serialize)
+}
+
+#[inline(never)]
+fn offer_large_blob<R>(blob: &Bytes, serialize: impl FnOnce() -> R) -> R {
     let previous = OFFER.with(|o| o.replace(Some(blob.clone())));
     let out = serialize();
     OFFER.with(|o| *o.borrow_mut() = previous);
