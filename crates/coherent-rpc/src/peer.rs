@@ -766,8 +766,9 @@ async fn push<W: AsyncWrite + Unpin>(
             *written += payload.len();
             for part in payload.parts() {
                 if part.len() >= DIRECT_WRITE {
-                    flush(wr, buf, stall).await?;
-                    write_all(wr, part, stall).await?;
+                    // The batch so far and the part, in one vectored write where it can.
+                    write_both(wr, buf, part, stall).await?;
+                    buf.clear();
                 } else {
                     buf.extend_from_slice(part);
                 }
@@ -796,6 +797,44 @@ async fn flush<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
+/// Writes `first` then `second`, both in one syscall where the transport takes vectored
+/// writes (TCP and Unix sockets do).
+async fn write_both<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    first: &[u8],
+    second: &[u8],
+    stall: Duration,
+) -> Result<(), RpcError> {
+    let write = async {
+        let (mut first, mut second) = (first, second);
+        while !first.is_empty() {
+            let n = wr
+                .write_vectored(&[std::io::IoSlice::new(first), std::io::IoSlice::new(second)])
+                .await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            if n < first.len() {
+                first = &first[n..];
+            } else {
+                second = &second[n - first.len()..];
+                first = &[];
+            }
+        }
+        wr.write_all(second).await
+    };
+    match tokio::time::timeout(stall, write).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(stalled(stall)),
+    }
+}
+
+fn stalled(stall: Duration) -> RpcError {
+    RpcError::disconnected(format!(
+        "the other side stopped reading (a write stalled for {stall:?})"
+    ))
+}
+
 async fn write_all<W: AsyncWrite + Unpin>(
     wr: &mut W,
     bytes: &[u8],
@@ -803,9 +842,7 @@ async fn write_all<W: AsyncWrite + Unpin>(
 ) -> Result<(), RpcError> {
     match tokio::time::timeout(stall, wr.write_all(bytes)).await {
         Ok(r) => Ok(r?),
-        Err(_) => Err(RpcError::disconnected(format!(
-            "the other side stopped reading (a write stalled for {stall:?})"
-        ))),
+        Err(_) => Err(stalled(stall)),
     }
 }
 

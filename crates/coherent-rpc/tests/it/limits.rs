@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering;
 
-use coherent_rpc::{Config, Endpoint, ErrorCode};
+use coherent_rpc::{Blob, Config, Endpoint, ErrorCode};
 
 use crate::support::*;
 
@@ -24,6 +24,35 @@ async fn ten_megabyte_payloads_work_when_the_limit_is_raised() {
         .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
     assert_eq!(CalcClient::new(c).echo(data.clone()).await.unwrap(), data);
+}
+
+#[tokio::test]
+async fn ten_megabyte_blobs_cross_tcp_whole_in_both_directions() {
+    // Over TCP the blob goes out from its own buffer in vectored writes that the socket
+    // takes in pieces; several calls at once interleave their frames with it.
+    let cfg = Config::default().max_message_size(16 << 20);
+    let (server, _) = calc_server(cfg.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { server.serve_tcp(listener).await });
+    let client = Endpoint::builder().config(cfg).build();
+    let calc = CalcClient::new(client.connect_tcp(addr).await.unwrap());
+    let data: Vec<u8> = (0..10 << 20)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    let blob = Blob::from(data);
+    let small = calc.clone();
+    let (big, sums) = tokio::join!(calc.echo_blob(blob.clone()), async move {
+        let mut sums = Vec::new();
+        for i in 0..50 {
+            sums.push(small.sum(i, 1).await.unwrap());
+        }
+        sums
+    });
+    let (n, back) = big.unwrap();
+    assert_eq!(n, blob.len());
+    assert!(back == blob, "the echoed blob differs");
+    assert_eq!(sums, (1..=50).collect::<Vec<i32>>());
 }
 
 #[tokio::test]
