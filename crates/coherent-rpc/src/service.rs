@@ -203,8 +203,9 @@ pub struct CallContext {
     pub(crate) peer: Peer,
     pub(crate) call_id: u64,
     pub(crate) method_id: u32,
-    /// The receiving end of the call's upload, until the handler takes it.
-    pub(crate) upload: Arc<parking_lot::Mutex<Option<UploadParts>>>,
+    /// The receiving end of the call's upload, until the handler takes it (`None` for a
+    /// method that takes no upload: most calls allocate nothing here).
+    pub(crate) upload: Option<Arc<parking_lot::Mutex<Option<UploadParts>>>>,
 }
 
 pub(crate) type UploadParts = (
@@ -245,7 +246,8 @@ impl CallContext {
     /// The caller's upload, once: what `#[service]` passes to a method that takes an
     /// [`Upload`](crate::Upload) argument.
     pub fn take_upload<T>(&self) -> Result<crate::Upload<T>, RpcError> {
-        let (rx, buffered) = self.upload.lock().take().ok_or_else(|| {
+        let taken = self.upload.as_ref().and_then(|u| u.lock().take());
+        let (rx, buffered) = taken.ok_or_else(|| {
             RpcError::new(
                 crate::ErrorCode::Internal,
                 "this call has no upload, or it was taken already",
