@@ -1108,32 +1108,37 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
     } else {
         (None, None)
     };
-    let ctx = CallContext {
+    let upload_rx = upload_rx.map(|u| Arc::new(parking_lot::Mutex::new(Some(u))));
+    let context = || CallContext {
         peer: Peer::unowned(shared.clone()),
         call_id: id,
         method_id: h.method_id,
-        upload: upload_rx.map(|u| Arc::new(parking_lot::Mutex::new(Some(u)))),
+        upload: upload_rx.clone(),
     };
     let span = tracing::debug_span!("rpc.serve", call_id = id, method_id = h.method_id);
     // Unlocked while the handler runs inline: a handler may look at this connection.
     drop(inbound);
     let response = entry.service.call(entry.index, args, s.settings.format);
     let (credits, task) = match response {
-        Response::Unary(fut) => {
-            let mut fut =
-                Box::pin(CONTEXT.scope(ctx, std::panic::AssertUnwindSafe(fut).catch_unwind()));
+        Response::Unary(mut fut) => {
             // Most handlers finish without waiting: answering inline saves a task spawn and
-            // a wake-up per call. One that waits is polled again by its task, which
-            // registers the real waker.
+            // a wake-up per call (and, polled here in a synchronous scope, an allocation).
+            // One that waits is polled again by its task, which registers the real waker.
             let polled = {
                 let _entered = span.enter();
                 let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-                fut.as_mut().poll(&mut cx)
+                CONTEXT.sync_scope(context(), || {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        fut.as_mut().poll(&mut cx)
+                    }))
+                })
             };
-            if let std::task::Poll::Ready(r) = polled {
-                answer(s, id, reply, r);
-                return;
+            match polled {
+                Ok(std::task::Poll::Ready(r)) => return answer(s, id, reply, Ok(r)),
+                Err(panic) => return answer(s, id, reply, Err(panic)),
+                Ok(std::task::Poll::Pending) => {}
             }
+            let fut = CONTEXT.scope(context(), std::panic::AssertUnwindSafe(fut).catch_unwind());
             let sh = shared.clone();
             let task = async move {
                 let r = fut.await;
@@ -1163,7 +1168,7 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
                     };
                 }
             };
-            (Some(credits), CONTEXT.scope(ctx, task).boxed())
+            (Some(credits), CONTEXT.scope(context(), task).boxed())
         }
     };
     debug_assert!(entry.kind != MethodKind::Stream || credits.is_some());
