@@ -718,11 +718,18 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     let result: Result<(), RpcError> = async {
         while let Some(first) = rx.recv().await {
             let mut written_payload = 0usize;
-            let mut stop = push(&mut wr, &mut buf, first, &mut written_payload, stall).await?;
+            let mut stop = match append(&mut buf, first, &mut written_payload) {
+                None => false,
+                Some(m) => push(&mut wr, &mut buf, m, &mut written_payload, stall).await?,
+            };
             let mut yielded = false;
             while !stop {
                 match rx.try_recv() {
-                    Ok(m) => stop = push(&mut wr, &mut buf, m, &mut written_payload, stall).await?,
+                    Ok(m) => {
+                        if let Some(m) = append(&mut buf, m, &mut written_payload) {
+                            stop = push(&mut wr, &mut buf, m, &mut written_payload, stall).await?;
+                        }
+                    }
                     Err(_) if !yielded && buf.len() < SMALL_BATCH => {
                         yielded = true;
                         tokio::task::yield_now().await;
@@ -750,6 +757,27 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     .await;
     if let Err(e) = result {
         shared.shutdown(e, false);
+    }
+}
+
+/// Appends a frame to the batch when none of its parts is written on its own (the usual
+/// case, without the await points of [`push`]); hands any other item back.
+#[inline]
+fn append(buf: &mut Vec<u8>, m: Out, written: &mut usize) -> Option<Out> {
+    match m {
+        Out::Frame {
+            head,
+            head_len,
+            payload,
+        } if payload.parts().all(|p| p.len() < DIRECT_WRITE) => {
+            buf.extend_from_slice(&head[..head_len as usize]);
+            *written += payload.len();
+            for part in payload.parts() {
+                buf.extend_from_slice(part);
+            }
+            None
+        }
+        other => Some(other),
     }
 }
 
