@@ -1,11 +1,11 @@
 //! Quick payload check: one caller echoing a large random blob over one TCP connection on
 //! loopback. A smoke measure for profiling, not the benchmark suite.
 //!
-//! `cargo run --release -p coherent-rpc --example payload -- [megabytes] [seconds]`
+//! `cargo run --release -p coherent-rpc --example payload -- [megabytes] [seconds] [none|lz4|zstd] [rand|zero]`
 
 use std::time::{Duration, Instant};
 
-use coherent_rpc::{service, Blob, Config, Endpoint};
+use coherent_rpc::{service, Blob, Compression, Config, Endpoint};
 
 /// The measured service.
 #[service]
@@ -24,14 +24,24 @@ impl Echo for Impl {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<u64> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("numbers"))
-        .collect();
-    let mb = args.first().copied().unwrap_or(10) as usize;
-    let seconds = args.get(1).copied().unwrap_or(3);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let number = |i: usize, default: u64| {
+        args.get(i)
+            .map_or(default, |a| a.parse().expect("a number"))
+    };
+    let mb = number(0, 10) as usize;
+    let seconds = number(1, 3);
+    let compression = match args.get(2).map(String::as_str) {
+        None | Some("none") => Compression::None,
+        Some("lz4") => Compression::Lz4,
+        Some("zstd") => Compression::Zstd,
+        Some(other) => panic!("unknown compression {other}"),
+    };
+    let zeros = args.get(3).is_some_and(|k| k == "zero");
 
-    let config = Config::default().max_message_size(((mb + 1) << 20) as u32);
+    let config = Config::default()
+        .max_message_size(((mb + 1) << 20) as u32)
+        .compression(compression, 4096);
     let server = Endpoint::builder()
         .service(EchoServer::new(Impl))
         .config(config.clone())
@@ -54,7 +64,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            x as u8
+            if zeros {
+                0
+            } else {
+                x as u8
+            }
         })
         .collect();
     let data = Blob::from(data);

@@ -3,6 +3,7 @@
 //! size is checked against the receiver's limit before anything is allocated.
 
 use std::cell::RefCell;
+use std::io::Write;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::{de::DeserializeOwned, Serialize};
@@ -387,6 +388,32 @@ impl CompressionSet {
     }
 }
 
+/// Compresses `message` with `c`, or returns `None` when that would not make it smaller.
+/// zstd reads a message of several parts in place, through its streaming encoder (the frame
+/// still declares its content size); LZ4's block format needs them in one buffer.
+pub(crate) fn compress_message(c: Compression, message: &Message) -> Option<Vec<u8>> {
+    if message.0.rest.is_empty() || c != Compression::Zstd {
+        return compress(c, &message.clone().into_bytes());
+    }
+    let len = message.len();
+    let mut encoder = zstd::stream::write::Encoder::new(Vec::new(), 1).ok()?;
+    encoder.include_contentsize(true).ok()?;
+    encoder.set_pledged_src_size(Some(len as u64)).ok()?;
+    let mut read = 0usize;
+    for part in message.parts() {
+        for chunk in part.chunks(1 << 20) {
+            encoder.write_all(chunk).ok()?;
+            read += chunk.len();
+            if encoder.get_ref().len() >= read {
+                // Not getting smaller: give up before compressing the rest.
+                return None;
+            }
+        }
+    }
+    let out = encoder.finish().ok()?;
+    (out.len() < len).then_some(out)
+}
+
 /// Compresses `data` with `c`, or returns `None` when that would not make it smaller.
 pub(crate) fn compress(c: Compression, data: &[u8]) -> Option<Vec<u8>> {
     let out = match c {
@@ -475,6 +502,38 @@ mod tests {
             assert_eq!(message.clone().into_bytes(), whole, "{format:?}");
             assert_eq!(format.decode::<Value>(&whole).unwrap(), value);
         }
+    }
+
+    #[test]
+    fn a_message_of_several_parts_compresses_to_what_decompresses_whole() {
+        let text: Vec<u8> = b"coherent ".iter().copied().cycle().take(300_000).collect();
+        let value = (
+            crate::Blob::from(text.clone()),
+            5u8,
+            crate::Blob::from(text),
+        );
+        let message = Format::Postcard.encode_message(&value).unwrap();
+        assert!(message.parts().count() > 1);
+        let whole = message.clone().into_bytes();
+        for c in [Compression::Lz4, Compression::Zstd] {
+            let packed = compress_message(c, &message).expect("text compresses");
+            assert!(packed.len() < whole.len() / 10, "{c:?}");
+            let back = decompress(c, Bytes::from(packed), 1 << 20).unwrap();
+            assert_eq!(back, whole, "{c:?}");
+        }
+        // Bytes that do not compress are sent as they are.
+        let mut x = 1u32;
+        let noise: Vec<u8> = (0..200_000)
+            .map(|_| {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (x >> 24) as u8
+            })
+            .collect();
+        let message = Format::Postcard
+            .encode_message(&(crate::Blob::from(noise), 1u8))
+            .unwrap();
+        assert!(compress_message(Compression::Zstd, &message).is_none());
+        assert!(compress_message(Compression::Lz4, &message).is_none());
     }
 
     #[test]

@@ -200,14 +200,10 @@ impl Shared {
         if self.settings.send_compression != Compression::None
             && payload.len() >= self.settings.compression_threshold
         {
-            let whole = payload.into_bytes();
-            payload = match codec::compress(self.settings.send_compression, &whole) {
-                Some(c) => {
-                    compression = self.settings.send_compression;
-                    Bytes::from(c).into()
-                }
-                None => whole.into(),
-            };
+            if let Some(c) = codec::compress_message(self.settings.send_compression, &payload) {
+                compression = self.settings.send_compression;
+                payload = Bytes::from(c).into();
+            }
         }
         Ok(encode(
             kind,
