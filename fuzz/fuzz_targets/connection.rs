@@ -40,7 +40,7 @@ impl Service for Echo {
         if index == 0 {
             coherent_rpc::Response::Unary(Box::pin(async move {
                 let v: Vec<u8> = format.decode(&args)?;
-                format.encode(&v)
+                format.encode_message(&v)
             }))
         } else {
             coherent_rpc::Response::Stream(Box::pin(async move {
