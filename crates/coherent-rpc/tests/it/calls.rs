@@ -118,22 +118,10 @@ async fn compressed_payloads_round_trip_with_lz4_and_zstd() {
         let calc = CalcClient::new(c);
         let text: Vec<u8> = b"coherent ".iter().copied().cycle().take(100_000).collect();
         assert_eq!(calc.echo(text.clone()).await.unwrap(), text);
-        // Compression shows in the bytes actually written.
-        assert!(calc.caller().stats().bytes_out < 50_000);
-    }
-}
-
-#[tokio::test]
-async fn large_blobs_are_compressed_whole() {
-    for c in [Compression::Lz4, Compression::Zstd] {
-        let cfg = Config::default().compression(c, 64);
-        let (server, _) = calc_server(cfg.clone());
-        let client = Endpoint::builder().config(cfg).build();
-        let (c, _s) = pair(&server, &client).await.unwrap();
-        let calc = CalcClient::new(c);
-        let text: Vec<u8> = b"coherent ".iter().copied().cycle().take(200_000).collect();
+        // A large blob is a part of its own in the message, compressed with the rest.
         let (n, back) = calc.echo_blob(Blob::from(text.clone())).await.unwrap();
         assert_eq!((n, &back[..]), (text.len(), &text[..]));
+        // Compression shows in the bytes actually written.
         assert!(calc.caller().stats().bytes_out < 50_000);
     }
 }
