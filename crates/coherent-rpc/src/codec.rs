@@ -210,20 +210,33 @@ pub(crate) fn offer_blob<R>(blob: &Bytes, serialize: impl FnOnce() -> R) -> R {
 
 #[inline(never)]
 fn offer_large_blob<R>(blob: &Bytes, serialize: impl FnOnce() -> R) -> R {
-    let previous = OFFER.with(|o| o.replace(Some(blob.clone())));
-    let out = serialize();
-    OFFER.with(|o| *o.borrow_mut() = previous);
-    out
+    /// Puts the previous offer back, even when the serializer panics.
+    struct Withdraw(Option<Bytes>);
+    impl Drop for Withdraw {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            let _ = OFFER.try_with(|o| *o.borrow_mut() = previous);
+        }
+    }
+    let Ok(previous) = OFFER.try_with(|o| o.replace(Some(blob.clone()))) else {
+        // This thread's locals are being destroyed: no offer, the blob is copied.
+        return serialize();
+    };
+    let _withdraw = Withdraw(previous);
+    serialize()
 }
 
 /// The offered blob, if `bytes` is exactly it.
 fn offered(bytes: &[u8]) -> Option<Bytes> {
-    OFFER.with(|o| {
-        o.borrow()
-            .as_ref()
-            .filter(|b| b.as_ptr() == bytes.as_ptr() && b.len() == bytes.len())
-            .cloned()
-    })
+    OFFER
+        .try_with(|o| {
+            o.borrow()
+                .as_ref()
+                .filter(|b| b.as_ptr() == bytes.as_ptr() && b.len() == bytes.len())
+                .cloned()
+        })
+        .ok()
+        .flatten()
 }
 
 /// The buffers of one encoded message, in order.
@@ -390,7 +403,8 @@ impl CompressionSet {
 
 /// Compresses `message` with `c`, or returns `None` when that would not make it smaller.
 /// zstd reads a message of several parts in place, through its streaming encoder (the frame
-/// still declares its content size); LZ4's block format needs them in one buffer.
+/// still declares its content size), and stops once its output is as long as the message;
+/// LZ4's block format needs the parts in one buffer.
 pub(crate) fn compress_message(c: Compression, message: &Message) -> Option<Vec<u8>> {
     if message.0.rest.is_empty() || c != Compression::Zstd {
         return compress(c, &message.clone().into_bytes());
@@ -399,13 +413,11 @@ pub(crate) fn compress_message(c: Compression, message: &Message) -> Option<Vec<
     let mut encoder = zstd::stream::write::Encoder::new(Vec::new(), 1).ok()?;
     encoder.include_contentsize(true).ok()?;
     encoder.set_pledged_src_size(Some(len as u64)).ok()?;
-    let mut read = 0usize;
     for part in message.parts() {
         for chunk in part.chunks(1 << 20) {
             encoder.write_all(chunk).ok()?;
-            read += chunk.len();
-            if encoder.get_ref().len() >= read {
-                // Not getting smaller: give up before compressing the rest.
+            if encoder.get_ref().len() >= len {
+                // Already as long as the message: it cannot end up smaller.
                 return None;
             }
         }
@@ -534,6 +546,43 @@ mod tests {
             .unwrap();
         assert!(compress_message(Compression::Zstd, &message).is_none());
         assert!(compress_message(Compression::Lz4, &message).is_none());
+    }
+
+    #[test]
+    fn bytes_that_do_not_shrink_before_bytes_that_do_still_compress() {
+        let mut x = 7u32;
+        let noise: Vec<u8> = (0..(2 << 20))
+            .map(|_| {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (x >> 24) as u8
+            })
+            .collect();
+        let value = (
+            crate::Blob::from(noise),
+            7u8,
+            crate::Blob::from(vec![0u8; 8 << 20]),
+        );
+        let message = Format::Postcard.encode_message(&value).unwrap();
+        assert!(message.parts().count() > 1);
+        let packed = compress_message(Compression::Zstd, &message).expect("the zeros shrink");
+        assert!(packed.len() < message.len() / 3);
+        let back = decompress(Compression::Zstd, Bytes::from(packed), 16 << 20).unwrap();
+        assert_eq!(back, message.into_bytes());
+    }
+
+    #[test]
+    fn a_panicking_serializer_withdraws_the_offer() {
+        let blob = crate::Blob::from(vec![1u8; SPLICE_FROM]);
+        let caught = std::panic::catch_unwind(|| {
+            offer_blob(&blob.clone().into_bytes(), || {
+                panic!("the serializer fails")
+            })
+        });
+        assert!(caught.is_err());
+        assert!(
+            OFFER.with(|o| o.borrow().is_none()),
+            "no buffer stays pinned"
+        );
     }
 
     #[test]
