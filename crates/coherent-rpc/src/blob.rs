@@ -19,8 +19,9 @@ thread_local! {
 /// the connection decodes them: a `Blob` of 512 bytes or more then shares the received
 /// buffer (as a [`Bytes`] slice) instead of owning a copy (shorter ones are cheaper to
 /// copy). Use it for payloads: a 10 MB argument is then never copied on the receiving side,
-/// and a `Blob` of 32 KiB or more that a connection sends goes to the socket from its own
-/// buffer instead of being copied into the message.
+/// and a `Blob` of 32 KiB or more in a call's arguments or a unary answer goes to the socket
+/// from its own buffer instead of being copied into the message (stream items are encoded
+/// into their batch, so a blob in one is copied there).
 ///
 /// A `Blob` that is decoded some other way (e.g. `serde_json`) owns a copy. Holding a
 /// decoded `Blob` keeps the buffer it came in alive; [`Blob::detach`] copies it out.

@@ -166,11 +166,11 @@ impl Reconnecting {
     {
         let mut peer = self.peer().await?;
         let format = peer.format();
-        let payload = format.encode(&args)?;
+        let payload = format.encode_message(&args)?;
         drop(args);
         let mut resends = 0;
         loop {
-            match peer.call_bytes(method_id, payload.clone(), opts).await {
+            match peer.call_message(method_id, payload.clone(), opts).await {
                 Err(e)
                     if e.code() == ErrorCode::Disconnected
                         && opts.idempotent
