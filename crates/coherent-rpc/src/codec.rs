@@ -50,7 +50,7 @@ impl Format {
     /// cost two: the buffer, and the shared header that `Bytes::from(Vec)` adds). A chunk is
     /// freed when the last message in it has been written.
     pub fn encode<T: Serialize + ?Sized>(self, value: &T) -> Result<Bytes, RpcError> {
-        let mut parts = Parts::new();
+        let mut parts = Parts::default();
         self.encode_parts(value, &mut parts, false)?;
         debug_assert!(parts.rest.is_empty());
         Ok(parts.first)
@@ -61,7 +61,7 @@ impl Format {
     /// more is not copied but becomes a part of its own, written to the socket from its
     /// own buffer.
     pub fn encode_message<T: Serialize + ?Sized>(self, value: &T) -> Result<Message, RpcError> {
-        let mut parts = Parts::new();
+        let mut parts = Parts::default();
         self.encode_parts(value, &mut parts, true)?;
         Ok(Message(parts))
     }
@@ -247,10 +247,6 @@ struct Parts {
 }
 
 impl Parts {
-    fn new() -> Self {
-        Self::default()
-    }
-
     fn push(&mut self, b: Bytes) {
         if self.first.is_empty() && self.rest.is_empty() {
             self.first = b;
@@ -406,7 +402,10 @@ impl CompressionSet {
 /// still declares its content size), and stops once its output is as long as the message;
 /// LZ4's block format needs the parts in one buffer.
 pub(crate) fn compress_message(c: Compression, message: &Message) -> Option<Vec<u8>> {
-    if message.0.rest.is_empty() || c != Compression::Zstd {
+    if message.0.rest.is_empty() {
+        return compress(c, &message.0.first);
+    }
+    if c != Compression::Zstd {
         return compress(c, &message.clone().into_bytes());
     }
     let len = message.len();
@@ -481,6 +480,17 @@ pub fn decompress(c: Compression, data: Bytes, max: u32) -> Result<Bytes, RpcErr
 mod tests {
     use super::*;
 
+    /// `len` bytes that no codec shrinks (a linear congruential sequence from `seed`).
+    fn noise(len: usize, seed: u32) -> Vec<u8> {
+        let mut x = seed;
+        (0..len)
+            .map(|_| {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (x >> 24) as u8
+            })
+            .collect()
+    }
+
     #[test]
     fn large_blobs_are_parts_of_their_own_and_the_message_decodes_whole() {
         use crate::Blob;
@@ -534,15 +544,8 @@ mod tests {
             assert_eq!(back, whole, "{c:?}");
         }
         // Bytes that do not compress are sent as they are.
-        let mut x = 1u32;
-        let noise: Vec<u8> = (0..200_000)
-            .map(|_| {
-                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (x >> 24) as u8
-            })
-            .collect();
         let message = Format::Postcard
-            .encode_message(&(crate::Blob::from(noise), 1u8))
+            .encode_message(&(crate::Blob::from(noise(200_000, 1)), 1u8))
             .unwrap();
         assert!(compress_message(Compression::Zstd, &message).is_none());
         assert!(compress_message(Compression::Lz4, &message).is_none());
@@ -550,15 +553,8 @@ mod tests {
 
     #[test]
     fn bytes_that_do_not_shrink_before_bytes_that_do_still_compress() {
-        let mut x = 7u32;
-        let noise: Vec<u8> = (0..(2 << 20))
-            .map(|_| {
-                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (x >> 24) as u8
-            })
-            .collect();
         let value = (
-            crate::Blob::from(noise),
+            crate::Blob::from(noise(2 << 20, 7)),
             7u8,
             crate::Blob::from(vec![0u8; 8 << 20]),
         );

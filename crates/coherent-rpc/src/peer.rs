@@ -1132,12 +1132,13 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
     } else {
         (None, None)
     };
-    let upload_rx = upload_rx.map(|u| Arc::new(parking_lot::Mutex::new(Some(u))));
+    // Shared by the contexts made below (inline poll, then the task if it waits).
+    let upload_slot = upload_rx.map(|u| Arc::new(parking_lot::Mutex::new(Some(u))));
     let context = || CallContext {
         peer: Peer::unowned(shared.clone()),
         call_id: id,
         method_id: h.method_id,
-        upload: upload_rx.clone(),
+        upload: upload_slot.clone(),
     };
     let span = tracing::debug_span!("rpc.serve", call_id = id, method_id = h.method_id);
     // Unlocked while the handler runs inline: a handler may look at this connection.
