@@ -39,6 +39,7 @@ mod endpoint;
 mod error;
 pub mod frame;
 pub mod handshake;
+mod net;
 mod peer;
 mod reconnect;
 mod service;

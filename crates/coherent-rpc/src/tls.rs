@@ -26,9 +26,10 @@ impl Endpoint {
             .map_err(|e| RpcError::disconnected(format!("bad TLS server name: {e}")))?;
         let timeout = self.config_ref().handshake_timeout;
         let tls = tokio::time::timeout(timeout, async {
-            let tcp = TcpStream::connect(addr).await?;
-            tcp.set_nodelay(true)?;
-            TlsConnector::from(config).connect(name, tcp).await
+            let tcp = crate::net::connect_tcp(addr).await?;
+            TlsConnector::from(config)
+                .connect(name, crate::net::Eager::new(tcp))
+                .await
         })
         .await
         .map_err(|_| RpcError::disconnected("TLS connect timed out"))??;
@@ -43,6 +44,7 @@ impl Endpoint {
     ) -> Result<Peer, RpcError> {
         let _ = tcp.set_nodelay(true);
         let timeout = self.config_ref().handshake_timeout;
+        let tcp = crate::net::Eager::new(tcp);
         let tls = tokio::time::timeout(timeout, TlsAcceptor::from(config).accept(tcp))
             .await
             .map_err(|_| RpcError::protocol("TLS handshake timed out"))??;
