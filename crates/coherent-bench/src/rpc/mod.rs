@@ -94,11 +94,7 @@ async fn run_async(timing: Timing, only: &str) -> anyhow::Result<Report> {
         if !wanted(&format!("calls.{}", call.name())) {
             continue;
         }
-        calls::<Coherent>(&mut report, &bar, timing, quick, s.coherent, call).await?;
-        calls::<Tonic>(&mut report, &bar, timing, quick, s.tonic, call).await?;
-        calls::<Tarpc>(&mut report, &bar, timing, quick, s.tarpc, call).await?;
-        calls::<Http>(&mut report, &bar, timing, quick, s.http, call).await?;
-        calls::<RawTcp>(&mut report, &bar, timing, quick, s.rawtcp, call).await?;
+        calls(&mut report, &bar, timing, quick, &s, call).await?;
     }
 
     for (size, label) in [(1u32, "1"), (100, "100"), (10_240, "10k")] {
@@ -122,7 +118,7 @@ async fn run_async(timing: Timing, only: &str) -> anyhow::Result<Report> {
     bar.finish_and_clear();
 
     report.note("every peer serves and calls in this process over 127.0.0.1; ratios compare coherent with tonic (other peers: with coherent)");
-    report.note("calls: each peer's best of (callers, connections) settings, shown in its row; coherent/rawtcp tried (200,2) (1000,2) (200,1), tonic/tarpc (200,2) (1000,4) (200,1), http (50,50) (16,16)");
+    report.note("calls: each peer's best of (callers, connections) settings, shown in its row, all peers' runs taking turns; coherent/rawtcp tried (200,2) (1000,2) (200,1), tonic/tarpc (200,2) (1000,4) (200,1), http (50,50) (16,16)");
     report.note("coherent: postcard, no compression, default limits but 16 MB messages; tonic: HTTP/2, TCP_NODELAY, 8 MB windows; tarpc: bincode serde transport, requests spawned; http: axum + hyper pool, JSON; rawtcp: length-prefixed postcard frames, one batching writer and one reader per connection, answers computed inline");
     report.note(
         "payload: 10 MiB echoed per round trip by one caller; MB/s = 10.49 MB x round trips/s",
@@ -163,39 +159,81 @@ fn call_work<P: Peer>(clients: Vec<P>, call: Call) -> Work {
     })
 }
 
-async fn calls<P: Peer>(
-    report: &mut Report,
-    bar: &ProgressBar,
-    timing: Timing,
+/// One peer's cases for `call`: a [`Work`] per (callers, connections) setting it tries.
+async fn call_cases<P: Peer>(
     quick: bool,
     addr: SocketAddr,
     call: Call,
-) -> anyhow::Result<()> {
-    let name = format!("calls.{}.{}", call.name(), P::NAME);
-    bar.set_message(name.clone());
+) -> anyhow::Result<Vec<(usize, usize, Work)>> {
     let tried = if quick {
         &settings(P::NAME)[..1]
     } else {
         settings(P::NAME)
     };
-    let mut best = (0f64, 0, 0);
+    let mut out = Vec::with_capacity(tried.len());
     for &(callers, connections) in tried {
         let clients = connect_all::<P>(addr, connections).await?;
-        let v = throughput(timing, callers, call_work(clients, call)).await?;
-        if v > best.0 {
-            best = (v, callers, connections);
-        }
+        out.push((callers, connections, call_work(clients, call)));
     }
-    let mut row = Row::new(name, best.0, "calls/s")
-        .with("callers", best.1)
-        .with("connections", best.2);
-    row = if P::NAME == "coherent" {
-        row.compared_to(&format!("calls.{}.tonic", call.name()))
-    } else {
-        row.compared_to(&format!("calls.{}.coherent", call.name()))
-    };
-    report.push(row);
-    bar.inc(1);
+    Ok(out)
+}
+
+/// Every peer's calls/s on `call`, each at its best setting. The runs of all peers and
+/// settings take turns, so that a slow phase of the machine hits every peer alike (run
+/// one after the other, a ratio moved by a third between runs on 2 vCPUs).
+async fn calls(
+    report: &mut Report,
+    bar: &ProgressBar,
+    timing: Timing,
+    quick: bool,
+    s: &Servers,
+    call: Call,
+) -> anyhow::Result<()> {
+    bar.set_message(format!("calls.{}", call.name()));
+    let peers = [
+        (
+            Coherent::NAME,
+            call_cases::<Coherent>(quick, s.coherent, call).await?,
+        ),
+        (
+            Tonic::NAME,
+            call_cases::<Tonic>(quick, s.tonic, call).await?,
+        ),
+        (
+            Tarpc::NAME,
+            call_cases::<Tarpc>(quick, s.tarpc, call).await?,
+        ),
+        (Http::NAME, call_cases::<Http>(quick, s.http, call).await?),
+        (
+            RawTcp::NAME,
+            call_cases::<RawTcp>(quick, s.rawtcp, call).await?,
+        ),
+    ];
+    let cases: Vec<(usize, Work)> = peers
+        .iter()
+        .flat_map(|(_, list)| list.iter().map(|(callers, _, w)| (*callers, w.clone())))
+        .collect();
+    let mut results = interleaved(timing, &cases).await?.into_iter();
+    for (peer, list) in &peers {
+        let mut best = (0f64, 0, 0);
+        for &(callers, connections, _) in list {
+            let v = results.next().expect("one result per case");
+            if v > best.0 {
+                best = (v, callers, connections);
+            }
+        }
+        let name = format!("calls.{}.{peer}", call.name());
+        let mut row = Row::new(name, best.0, "calls/s")
+            .with("callers", best.1)
+            .with("connections", best.2);
+        row = if *peer == Coherent::NAME {
+            row.compared_to(&format!("calls.{}.tonic", call.name()))
+        } else {
+            row.compared_to(&format!("calls.{}.coherent", call.name()))
+        };
+        report.push(row);
+        bar.inc(1);
+    }
     Ok(())
 }
 
