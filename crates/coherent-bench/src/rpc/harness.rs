@@ -1,5 +1,5 @@
 //! How every case is timed, whatever the peer: concurrent callers in a loop for a fixed
-//! time (warm-up, then best of N), sequential latency samples, and percentiles.
+//! time (warm-up, then best of N), alone or taking turns with the cases it is compared to.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -67,30 +67,6 @@ pub(crate) async fn interleaved(
         }
     }
     Ok(best)
-}
-
-/// Runs `sample` repeatedly (for about `timing.run`, at least `min` times and at most
-/// `max`) and returns each sample's microseconds, sorted.
-pub(crate) async fn samples<F, Fut>(
-    timing: Timing,
-    min: usize,
-    max: usize,
-    mut sample: F,
-) -> anyhow::Result<Vec<f64>>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = anyhow::Result<f64>>,
-{
-    for _ in 0..min.min(10) {
-        sample().await?;
-    }
-    let start = Instant::now();
-    let mut out = Vec::new();
-    while out.len() < max && (out.len() < min || start.elapsed() < timing.run) {
-        out.push(sample().await?);
-    }
-    out.sort_by(f64::total_cmp);
-    Ok(out)
 }
 
 pub(crate) fn micros(d: Duration) -> f64 {

@@ -11,7 +11,9 @@ mod rawtcp;
 mod tarpc_peer;
 mod tonic_peer;
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,7 +23,7 @@ use indicatif::ProgressBar;
 use crate::report::{percentile, progress, Report, Row};
 use crate::Timing;
 use coherent::Coherent;
-use harness::{interleaved, micros, samples, throughput, Work};
+use harness::{interleaved, micros, throughput, Work};
 use http::Http;
 use model::PayloadKind;
 use peer::Peer;
@@ -105,11 +107,14 @@ async fn run_async(timing: Timing, only: &str) -> anyhow::Result<Report> {
     }
 
     if wanted("latency") {
-        latency::<Coherent>(&mut report, &bar, timing, s.coherent).await?;
-        latency::<Tonic>(&mut report, &bar, timing, s.tonic).await?;
-        latency::<Tarpc>(&mut report, &bar, timing, s.tarpc).await?;
-        latency::<Http>(&mut report, &bar, timing, s.http).await?;
-        latency::<RawTcp>(&mut report, &bar, timing, s.rawtcp).await?;
+        let probes = [
+            Probe::new::<Coherent>(s.coherent).await?,
+            Probe::new::<Tonic>(s.tonic).await?,
+            Probe::new::<Tarpc>(s.tarpc).await?,
+            Probe::new::<Http>(s.http).await?,
+            Probe::new::<RawTcp>(s.rawtcp).await?,
+        ];
+        latency(&mut report, &bar, timing, &probes).await?;
     }
 
     if wanted("payload") {
@@ -282,67 +287,122 @@ async fn streams(
     Ok(())
 }
 
-async fn latency<P: Peer>(
+type Sample<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>> + Send>>;
+
+/// One peer's latency samples: a new connection and one call (connect and call µs), and
+/// one call on a connection kept open (µs).
+struct Probe {
+    name: &'static str,
+    connect_call: Box<dyn Fn() -> Sample<(f64, f64)> + Send + Sync>,
+    call: Box<dyn Fn() -> Sample<f64> + Send + Sync>,
+}
+
+impl Probe {
+    async fn new<P: Peer>(addr: SocketAddr) -> anyhow::Result<Self> {
+        let kept = P::connect(addr).await?;
+        Ok(Self {
+            name: P::NAME,
+            connect_call: Box::new(move || {
+                Box::pin(async move {
+                    let t0 = Instant::now();
+                    let c = P::connect(addr).await?;
+                    let t1 = Instant::now();
+                    anyhow::ensure!(c.sum(1, 2).await? == 3);
+                    let t2 = Instant::now();
+                    drop(c);
+                    Ok((micros(t1 - t0), micros(t2 - t1)))
+                })
+            }),
+            call: Box::new(move || {
+                let c = kept.clone();
+                Box::pin(async move {
+                    let t0 = Instant::now();
+                    anyhow::ensure!(c.sum(1, 2).await? == 3);
+                    Ok(micros(t0.elapsed()))
+                })
+            }),
+        })
+    }
+}
+
+/// The latency cases of every peer. The peers take turns, sample by sample for a new
+/// connection and 100 calls at a time on a kept one, so that a slow phase of the machine
+/// hits every peer alike.
+async fn latency(
     report: &mut Report,
     bar: &ProgressBar,
     timing: Timing,
-    addr: SocketAddr,
+    probes: &[Probe],
 ) -> anyhow::Result<()> {
-    bar.set_message(format!("latency.connect_call.{}", P::NAME));
-    let (mut connects, mut calls, mut totals) = (Vec::new(), Vec::new(), Vec::new());
+    bar.set_message("latency.connect_call");
+    let n = probes.len();
+    let (mut connects, mut calls, mut totals) = (
+        vec![Vec::new(); n],
+        vec![Vec::new(); n],
+        vec![Vec::new(); n],
+    );
+    let budget = timing.run * n as u32;
     let start = Instant::now();
-    while totals.len() < 5_000 && (totals.len() < 50 || start.elapsed() < timing.run) {
-        let t0 = Instant::now();
-        let c = P::connect(addr).await?;
-        let t1 = Instant::now();
-        anyhow::ensure!(c.sum(1, 2).await? == 3);
-        let t2 = Instant::now();
-        drop(c);
-        connects.push(micros(t1 - t0));
-        calls.push(micros(t2 - t1));
-        totals.push(micros(t2 - t0));
-    }
-    totals.sort_by(f64::total_cmp);
-    connects.sort_by(f64::total_cmp);
-    calls.sort_by(f64::total_cmp);
-    let mut row = Row::new(
-        format!("latency.connect_call.{}", P::NAME),
-        percentile(&totals, 0.5),
-        "us",
-    )
-    .with("connect_us", percentile(&connects, 0.5))
-    .with("call_us", percentile(&calls, 0.5))
-    .with("samples", totals.len());
-    if P::NAME == "coherent" {
-        row = row.compared_to("latency.connect_call.tonic");
-    }
-    report.push(row);
-    bar.inc(1);
-
-    bar.set_message(format!("latency.rtt.{}", P::NAME));
-    let c = P::connect(addr).await?;
-    let rtts = samples(timing, 1_000, 10_000_000, || {
-        let c = &c;
-        async move {
-            let t0 = Instant::now();
-            anyhow::ensure!(c.sum(1, 2).await? == 3);
-            Ok(micros(t0.elapsed()))
+    while totals[0].len() < 5_000 && (totals[0].len() < 50 || start.elapsed() < budget) {
+        for (i, p) in probes.iter().enumerate() {
+            let (connect, call) = (p.connect_call)().await?;
+            connects[i].push(connect);
+            calls[i].push(call);
+            totals[i].push(connect + call);
         }
-    })
-    .await?;
-    for (p, label) in [(0.5, "rtt_p50"), (0.99, "rtt_p99")] {
+    }
+
+    bar.set_message("latency.rtt");
+    let mut rtts = vec![Vec::new(); n];
+    for p in probes {
+        for _ in 0..10 {
+            (p.call)().await?;
+        }
+    }
+    let start = Instant::now();
+    while rtts[0].len() < 1_000 || start.elapsed() < budget {
+        for (i, p) in probes.iter().enumerate() {
+            for _ in 0..100 {
+                rtts[i].push((p.call)().await?);
+            }
+        }
+    }
+
+    for (i, p) in probes.iter().enumerate() {
+        for v in [
+            &mut totals[i],
+            &mut connects[i],
+            &mut calls[i],
+            &mut rtts[i],
+        ] {
+            v.sort_by(f64::total_cmp);
+        }
         let mut row = Row::new(
-            format!("latency.{label}.{}", P::NAME),
-            percentile(&rtts, p),
+            format!("latency.connect_call.{}", p.name),
+            percentile(&totals[i], 0.5),
             "us",
         )
-        .with("samples", rtts.len());
-        if P::NAME == "coherent" {
-            row = row.compared_to(&format!("latency.{label}.tonic"));
+        .with("connect_us", percentile(&connects[i], 0.5))
+        .with("call_us", percentile(&calls[i], 0.5))
+        .with("samples", totals[i].len());
+        if p.name == "coherent" {
+            row = row.compared_to("latency.connect_call.tonic");
         }
         report.push(row);
+        for (q, label) in [(0.5, "rtt_p50"), (0.99, "rtt_p99")] {
+            let mut row = Row::new(
+                format!("latency.{label}.{}", p.name),
+                percentile(&rtts[i], q),
+                "us",
+            )
+            .with("samples", rtts[i].len());
+            if p.name == "coherent" {
+                row = row.compared_to(&format!("latency.{label}.tonic"));
+            }
+            report.push(row);
+        }
+        bar.inc(2);
     }
-    bar.inc(1);
     Ok(())
 }
 
