@@ -2,7 +2,7 @@
 //! prints the medians of the connect, the call and the total, in microseconds. Not the
 //! benchmark suite (that is `coherent-bench rpc --only latency`); a smoke measure.
 //!
-//! `cargo run --release -p coherent-rpc --example connect -- [samples]`
+//! `cargo run --release -p coherent-rpc --example connect -- [samples] [zero-rtt: 0 or 1]`
 
 use std::time::Instant;
 
@@ -30,17 +30,21 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let samples: usize = std::env::args()
-        .nth(1)
-        .map(|a| a.parse().expect("a number"))
-        .unwrap_or(3000);
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("numbers"))
+        .collect();
+    let samples = args.first().copied().unwrap_or(3000);
+    let zero_rtt = args.get(1).copied().unwrap_or(0) == 1;
 
     let server = Endpoint::builder().service(CalcServer::new(Impl)).build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move { server.serve_tcp(listener).await });
 
-    let client = Endpoint::builder().build();
+    let client = Endpoint::builder()
+        .config(coherent_rpc::Config::default().zero_rtt(zero_rtt))
+        .build();
     let (mut connects, mut calls, mut totals) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..samples {
         let t0 = Instant::now();
@@ -54,7 +58,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         totals.push((t2 - t0).as_secs_f64() * 1e6);
     }
     println!(
-        "connect {:.1} us, call {:.1} us, total {:.1} us (medians of {samples})",
+        "zero-RTT {zero_rtt}: connect {:.1} us, call {:.1} us, total {:.1} us (medians of {samples})",
         median(connects),
         median(calls),
         median(totals)

@@ -21,6 +21,7 @@ pub struct Config {
     pub(crate) idle_timeout: Option<Duration>,
     pub(crate) write_stall_timeout: Duration,
     pub(crate) call_timeout: Option<Duration>,
+    pub(crate) zero_rtt: bool,
 }
 
 impl Default for Config {
@@ -38,6 +39,7 @@ impl Default for Config {
             idle_timeout: Some(Duration::from_secs(60)),
             write_stall_timeout: Duration::from_secs(30),
             call_timeout: None,
+            zero_rtt: false,
         }
     }
 }
@@ -81,6 +83,25 @@ impl Config {
     /// Default: 256. Must be at least 1.
     pub fn stream_window(mut self, items: u32) -> Self {
         self.stream_window = items.max(1);
+        self
+    }
+
+    /// Zero-RTT connects: when this side connects, it does not wait for the other side's
+    /// answer to its `Hello`. `connect` returns once the `Hello` is written, and calls
+    /// made at once travel right behind it, saving a round trip on a new connection.
+    /// Default: off.
+    ///
+    /// What changes:
+    /// - A refusal (a bad token, an unsupported version) no longer fails `connect`: the
+    ///   calls made meanwhile fail with its code (`Unauthenticated`...) and reason.
+    /// - Until the answer, messages are sent uncompressed, and one over 64 KiB waits for
+    ///   the answer (and the other side's limit), as does everything sent after it; an
+    ///   upload sends its first items once the answer grants its window.
+    /// - The answer must come within the handshake timeout, or the connection closes.
+    /// - An accepting side with a `max_message_size` under 64 KiB closes the connection
+    ///   on an early message over its limit instead of the call failing alone.
+    pub fn zero_rtt(mut self, on: bool) -> Self {
+        self.zero_rtt = on;
         self
     }
 

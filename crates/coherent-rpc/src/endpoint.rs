@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::error::{ErrorCode, RpcError};
 use crate::frame::{Compression, Header, Kind};
 use crate::handshake::{self, Hello};
-use crate::peer::{self, Out, Peer, Settings};
+use crate::peer::{self, Out, Peer, Role, Settings};
 use crate::service::{BoxFuture, Identity, Registry, Service};
 
 type AuthHook = Arc<dyn Fn(String) -> BoxFuture<Result<Identity, String>> + Send + Sync>;
@@ -132,7 +132,8 @@ impl Endpoint {
         }
     }
 
-    /// Connects over an established byte stream: sends `Hello`, waits for `HelloAck`.
+    /// Connects over an established byte stream: sends `Hello`, waits for `HelloAck`
+    /// (unless [`Config::zero_rtt`]).
     /// The returned handle closes the connection when its last clone is dropped.
     pub async fn connect<IO>(&self, io: IO) -> Result<Peer, RpcError>
     where
@@ -141,6 +142,27 @@ impl Endpoint {
         let (mut rd, mut wr) = tokio::io::split(io);
         let timeout = self.inner.config.handshake_timeout;
         let hello = self.hello(&self.inner.token);
+        if self.inner.config.zero_rtt {
+            tokio::time::timeout(timeout, write_frame(&mut wr, Kind::Hello, &hello.encode()))
+                .await
+                .map_err(|_| RpcError::disconnected("the Hello stalled"))??;
+            // Provisional until the answer: what every endpoint takes blind.
+            let mut settings = self.settings(&hello);
+            settings.format = hello.format;
+            settings.send_compression = Compression::None;
+            settings.remote_max = peer::EARLY_MAX as u32;
+            let early = peer::Early::new(self.inner.config.compression, hello.format);
+            return Ok(Peer::start(
+                rd,
+                wr,
+                BytesMut::new(),
+                settings,
+                self.inner.registry.clone(),
+                Role::Connecting {
+                    early: Some((early, timeout)),
+                },
+            ));
+        }
         let exchange = async {
             write_frame(&mut wr, Kind::Hello, &hello.encode()).await?;
             let mut buf = BytesMut::with_capacity(4096);
@@ -170,8 +192,7 @@ impl Endpoint {
             leftover,
             settings,
             self.inner.registry.clone(),
-            None,
-            true,
+            Role::Connecting { early: None },
         ))
     }
 
@@ -232,8 +253,7 @@ impl Endpoint {
             leftover,
             self.settings(&hello),
             self.inner.registry.clone(),
-            identity,
-            false,
+            Role::Accepting { identity },
         ))
     }
 

@@ -3,8 +3,8 @@
 //! each frame, and the `Peer` handle through which both sides make calls.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -33,6 +33,11 @@ const BATCH: usize = 64 * 1024;
 /// Below this, the writer yields once before writing so that callers woken by the same
 /// event can add their frames to the batch (a wake-up costs more than a short wait).
 const SMALL_BATCH: usize = 4 * 1024;
+
+/// With zero-RTT, the largest message sent before the other side's `HelloAck`: a larger
+/// one waits for it (and for its `max_message_size`). Every endpoint configured with a
+/// limit of at least this takes such a message blind.
+pub(crate) const EARLY_MAX: usize = 64 * 1024;
 
 /// Settings agreed in the handshake, fixed for the connection's life.
 #[derive(Debug, Clone)]
@@ -124,6 +129,64 @@ pub struct Stats {
     pub in_flight_in: u64,
 }
 
+/// The other side's limit, stream window and the compression this side sends with.
+struct Remote {
+    max: AtomicU32,
+    window: AtomicU32,
+    compression: AtomicU8,
+    /// Whether the values above are the other side's (always, but with zero-RTT before
+    /// its `HelloAck`).
+    known: AtomicBool,
+}
+
+impl Remote {
+    fn compression(&self) -> Compression {
+        match self.compression.load(Ordering::Relaxed) {
+            1 => Compression::Lz4,
+            2 => Compression::Zstd,
+            _ => Compression::None,
+        }
+    }
+}
+
+/// Which side of the handshake a connection's end was.
+pub(crate) enum Role {
+    /// The connecting side; with zero-RTT, its state until the answer and how long the
+    /// answer may take.
+    Connecting { early: Option<(Early, Duration)> },
+    /// The accepting side, with the identity its auth hook returned.
+    Accepting { identity: Option<Identity> },
+}
+
+/// A zero-RTT connection's state until the other side's `HelloAck`.
+pub(crate) struct Early {
+    /// The compression to send with, if the other side turns out to decode it.
+    wanted: Compression,
+    /// The `Hello` this side sent: the answer must echo its format.
+    format: Format,
+    /// Frames held until the answer, in order: the first too large to send blind and
+    /// everything after it.
+    held: Vec<Held>,
+}
+
+impl Early {
+    pub(crate) fn new(wanted: Compression, format: Format) -> Self {
+        Self {
+            wanted,
+            format,
+            held: Vec::new(),
+        }
+    }
+}
+
+struct Held {
+    kind: Kind,
+    upload: bool,
+    call_id: u64,
+    method_id: u32,
+    payload: Message,
+}
+
 /// Calls by id. foldhash instead of SipHash: hashing ids was a tenth of a unary call's
 /// instructions. Its seed is random per table, and a table the other side fills (`inbound`)
 /// holds at most `max_inbound` calls, so colliding ids cannot make it slow without bound.
@@ -140,6 +203,11 @@ pub(crate) struct Shared {
     inbound: Mutex<CallTable<Inbound>>,
     next_id: AtomicU64,
     pub(crate) settings: Settings,
+    /// What the other side announced: fixed from the start, except with zero-RTT, where it
+    /// is provisional until the `HelloAck` arrives.
+    remote: Remote,
+    /// Zero-RTT only: frames waiting for the `HelloAck` (see [`EARLY_MAX`]).
+    early: Option<Mutex<Early>>,
     registry: Arc<Registry>,
     identity: Option<Identity>,
     closed: watch::Sender<Option<RpcError>>,
@@ -160,8 +228,7 @@ impl Shared {
         method_id: u32,
         payload: impl Into<Message>,
     ) -> Result<(), RpcError> {
-        let out = self.prepare(kind, false, call_id, method_id, payload.into())?;
-        self.enqueue(out)
+        self.submit(kind, false, call_id, method_id, payload.into())
     }
 
     /// Like [`send`](Self::send) for a stream frame, flagged as an upload's or not.
@@ -172,8 +239,99 @@ impl Shared {
         call_id: u64,
         payload: Bytes,
     ) -> Result<(), RpcError> {
-        let out = self.prepare(kind, upload, call_id, 0, payload.into())?;
+        self.submit(kind, upload, call_id, 0, payload.into())
+    }
+
+    #[inline]
+    fn submit(
+        &self,
+        kind: Kind,
+        upload: bool,
+        call_id: u64,
+        method_id: u32,
+        payload: Message,
+    ) -> Result<(), RpcError> {
+        if let Some(early) = &self.early {
+            if !self.remote.known.load(Ordering::Acquire) {
+                let mut early = early.lock();
+                // Re-checked under the lock, which the `HelloAck` takes to flush.
+                if !self.remote.known.load(Ordering::Acquire)
+                    && (!early.held.is_empty() || payload.len() > EARLY_MAX)
+                {
+                    early.held.push(Held {
+                        kind,
+                        upload,
+                        call_id,
+                        method_id,
+                        payload,
+                    });
+                    return Ok(());
+                }
+                // Queued under the lock: the flush cannot slip in between.
+                let out = self.prepare(kind, upload, call_id, method_id, payload)?;
+                return self.enqueue(out);
+            }
+        }
+        let out = self.prepare(kind, upload, call_id, method_id, payload)?;
         self.enqueue(out)
+    }
+
+    /// Zero-RTT: takes the other side's `HelloAck`, then sends the held frames with its
+    /// settings. A held call now too large fails alone, as it would have at once.
+    fn hello_acked(&self, ack: &crate::handshake::Hello) -> Result<(), RpcError> {
+        let Some(early) = &self.early else {
+            return Err(RpcError::protocol("handshake frame after the handshake"));
+        };
+        let mut early = early.lock();
+        if ack.format != early.format {
+            return Err(RpcError::protocol(
+                "the other side answered in another format",
+            ));
+        }
+        let compression = if ack.decodes.contains(early.wanted) {
+            early.wanted
+        } else {
+            Compression::None
+        };
+        self.remote
+            .max
+            .store(ack.max_message_size, Ordering::Relaxed);
+        self.remote
+            .window
+            .store(ack.stream_window, Ordering::Relaxed);
+        self.remote
+            .compression
+            .store(compression as u8, Ordering::Relaxed);
+        let mut dropped = Vec::new();
+        for h in std::mem::take(&mut early.held) {
+            let is_call = matches!(h.kind, Kind::Call | Kind::OneWay);
+            let cancelled = if h.kind == Kind::Call {
+                !self.pending.lock().contains_key(&h.call_id)
+            } else {
+                h.kind == Kind::Cancel && dropped.contains(&h.call_id)
+            };
+            if cancelled {
+                // Cancelled while held: the callee need not hear of it, nor of its Cancel.
+                dropped.push(h.call_id);
+                continue;
+            }
+            match self.prepare(h.kind, h.upload, h.call_id, h.method_id, h.payload) {
+                Ok(out) => self.enqueue(out)?,
+                Err(e) if is_call => {
+                    if let Some(p) = self.pending.lock().remove(&h.call_id) {
+                        p.fail(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        // Uploads started before the answer wait for their first credits: the window.
+        let uploads = self.uploads.lock();
+        self.remote.known.store(true, Ordering::Release);
+        for credits in uploads.values() {
+            credits.add_permits(ack.stream_window as usize);
+        }
+        Ok(())
     }
 
     /// Encodes one frame (checking the other side's limit, compressing) without queuing it.
@@ -185,23 +343,22 @@ impl Shared {
         method_id: u32,
         payload: Message,
     ) -> Result<Out, RpcError> {
-        if payload.len() > self.settings.remote_max as usize {
+        let remote_max = self.remote.max.load(Ordering::Relaxed);
+        if payload.len() > remote_max as usize {
             return Err(RpcError::new(
                 ErrorCode::TooLarge,
                 format!(
-                    "message of {} bytes exceeds the other side's limit of {}",
+                    "message of {} bytes exceeds the other side's limit of {remote_max}",
                     payload.len(),
-                    self.settings.remote_max
                 ),
             ));
         }
         let mut compression = Compression::None;
         let mut payload = payload;
-        if self.settings.send_compression != Compression::None
-            && payload.len() >= self.settings.compression_threshold
-        {
-            if let Some(c) = codec::compress_message(self.settings.send_compression, &payload) {
-                compression = self.settings.send_compression;
+        let wanted = self.remote.compression();
+        if wanted != Compression::None && payload.len() >= self.settings.compression_threshold {
+            if let Some(c) = codec::compress_message(wanted, &payload) {
+                compression = wanted;
                 payload = Bytes::from(c).into();
             }
         }
@@ -251,6 +408,16 @@ impl Shared {
     /// Closes the connection once: fails every waiting caller, aborts every running
     /// handler, and tells the writer to stop (after sending `Close` when `tell_remote`).
     pub(crate) fn shutdown(&self, reason: RpcError, tell_remote: bool) {
+        let failure = if reason.code() == ErrorCode::Disconnected {
+            reason.clone()
+        } else {
+            RpcError::disconnected(format!("connection closed: {reason}"))
+        };
+        self.shutdown_failing(reason, tell_remote, failure);
+    }
+
+    /// Closes the connection for `reason`; calls in flight fail with `failure`.
+    fn shutdown_failing(&self, reason: RpcError, tell_remote: bool, failure: RpcError) {
         let first = self.closed.send_if_modified(|c| {
             if c.is_none() {
                 *c = Some(reason.clone());
@@ -275,11 +442,6 @@ impl Shared {
         });
         let _ = self.out.send(Out::Stop(close));
         let pending: Vec<_> = self.pending.lock().drain().collect();
-        let failure = if reason.code() == ErrorCode::Disconnected {
-            reason.clone()
-        } else {
-            RpcError::disconnected(format!("connection closed: {reason}"))
-        };
         for (_, p) in pending {
             p.fail(failure.clone());
         }
@@ -545,8 +707,18 @@ impl Peer {
         let payload = format.encode_message(&args)?;
         drop(args);
         let id = s.next_id();
-        let credits = Arc::new(Semaphore::new(s.settings.remote_window as usize));
-        s.uploads.lock().insert(id, credits.clone());
+        let credits = {
+            let mut uploads = s.uploads.lock();
+            // With zero-RTT before the answer, the window is unknown: the answer grants it.
+            let window = if s.remote.known.load(Ordering::Acquire) {
+                s.remote.window.load(Ordering::Relaxed) as usize
+            } else {
+                0
+            };
+            let credits = Arc::new(Semaphore::new(window));
+            uploads.insert(id, credits.clone());
+            credits
+        };
         let _upload = UploadGuard { shared: s, id };
         let (rx, mut guard) = s.start_unary(id, method_id, payload)?;
         let mut items = crate::service::item_stream(Box::pin(items));
@@ -593,9 +765,10 @@ impl Peer {
         self.shared.settings.format
     }
 
-    /// The largest payload the other side accepts.
+    /// The largest payload the other side accepts. With zero-RTT, until the other side's
+    /// answer arrives, the size sent without waiting for it (64 KiB).
     pub fn remote_max_message_size(&self) -> u32 {
-        self.shared.settings.remote_max
+        self.shared.remote.max.load(Ordering::Relaxed)
     }
 
     /// Closes the connection, telling the other side why.
@@ -658,14 +831,27 @@ impl Peer {
         leftover: BytesMut,
         settings: Settings,
         registry: Arc<Registry>,
-        identity: Option<Identity>,
-        owned: bool,
+        role: Role,
     ) -> Peer
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (tx, rx) = mpsc::unbounded_channel();
+        let (identity, owned, early) = match role {
+            Role::Accepting { identity } => (identity, false, None),
+            Role::Connecting { early } => (None, true, early),
+        };
+        let remote = Remote {
+            max: AtomicU32::new(settings.remote_max),
+            window: AtomicU32::new(settings.remote_window),
+            compression: AtomicU8::new(settings.send_compression as u8),
+            known: AtomicBool::new(early.is_none()),
+        };
+        let (early, answer_within) = match early {
+            Some((e, d)) => (Some(Mutex::new(e)), Some(d)),
+            None => (None, None),
+        };
         let high_water = (settings.local_max as usize)
             .max(settings.remote_max as usize)
             .saturating_mul(2)
@@ -679,6 +865,8 @@ impl Peer {
             inbound: Mutex::default(),
             next_id: AtomicU64::new(1),
             settings,
+            remote,
+            early,
             registry,
             identity,
             closed: watch::Sender::new(None),
@@ -689,6 +877,20 @@ impl Peer {
         });
         tokio::spawn(write_loop(shared.clone(), rx, wr));
         tokio::spawn(read_loop(shared.clone(), rd, leftover));
+        if let Some(d) = answer_within {
+            let weak: Weak<Shared> = Arc::downgrade(&shared);
+            tokio::spawn(async move {
+                tokio::time::sleep(d).await;
+                if let Some(s) = weak.upgrade() {
+                    if !s.remote.known.load(Ordering::Acquire) {
+                        s.shutdown(
+                            RpcError::disconnected(format!("no handshake answer within {d:?}")),
+                            false,
+                        );
+                    }
+                }
+            });
+        }
         let owner = owned.then(|| Arc::new(Owner(shared.clone())));
         Peer {
             shared,
@@ -888,6 +1090,8 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
     });
     let mut last_recv = tokio::time::Instant::now();
     let max = shared.settings.local_max;
+    // Zero-RTT: the other side's first frame is its answer to the `Hello`.
+    let mut awaiting_answer = shared.early.is_some();
     let reason = 'conn: loop {
         // Route every complete frame in the buffer before reading more.
         loop {
@@ -900,6 +1104,13 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
                     }
                     let mut frame = buf.split_to(total);
                     frame.advance(head_len);
+                    if awaiting_answer {
+                        if let Err(e) = take_handshake_answer(&shared, h, &frame) {
+                            break 'conn (e, true);
+                        }
+                        awaiting_answer = false;
+                        continue;
+                    }
                     if let Err(e) = route(&shared, h, frame.freeze()).await {
                         break 'conn (e, true);
                     }
@@ -940,6 +1151,30 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
         }
     };
     shared.shutdown(reason.0, reason.1);
+}
+
+/// Zero-RTT: takes the answer to this side's `Hello`. A refusal (`Close`) fails the calls
+/// made meanwhile with the other side's reason and code (`Unauthenticated`...).
+fn take_handshake_answer(s: &Shared, h: Header, payload: &[u8]) -> Result<(), RpcError> {
+    if h.compression != Compression::None {
+        return Err(RpcError::protocol("compressed handshake frame"));
+    }
+    match h.kind {
+        Kind::HelloAck => s.hello_acked(&crate::handshake::Hello::decode(payload)?),
+        Kind::Close => {
+            let reason = RpcError::from_payload(payload);
+            let e = RpcError::new(
+                reason.code(),
+                format!(
+                    "the other side refused the connection: {}",
+                    reason.message()
+                ),
+            );
+            s.shutdown_failing(e.clone(), false, e.clone());
+            Err(e)
+        }
+        k => Err(RpcError::protocol(format!("expected HelloAck, got {k:?}"))),
+    }
 }
 
 /// Handles one received frame. An `Err` closes the connection with that reason.
@@ -1052,8 +1287,8 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
             };
             if let Some(c) = credits {
                 // Never more credits than the window, whatever the other side claims.
-                let room =
-                    (s.settings.remote_window as usize).saturating_sub(c.available_permits());
+                let room = (s.remote.window.load(Ordering::Relaxed) as usize)
+                    .saturating_sub(c.available_permits());
                 c.add_permits(n.min(room));
             }
         }
@@ -1176,7 +1411,9 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
             (None, task.boxed())
         }
         Response::Stream(fut) => {
-            let credits = Arc::new(Semaphore::new(s.settings.remote_window as usize));
+            let credits = Arc::new(Semaphore::new(
+                s.remote.window.load(Ordering::Relaxed) as usize
+            ));
             let c = credits.clone();
             let sh = shared.clone();
             let task = async move {
@@ -1251,7 +1488,7 @@ async fn pump(
 ) -> Result<(), RpcError> {
     use std::task::{Context, Poll};
     let format = s.settings.format;
-    let limit = STREAM_BATCH.min(s.settings.remote_max as usize);
+    let limit = STREAM_BATCH.min(s.remote.max.load(Ordering::Relaxed) as usize);
     let mut batch = Batch {
         buf: Vec::new(),
         count: 0,

@@ -54,6 +54,8 @@ fn config(compression: Compression) -> Config {
         .max_message_size(16 << 20)
         .stream_window(1024)
         .compression(compression, 4096)
+        // Calls travel right behind the Hello on a new connection.
+        .zero_rtt(true)
 }
 
 /// Serves the benchmark service on a loopback port, with `compression` for answers.

@@ -13,3 +13,4 @@ mod tls;
 mod transports;
 mod vectors;
 mod websocket;
+mod zero_rtt;

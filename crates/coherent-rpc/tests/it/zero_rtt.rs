@@ -1,0 +1,176 @@
+//! Zero-RTT connects: calls travel right behind the `Hello`, before the answer.
+
+use std::time::Duration;
+
+use coherent_rpc::frame::{Compression, Kind};
+use coherent_rpc::{Config, Endpoint, ErrorCode, Identity, Peer};
+use tokio::io::AsyncReadExt;
+
+use crate::hostile::{frame_bytes, hello};
+use crate::support::*;
+
+fn zero_rtt() -> Config {
+    Config::default().zero_rtt(true)
+}
+
+/// Connects `client` to `server` over an in-memory duplex without waiting for the server:
+/// on the test's single thread, the accepting side runs only once the test awaits, so
+/// calls made right away go out before the answer.
+fn early_pair(
+    server: &Endpoint,
+    client: &Endpoint,
+) -> (
+    Peer,
+    tokio::task::JoinHandle<Result<Peer, coherent_rpc::RpcError>>,
+) {
+    let (a, b) = tokio::io::duplex(256 * 1024);
+    let server = server.clone();
+    let accepted = tokio::spawn(async move { server.accept(a).await });
+    let connect = client.connect(b);
+    let c = futures::FutureExt::now_or_never(connect)
+        .expect("a zero-RTT connect over a duplex does not wait")
+        .expect("connect");
+    (c, accepted)
+}
+
+async fn tcp_server(config: Config) -> std::net::SocketAddr {
+    let (server, _) = calc_server(config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { server.serve_tcp(listener).await });
+    addr
+}
+
+#[tokio::test]
+async fn calls_made_before_the_answer_are_answered_and_the_answer_sets_the_limits() {
+    let addr = tcp_server(Config::default().max_message_size(3 << 20)).await;
+    let client = Endpoint::builder().config(zero_rtt()).build();
+    let peer = client.connect_tcp(addr).await.unwrap();
+    let calc = CalcClient::new(peer.clone());
+    // Before the answer, the limit is what every endpoint takes blind.
+    let (a, b) = tokio::join!(calc.sum(1, 2), calc.get_user(7));
+    assert_eq!(a.unwrap(), 3);
+    assert_eq!(b.unwrap().id, 7);
+    // The answer came before the replies, on the same connection.
+    assert_eq!(peer.remote_max_message_size(), 3 << 20);
+    assert_eq!(calc.sum(40, 2).await.unwrap(), 42);
+}
+
+#[tokio::test]
+async fn a_refused_token_fails_the_calls_made_meanwhile_with_unauthenticated() {
+    let server = Endpoint::builder()
+        .service(CalcServer::new(CalcImpl::default()))
+        .authenticate(|token| async move {
+            if token == "good" {
+                Ok(Identity::new("ok"))
+            } else {
+                Err(format!("token {token:?} is not known"))
+            }
+        })
+        .build();
+    let client = Endpoint::builder().config(zero_rtt()).token("bad").build();
+    // The connect itself succeeds: nothing has been refused yet.
+    let (c, refused) = early_pair(&server, &client);
+    let err = CalcClient::new(c.clone()).sum(1, 2).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Unauthenticated, "{err}");
+    assert!(err.message().contains("not known"), "{err}");
+    assert_eq!(c.closed().await.code(), ErrorCode::Unauthenticated);
+    assert!(refused.await.unwrap().is_err());
+}
+
+#[tokio::test]
+async fn a_large_message_waits_for_the_answer_and_one_over_the_limit_fails_alone() {
+    let (server, _) = calc_server(Config::default().max_message_size(2 << 20));
+    let client = Endpoint::builder().config(zero_rtt()).build();
+    let (c, _s) = early_pair(&server, &client);
+    let calc = CalcClient::new(c);
+    let big = vec![5u8; 1 << 20];
+    let too_big = vec![6u8; 3 << 20];
+    // All made before the answer: the large one is held, and so is everything after it.
+    let (r1, r2, r3, r4) = tokio::join!(
+        calc.sum(1, 1),
+        calc.echo(big.clone()),
+        calc.echo(too_big),
+        calc.sum(2, 2)
+    );
+    assert_eq!(r1.unwrap(), 2);
+    assert_eq!(r2.unwrap(), big);
+    assert_eq!(r3.unwrap_err().code(), ErrorCode::TooLarge);
+    assert_eq!(r4.unwrap(), 4);
+    assert_eq!(calc.sum(3, 3).await.unwrap(), 6);
+}
+
+#[tokio::test]
+async fn an_upload_started_before_the_answer_is_granted_the_window_by_it() {
+    let (server, _) = calc_server(Config::default().stream_window(4));
+    let client = Endpoint::builder().config(zero_rtt()).build();
+    let (c, _s) = early_pair(&server, &client);
+    let calc = CalcClient::new(c);
+    let items = futures::stream::iter(1..=1000i64);
+    assert_eq!(calc.sum_upload(5, items).await.unwrap(), 5 + 500 * 1001);
+    assert_eq!(
+        calc.sum_upload(0, futures::stream::empty()).await.unwrap(),
+        0
+    );
+}
+
+#[tokio::test]
+async fn compression_starts_once_the_answer_says_the_other_side_decodes_it() {
+    let (server, _) = calc_server(Config::default());
+    let client = Endpoint::builder()
+        .config(zero_rtt().compression(Compression::Lz4, 1024))
+        .build();
+    let (c, _s) = early_pair(&server, &client);
+    let calc = CalcClient::new(c.clone());
+    let zeros = vec![0u8; 1 << 20];
+    // Held for the answer (over 64 KiB), then sent compressed.
+    assert_eq!(calc.echo(zeros.clone()).await.unwrap(), zeros);
+    assert!(c.stats().bytes_out < 64 * 1024, "{:?}", c.stats());
+}
+
+#[tokio::test]
+async fn a_side_that_never_answers_fails_the_calls_at_the_handshake_timeout() {
+    let client = Endpoint::builder()
+        .config(zero_rtt().handshake_timeout(Duration::from_millis(100)))
+        .build();
+    let (a, mut silent) = tokio::io::duplex(64 * 1024);
+    let c = client.connect(a).await.unwrap();
+    let err = CalcClient::new(c).sum(1, 2).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Disconnected, "{err}");
+    assert!(err.message().contains("no handshake answer"), "{err}");
+    // The Hello and the call were sent.
+    let mut got = vec![0u8; 64];
+    assert!(silent.read(&mut got).await.unwrap() > 0);
+}
+
+#[tokio::test]
+async fn a_frame_other_than_the_answer_closes_the_connection_with_a_protocol_reason() {
+    let client = Endpoint::builder().config(zero_rtt()).build();
+    let (a, mut other) = tokio::io::duplex(64 * 1024);
+    let c = client.connect(a).await.unwrap();
+    let call = tokio::spawn({
+        let c = c.clone();
+        async move { CalcClient::new(c).sum(1, 2).await }
+    });
+    use tokio::io::AsyncWriteExt;
+    other
+        .write_all(&frame_bytes(Kind::Pong, 0, 0, &[]))
+        .await
+        .unwrap();
+    let reason = c.closed().await;
+    assert_eq!(reason.code(), ErrorCode::Protocol, "{reason}");
+    assert!(reason.message().contains("expected HelloAck"), "{reason}");
+    assert!(call.await.unwrap().is_err());
+    // A well-formed answer in another format is refused the same way.
+    let client = Endpoint::builder().config(zero_rtt()).build();
+    let (a, mut other) = tokio::io::duplex(64 * 1024);
+    let c = client.connect(a).await.unwrap();
+    let mut ack = hello();
+    ack.format = coherent_rpc::Format::MessagePack;
+    other
+        .write_all(&frame_bytes(Kind::HelloAck, 0, 0, &ack.encode()))
+        .await
+        .unwrap();
+    let reason = c.closed().await;
+    assert_eq!(reason.code(), ErrorCode::Protocol, "{reason}");
+}
