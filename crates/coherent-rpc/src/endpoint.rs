@@ -151,16 +151,14 @@ impl Endpoint {
             settings.format = hello.format;
             settings.send_compression = Compression::None;
             settings.remote_max = peer::EARLY_MAX as u32;
-            let early = peer::Early::new(self.inner.config.compression, hello.format);
+            let early = peer::Early::new(self.inner.config.compression, hello.format, timeout);
             return Ok(Peer::start(
                 rd,
                 wr,
                 BytesMut::new(),
                 settings,
                 self.inner.registry.clone(),
-                Role::Connecting {
-                    early: Some((early, timeout)),
-                },
+                Role::Connecting { early: Some(early) },
             ));
         }
         let exchange = async {
@@ -199,6 +197,30 @@ impl Endpoint {
     /// Accepts a connection over an established byte stream: reads `Hello`, checks the
     /// token, answers `HelloAck` (or `Close` with the reason it refuses).
     pub async fn accept<IO>(&self, io: IO) -> Result<Peer, RpcError>
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (peer, reader) = self.handshake_accepting(io).await?;
+        tokio::spawn(reader);
+        Ok(peer)
+    }
+
+    /// Accepts a connection and serves it on the calling task until it closes: the task
+    /// that read the `Hello` reads on (frames sent right behind it included) instead of
+    /// handing the connection to a new reader task.
+    pub(crate) async fn serve_accepted<IO>(&self, io: IO) -> Result<(), RpcError>
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (_peer, reader) = self.handshake_accepting(io).await?;
+        reader.await;
+        Ok(())
+    }
+
+    async fn handshake_accepting<IO>(
+        &self,
+        io: IO,
+    ) -> Result<(Peer, impl Future<Output = ()> + Send + 'static), RpcError>
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
@@ -247,7 +269,7 @@ impl Endpoint {
         tokio::time::timeout(timeout, write_frame(&mut wr, Kind::HelloAck, &ack.encode()))
             .await
             .map_err(|_| RpcError::disconnected("handshake answer stalled"))??;
-        Ok(Peer::start(
+        Ok(Peer::start_writer(
             rd,
             wr,
             leftover,
@@ -284,7 +306,7 @@ impl Endpoint {
             let _ = stream.set_nodelay(true);
             let this = self.clone();
             tokio::spawn(async move {
-                if let Err(e) = this.accept(crate::net::Eager::new(stream)).await {
+                if let Err(e) = this.serve_accepted(crate::net::Eager::new(stream)).await {
                     tracing::debug!(%e, "handshake failed");
                 }
             });
@@ -309,7 +331,7 @@ impl Endpoint {
             };
             let this = self.clone();
             tokio::spawn(async move {
-                if let Err(e) = this.accept(crate::net::Eager::new(stream)).await {
+                if let Err(e) = this.serve_accepted(crate::net::Eager::new(stream)).await {
                     tracing::debug!(%e, "handshake failed");
                 }
             });

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -153,7 +153,7 @@ impl Remote {
 pub(crate) enum Role {
     /// The connecting side; with zero-RTT, its state until the answer and how long the
     /// answer may take.
-    Connecting { early: Option<(Early, Duration)> },
+    Connecting { early: Option<Early> },
     /// The accepting side, with the identity its auth hook returned.
     Accepting { identity: Option<Identity> },
 }
@@ -164,16 +164,19 @@ pub(crate) struct Early {
     wanted: Compression,
     /// The `Hello` this side sent: the answer must echo its format.
     format: Format,
+    /// How long the answer may take.
+    within: Duration,
     /// Frames held until the answer, in order: the first too large to send blind and
     /// everything after it.
     held: Vec<Held>,
 }
 
 impl Early {
-    pub(crate) fn new(wanted: Compression, format: Format) -> Self {
+    pub(crate) fn new(wanted: Compression, format: Format, within: Duration) -> Self {
         Self {
             wanted,
             format,
+            within,
             held: Vec::new(),
         }
     }
@@ -837,6 +840,26 @@ impl Peer {
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
+        let (peer, reader) = Self::start_writer(rd, wr, leftover, settings, registry, role);
+        tokio::spawn(reader);
+        peer
+    }
+
+    /// Like [`start`](Self::start), but hands back the reader's future for the caller to
+    /// run: a server's connection task reads on, instead of spawning a reader and waking
+    /// it for the frames already received.
+    pub(crate) fn start_writer<R, W>(
+        rd: R,
+        wr: W,
+        leftover: BytesMut,
+        settings: Settings,
+        registry: Arc<Registry>,
+        role: Role,
+    ) -> (Peer, impl Future<Output = ()> + Send + 'static)
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
         let (tx, rx) = mpsc::unbounded_channel();
         let (identity, owned, early) = match role {
             Role::Accepting { identity } => (identity, false, None),
@@ -848,10 +871,7 @@ impl Peer {
             compression: AtomicU8::new(settings.send_compression as u8),
             known: AtomicBool::new(early.is_none()),
         };
-        let (early, answer_within) = match early {
-            Some((e, d)) => (Some(Mutex::new(e)), Some(d)),
-            None => (None, None),
-        };
+        let early = early.map(Mutex::new);
         let high_water = (settings.local_max as usize)
             .max(settings.remote_max as usize)
             .saturating_mul(2)
@@ -876,26 +896,13 @@ impl Peer {
             counters: Counters::default(),
         });
         tokio::spawn(write_loop(shared.clone(), rx, wr));
-        tokio::spawn(read_loop(shared.clone(), rd, leftover));
-        if let Some(d) = answer_within {
-            let weak: Weak<Shared> = Arc::downgrade(&shared);
-            tokio::spawn(async move {
-                tokio::time::sleep(d).await;
-                if let Some(s) = weak.upgrade() {
-                    if !s.remote.known.load(Ordering::Acquire) {
-                        s.shutdown(
-                            RpcError::disconnected(format!("no handshake answer within {d:?}")),
-                            false,
-                        );
-                    }
-                }
-            });
-        }
+        let reader = read_loop(shared.clone(), rd, leftover);
         let owner = owned.then(|| Arc::new(Owner(shared.clone())));
-        Peer {
+        let peer = Peer {
             shared,
             _owner: owner,
-        }
+        };
+        (peer, reader)
     }
 
     fn unowned(shared: Arc<Shared>) -> Peer {
@@ -1090,8 +1097,10 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
     });
     let mut last_recv = tokio::time::Instant::now();
     let max = shared.settings.local_max;
-    // Zero-RTT: the other side's first frame is its answer to the `Hello`.
+    // Zero-RTT: the other side's first frame is its answer to the `Hello`, due in time.
     let mut awaiting_answer = shared.early.is_some();
+    let answer_within = shared.early.as_ref().map(|e| e.lock().within);
+    let mut answer_due = answer_within.map(|d| Box::pin(tokio::time::sleep(d)));
     let reason = 'conn: loop {
         // Route every complete frame in the buffer before reading more.
         loop {
@@ -1138,6 +1147,10 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
                 Err(e) => break (RpcError::disconnected(e.to_string()), false),
             },
             _ = closed.changed() => return,
+            _ = async { answer_due.as_mut().expect("zero-RTT").await }, if awaiting_answer => {
+                let within = answer_within.unwrap_or_default();
+                break (RpcError::disconnected(format!("no handshake answer within {within:?}")), false);
+            }
             _ = async { ticker.as_mut().expect("ticker").tick().await }, if ticker.is_some() => {
                 if let Some(idle) = shared.settings.idle_timeout {
                     if last_recv.elapsed() >= idle {

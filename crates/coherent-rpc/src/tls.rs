@@ -42,13 +42,23 @@ impl Endpoint {
         tcp: TcpStream,
         config: Arc<rustls::ServerConfig>,
     ) -> Result<Peer, RpcError> {
+        let tls = self.tls_accept(tcp, config).await?;
+        self.accept(tls).await
+    }
+
+    async fn tls_accept(
+        &self,
+        tcp: TcpStream,
+        config: Arc<rustls::ServerConfig>,
+    ) -> Result<tokio_rustls::server::TlsStream<crate::net::Eager<TcpStream>>, RpcError> {
         let _ = tcp.set_nodelay(true);
         let timeout = self.config_ref().handshake_timeout;
         let tcp = crate::net::Eager::new(tcp);
-        let tls = tokio::time::timeout(timeout, TlsAcceptor::from(config).accept(tcp))
-            .await
-            .map_err(|_| RpcError::protocol("TLS handshake timed out"))??;
-        self.accept(tls).await
+        Ok(
+            tokio::time::timeout(timeout, TlsAcceptor::from(config).accept(tcp))
+                .await
+                .map_err(|_| RpcError::protocol("TLS handshake timed out"))??,
+        )
     }
 
     /// Accepts TLS connections until the listener fails, each on its own task.
@@ -66,7 +76,11 @@ impl Endpoint {
             let this = self.clone();
             let config = config.clone();
             tokio::spawn(async move {
-                if let Err(e) = this.accept_tls(tcp, config).await {
+                let served = async {
+                    let tls = this.tls_accept(tcp, config).await?;
+                    this.serve_accepted(tls).await
+                };
+                if let Err(e) = served.await {
                     tracing::debug!(%e, "TLS connection failed");
                 }
             });
