@@ -1393,16 +1393,26 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
     drop(inbound);
     let response = entry.service.call(entry.index, args, s.settings.format);
     let (credits, task) = match response {
-        Response::Unary(mut fut) => {
+        Response::Unary(fut) => {
             // Most handlers finish without waiting: answering inline saves a task spawn and
             // a wake-up per call (and, polled here in a synchronous scope, an allocation).
             // One that waits is polled again by its task, which registers the real waker.
+            let mut fut = Some(fut);
             let polled = {
                 let _entered = span.enter();
                 let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
                 CONTEXT.sync_scope(context(), || {
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        fut.as_mut().poll(&mut cx)
+                        let r = fut
+                            .as_mut()
+                            .expect("not yet dropped")
+                            .as_mut()
+                            .poll(&mut cx);
+                        if r.is_ready() {
+                            // Dropped here, where its `Drop` still sees the call's context.
+                            fut = None;
+                        }
+                        r
                     }))
                 })
             };
@@ -1411,6 +1421,7 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
                 Err(panic) => return answer(s, id, reply, Err(panic)),
                 Ok(std::task::Poll::Pending) => {}
             }
+            let fut = fut.expect("pending, so not dropped");
             let fut = CONTEXT.scope(context(), std::panic::AssertUnwindSafe(fut).catch_unwind());
             let sh = shared.clone();
             let task = async move {

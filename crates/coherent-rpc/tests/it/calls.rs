@@ -199,3 +199,69 @@ async fn calls_in_flight_fail_with_disconnected_when_the_server_goes_away() {
     let err = call.await.unwrap().unwrap_err();
     assert_eq!(err.code(), ErrorCode::Disconnected);
 }
+
+/// A hand-written service whose handler future records, when dropped, whether it still
+/// sees its call's context.
+struct DropWatcher(std::sync::Arc<parking_lot::Mutex<Vec<Option<u64>>>>);
+
+const WATCHED: &[coherent_rpc::MethodInfo] = &[coherent_rpc::MethodInfo {
+    id: coherent_rpc::method_id("DropWatcher.answer"),
+    name: "answer",
+    kind: coherent_rpc::MethodKind::Unary,
+}];
+
+struct Watched {
+    seen: std::sync::Arc<parking_lot::Mutex<Vec<Option<u64>>>>,
+    format: Format,
+}
+
+impl std::future::Future for Watched {
+    type Output = Result<coherent_rpc::Message, coherent_rpc::RpcError>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::task::Poll::Ready(self.format.encode_message(&42u32))
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        let id = coherent_rpc::CallContext::current().map(|c| c.call_id());
+        self.seen.lock().push(id);
+    }
+}
+
+impl coherent_rpc::Service for DropWatcher {
+    fn name(&self) -> &'static str {
+        "DropWatcher"
+    }
+    fn methods(&self) -> &'static [coherent_rpc::MethodInfo] {
+        WATCHED
+    }
+    fn call(&self, _: usize, _: bytes::Bytes, format: Format) -> coherent_rpc::Response {
+        coherent_rpc::Response::Unary(Box::pin(Watched {
+            seen: self.0.clone(),
+            format,
+        }))
+    }
+}
+
+#[tokio::test]
+async fn a_handler_that_answers_at_once_is_dropped_inside_its_calls_context() {
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let server = Endpoint::builder()
+        .service(DropWatcher(seen.clone()))
+        .build();
+    let (c, _s) = pair(&server, &Endpoint::builder().build()).await.unwrap();
+    let id = coherent_rpc::method_id("DropWatcher.answer");
+    let r: u32 = c.call(id, (), Default::default()).await.unwrap();
+    assert_eq!(r, 42);
+    let seen = seen.lock().clone();
+    assert_eq!(seen.len(), 1);
+    assert!(
+        seen[0].is_some(),
+        "the handler was dropped outside its call's context"
+    );
+}
