@@ -98,6 +98,8 @@ impl Config {
     ///   the answer (and the other side's limit), as does everything sent after it; an
     ///   upload sends its first items once the answer grants its window.
     /// - The answer must come within the handshake timeout, or the connection closes.
+    /// - A held message the answer shows to be too large fails its call alone
+    ///   (`TooLarge`); a one-way call has no reply to fail, so it is dropped with a warning.
     /// - An accepting side with a `max_message_size` under 64 KiB closes the connection
     ///   on an early message over its limit instead of the call failing alone.
     pub fn zero_rtt(mut self, on: bool) -> Self {

@@ -18,6 +18,10 @@ use crate::handshake::{self, Hello};
 use crate::peer::{self, Out, Peer, Role, Settings};
 use crate::service::{BoxFuture, Identity, Registry, Service};
 
+/// How long, and for how many bytes, a refused connection is drained before it is dropped.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+const LINGER_BYTES: usize = 1 << 20;
+
 type AuthHook = Arc<dyn Fn(String) -> BoxFuture<Result<Identity, String>> + Send + Sync>;
 
 /// Builds an [`Endpoint`].
@@ -259,6 +263,20 @@ impl Endpoint {
                 let _ = tokio::time::timeout(timeout, async {
                     write_frame(&mut wr, Kind::Close, &e.to_payload()).await?;
                     wr.shutdown().await.map_err(RpcError::from)
+                })
+                .await;
+                // A lingering close: what the other side sent meanwhile (zero-RTT calls) is
+                // read and dropped until it hangs up, since closing a socket with bytes
+                // unread resets the connection, and a reset can overtake the `Close`.
+                let _ = tokio::time::timeout(LINGER.min(timeout), async {
+                    let mut sink = [0u8; 4096];
+                    let mut left = LINGER_BYTES;
+                    while left > 0 {
+                        match rd.read(&mut sink).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => left = left.saturating_sub(n),
+                        }
+                    }
                 })
                 .await;
                 return Err(e);

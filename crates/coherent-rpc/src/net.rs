@@ -37,6 +37,15 @@ async fn connect_one(addr: SocketAddr) -> io::Result<TcpStream> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     socket.set_nonblocking(true)?;
     socket.set_tcp_nodelay(true)?;
+    // Where writes cannot say `MSG_NOSIGNAL`, the socket says it (as mio's sockets do).
+    #[cfg(any(
+        target_os = "ios",
+        target_os = "visionos",
+        target_os = "macos",
+        target_os = "tvos",
+        target_os = "watchos",
+    ))]
+    socket.set_nosigpipe(true)?;
     let started = match socket.connect(&addr.into()) {
         Ok(()) => true,
         Err(e) if in_progress(&e) => false,
@@ -87,6 +96,28 @@ impl<S> Eager<S> {
         }
     }
 }
+
+/// Flags of a direct send: a write to a connection the other side closed answers `EPIPE`
+/// instead of raising `SIGPIPE`, which kills a process that does not ignore it (a library
+/// loaded into a C or Python program), as tokio's own writes do.
+#[cfg(any(
+    target_os = "linux",
+    target_os = "android",
+    target_os = "freebsd",
+    target_os = "netbsd",
+    target_os = "openbsd",
+    target_os = "dragonfly",
+))]
+const SEND_FLAGS: i32 = libc::MSG_NOSIGNAL;
+#[cfg(not(any(
+    target_os = "linux",
+    target_os = "android",
+    target_os = "freebsd",
+    target_os = "netbsd",
+    target_os = "openbsd",
+    target_os = "dragonfly",
+)))]
+const SEND_FLAGS: i32 = 0;
 
 /// A socket the kernel can be asked directly.
 pub(crate) trait Direct {
@@ -141,7 +172,7 @@ impl<S: AsyncWrite + Direct + Unpin> AsyncWrite for Eager<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         if this.write_direct {
-            match this.inner.sock().send(buf) {
+            match this.inner.sock().send_with_flags(buf, SEND_FLAGS) {
                 Ok(n) => return Poll::Ready(Ok(n)),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => this.write_direct = false,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -158,7 +189,7 @@ impl<S: AsyncWrite + Direct + Unpin> AsyncWrite for Eager<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         if this.write_direct {
-            match this.inner.sock().send_vectored(bufs) {
+            match this.inner.sock().send_vectored_with_flags(bufs, SEND_FLAGS) {
                 Ok(n) => return Poll::Ready(Ok(n)),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => this.write_direct = false,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -269,6 +300,24 @@ mod tests {
         let got = reader.await.unwrap();
         assert_eq!(got.len(), LEN);
         assert!(got == expected, "bytes lost or reordered");
+    }
+
+    #[tokio::test]
+    async fn a_fresh_socket_takes_a_vectored_write_directly() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut w = Eager::new(connect_tcp(addr).await.unwrap());
+        let (r, _) = listener.accept().await.unwrap();
+        let slices = [IoSlice::new(b"head:"), IoSlice::new(b"body")];
+        let n = std::future::poll_fn(|cx| Pin::new(&mut w).poll_write_vectored(cx, &slices))
+            .await
+            .unwrap();
+        assert_eq!(n, 9);
+        assert!(w.write_direct, "the kernel took it: still direct");
+        drop(w);
+        let mut got = Vec::new();
+        Eager::new(r).read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"head:body");
     }
 
     #[cfg(unix)]

@@ -214,10 +214,12 @@ pub(crate) struct Shared {
     registry: Arc<Registry>,
     identity: Option<Identity>,
     closed: watch::Sender<Option<RpcError>>,
+    /// What calls fail with once the connection is closed (set with `closed`).
+    failure: std::sync::OnceLock<RpcError>,
     /// Bytes handed to the writer and not yet written: the reader stops taking new
     /// calls above `high_water` so that a peer that stops reading cannot grow this queue.
     queued: AtomicUsize,
-    high_water: usize,
+    high_water: AtomicUsize,
     drained: Notify,
     counters: Counters,
 }
@@ -299,6 +301,10 @@ impl Shared {
         self.remote
             .max
             .store(ack.max_message_size, Ordering::Relaxed);
+        self.high_water.store(
+            high_water(self.settings.local_max, ack.max_message_size),
+            Ordering::Relaxed,
+        );
         self.remote
             .window
             .store(ack.stream_window, Ordering::Relaxed);
@@ -311,7 +317,7 @@ impl Shared {
             let cancelled = if h.kind == Kind::Call {
                 !self.pending.lock().contains_key(&h.call_id)
             } else {
-                h.kind == Kind::Cancel && dropped.contains(&h.call_id)
+                dropped.contains(&h.call_id)
             };
             if cancelled {
                 // Cancelled while held: the callee need not hear of it, nor of its Cancel.
@@ -321,8 +327,15 @@ impl Shared {
             match self.prepare(h.kind, h.upload, h.call_id, h.method_id, h.payload) {
                 Ok(out) => self.enqueue(out)?,
                 Err(e) if is_call => {
-                    if let Some(p) = self.pending.lock().remove(&h.call_id) {
-                        p.fail(e);
+                    // Too large for the other side after all: the call fails alone, and
+                    // what else it queued (an upload's items and end) is not sent.
+                    dropped.push(h.call_id);
+                    match self.pending.lock().remove(&h.call_id) {
+                        Some(p) => p.fail(e),
+                        None => tracing::warn!(
+                            %e,
+                            "a one-way call made before the handshake's answer was not sent"
+                        ),
                     }
                 }
                 Err(e) => return Err(e),
@@ -419,8 +432,11 @@ impl Shared {
         self.shutdown_failing(reason, tell_remote, failure);
     }
 
-    /// Closes the connection for `reason`; calls in flight fail with `failure`.
+    /// Closes the connection for `reason`; calls in flight, and calls made from now on,
+    /// fail with `failure`.
     fn shutdown_failing(&self, reason: RpcError, tell_remote: bool, failure: RpcError) {
+        // Set before `closed`: whoever sees the reason finds the failure too.
+        let _ = self.failure.set(failure.clone());
         let first = self.closed.send_if_modified(|c| {
             if c.is_none() {
                 *c = Some(reason.clone());
@@ -466,9 +482,9 @@ impl Shared {
         // table, so a call inserted after the drain sees the reason here.
         if let Some(reason) = self.closed_reason() {
             self.pending.lock().remove(&id);
-            return Err(RpcError::disconnected(format!(
-                "connection closed: {reason}"
-            )));
+            return Err(self.failure.get().cloned().unwrap_or_else(|| {
+                RpcError::disconnected(format!("connection closed: {reason}"))
+            }));
         }
         Ok(())
     }
@@ -872,10 +888,7 @@ impl Peer {
             known: AtomicBool::new(early.is_none()),
         };
         let early = early.map(Mutex::new);
-        let high_water = (settings.local_max as usize)
-            .max(settings.remote_max as usize)
-            .saturating_mul(2)
-            .max(16 << 20);
+        let high_water = high_water(settings.local_max, settings.remote_max);
         static NEXT_CONNECTION: AtomicU64 = AtomicU64::new(1);
         let shared = Arc::new(Shared {
             id: NEXT_CONNECTION.fetch_add(1, Ordering::Relaxed),
@@ -890,8 +903,9 @@ impl Peer {
             registry,
             identity,
             closed: watch::Sender::new(None),
+            failure: std::sync::OnceLock::new(),
             queued: AtomicUsize::new(0),
-            high_water,
+            high_water: AtomicUsize::new(high_water),
             drained: Notify::new(),
             counters: Counters::default(),
         });
@@ -1327,12 +1341,23 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
     Ok(())
 }
 
+/// Queued bytes above which the reader stops taking new calls: room for the largest
+/// message either way, twice, and at least 16 MiB.
+fn high_water(local_max: u32, remote_max: u32) -> usize {
+    (local_max as usize)
+        .max(remote_max as usize)
+        .saturating_mul(2)
+        .max(16 << 20)
+}
+
 /// Backpressure for frames that make this side write (calls, pings): a peer that keeps
 /// sending them but stops reading stalls here instead of growing the writer's queue.
 async fn wait_for_room(s: &Shared) {
-    while s.queued.load(Ordering::Relaxed) > s.high_water {
+    while s.queued.load(Ordering::Relaxed) > s.high_water.load(Ordering::Relaxed) {
         let drained = s.drained.notified();
-        if s.queued.load(Ordering::Relaxed) <= s.high_water || s.closed_reason().is_some() {
+        if s.queued.load(Ordering::Relaxed) <= s.high_water.load(Ordering::Relaxed)
+            || s.closed_reason().is_some()
+        {
             break;
         }
         drained.await;
@@ -1402,18 +1427,20 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
                 let _entered = span.enter();
                 let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
                 CONTEXT.sync_scope(context(), || {
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        let r = fut
-                            .as_mut()
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        fut.as_mut()
                             .expect("not yet dropped")
                             .as_mut()
-                            .poll(&mut cx);
-                        if r.is_ready() {
-                            // Dropped here, where its `Drop` still sees the call's context.
-                            fut = None;
-                        }
-                        r
-                    }))
+                            .poll(&mut cx)
+                    }));
+                    if !matches!(r, Ok(std::task::Poll::Pending)) {
+                        // Finished or panicked: dropped here, where its `Drop` still sees
+                        // the call's context.
+                        let done = fut.take();
+                        let _ =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(done)));
+                    }
+                    r
                 })
             };
             match polled {
@@ -1512,12 +1539,11 @@ async fn pump(
 ) -> Result<(), RpcError> {
     use std::task::{Context, Poll};
     let format = s.settings.format;
-    let limit = STREAM_BATCH.min(s.remote.max.load(Ordering::Relaxed) as usize);
     let mut batch = Batch {
         buf: Vec::new(),
         count: 0,
         capacity: 256,
-        limit,
+        limit: STREAM_BATCH.min(s.remote.max.load(Ordering::Relaxed) as usize),
         upload,
         prefix: 1,
     };
@@ -1527,6 +1553,8 @@ async fn pump(
             // Out of credits: what is batched goes now, not after the consumer catches up.
             batch.flush(s, id)?;
             credit = take_credits(credits).await?;
+            // With zero-RTT, an upload's first credits come with the other side's limit.
+            batch.limit = STREAM_BATCH.min(s.remote.max.load(Ordering::Relaxed) as usize);
         }
         batch.reserve();
         let start = batch.buf.len();
@@ -1570,7 +1598,7 @@ async fn pump(
         }
         credit -= 1;
         batch.seal(start);
-        if batch.buf.len() > limit && batch.count > 1 {
+        if batch.buf.len() > batch.limit && batch.count > 1 {
             // The last item does not fit: it starts the next batch.
             let last = batch.buf[start..].to_vec();
             batch.buf.truncate(start);
@@ -1579,7 +1607,7 @@ async fn pump(
             batch.buf = last;
             batch.count = 1;
         }
-        if batch.buf.len() >= limit {
+        if batch.buf.len() >= batch.limit {
             batch.flush(s, id)?;
         }
     }

@@ -204,15 +204,23 @@ async fn calls_in_flight_fail_with_disconnected_when_the_server_goes_away() {
 /// sees its call's context.
 struct DropWatcher(std::sync::Arc<parking_lot::Mutex<Vec<Option<u64>>>>);
 
-const WATCHED: &[coherent_rpc::MethodInfo] = &[coherent_rpc::MethodInfo {
-    id: coherent_rpc::method_id("DropWatcher.answer"),
-    name: "answer",
-    kind: coherent_rpc::MethodKind::Unary,
-}];
+const WATCHED: &[coherent_rpc::MethodInfo] = &[
+    coherent_rpc::MethodInfo {
+        id: coherent_rpc::method_id("DropWatcher.answer"),
+        name: "answer",
+        kind: coherent_rpc::MethodKind::Unary,
+    },
+    coherent_rpc::MethodInfo {
+        id: coherent_rpc::method_id("DropWatcher.panic"),
+        name: "panic",
+        kind: coherent_rpc::MethodKind::Unary,
+    },
+];
 
 struct Watched {
     seen: std::sync::Arc<parking_lot::Mutex<Vec<Option<u64>>>>,
     format: Format,
+    panics: bool,
 }
 
 impl std::future::Future for Watched {
@@ -222,6 +230,7 @@ impl std::future::Future for Watched {
         self: std::pin::Pin<&mut Self>,
         _: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
+        assert!(!self.panics, "this handler panics on purpose");
         std::task::Poll::Ready(self.format.encode_message(&42u32))
     }
 }
@@ -240,16 +249,17 @@ impl coherent_rpc::Service for DropWatcher {
     fn methods(&self) -> &'static [coherent_rpc::MethodInfo] {
         WATCHED
     }
-    fn call(&self, _: usize, _: bytes::Bytes, format: Format) -> coherent_rpc::Response {
+    fn call(&self, index: usize, _: bytes::Bytes, format: Format) -> coherent_rpc::Response {
         coherent_rpc::Response::Unary(Box::pin(Watched {
             seen: self.0.clone(),
             format,
+            panics: index == 1,
         }))
     }
 }
 
 #[tokio::test]
-async fn a_handler_that_answers_at_once_is_dropped_inside_its_calls_context() {
+async fn a_handler_that_answers_or_panics_at_once_is_dropped_inside_its_calls_context() {
     let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
     let server = Endpoint::builder()
         .service(DropWatcher(seen.clone()))
@@ -258,10 +268,16 @@ async fn a_handler_that_answers_at_once_is_dropped_inside_its_calls_context() {
     let id = coherent_rpc::method_id("DropWatcher.answer");
     let r: u32 = c.call(id, (), Default::default()).await.unwrap();
     assert_eq!(r, 42);
+    let id = coherent_rpc::method_id("DropWatcher.panic");
+    let e = c
+        .call::<_, u32>(id, (), Default::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Internal, "{e}");
     let seen = seen.lock().clone();
-    assert_eq!(seen.len(), 1);
+    assert_eq!(seen.len(), 2);
     assert!(
-        seen[0].is_some(),
-        "the handler was dropped outside its call's context"
+        seen.iter().all(Option::is_some),
+        "a handler was dropped outside its call's context: {seen:?}"
     );
 }

@@ -47,7 +47,9 @@ async fn calls_made_before_the_answer_are_answered_and_the_answer_sets_the_limit
     let client = Endpoint::builder().config(zero_rtt()).build();
     let peer = client.connect_tcp(addr).await.unwrap();
     let calc = CalcClient::new(peer.clone());
-    // Before the answer, the limit is what every endpoint takes blind.
+    // Before the answer (the server has not even run yet on this single thread), the limit
+    // is what every endpoint takes blind.
+    assert_eq!(peer.remote_max_message_size(), 64 * 1024);
     let (a, b) = tokio::join!(calc.sum(1, 2), calc.get_user(7));
     assert_eq!(a.unwrap(), 3);
     assert_eq!(b.unwrap().id, 7);
@@ -173,4 +175,62 @@ async fn a_frame_other_than_the_answer_closes_the_connection_with_a_protocol_rea
         .unwrap();
     let reason = c.closed().await;
     assert_eq!(reason.code(), ErrorCode::Protocol, "{reason}");
+}
+
+/// Over TCP on several threads the refusal may be read before, while or after the calls
+/// are made: every call fails with the refusal's code all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_fails_every_call_with_its_code_however_the_calls_race_it() {
+    let server = Endpoint::builder()
+        .service(CalcServer::new(CalcImpl::default()))
+        .authenticate(|_| async { Err("no entry".to_owned()) })
+        .build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { server.serve_tcp(listener).await });
+    let client = Endpoint::builder().config(zero_rtt()).token("t").build();
+    for _ in 0..50 {
+        let calc = CalcClient::new(client.connect_tcp(addr).await.unwrap());
+        let (a, b) = tokio::join!(calc.echo(vec![1; 60_000]), async {
+            tokio::task::yield_now().await;
+            calc.sum(1, 2).await
+        });
+        for e in [a.unwrap_err(), b.unwrap_err()] {
+            assert_eq!(e.code(), ErrorCode::Unauthenticated, "{e}");
+        }
+        // And so does a call made long after.
+        calc.caller().closed().await;
+        let e = calc.sum(1, 2).await.unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unauthenticated, "{e}");
+    }
+}
+
+#[tokio::test]
+async fn an_early_upload_is_batched_for_the_limit_the_answer_brings() {
+    // A window wide enough for batches far over the server's limit: 30,000 items of 7
+    // bytes each would make 64 KiB batches under the provisional limit.
+    let (server, _) = calc_server(
+        Config::default()
+            .max_message_size(16 * 1024)
+            .stream_window(100_000),
+    );
+    let client = Endpoint::builder().config(zero_rtt()).build();
+    let (c, _s) = early_pair(&server, &client);
+    let calc = CalcClient::new(c);
+    let items = futures::stream::iter(std::iter::repeat_n(1i64 << 40, 30_000));
+    assert_eq!(calc.sum_upload(0, items).await.unwrap(), 30_000 << 40);
+}
+
+#[tokio::test]
+async fn a_held_call_dropped_before_the_answer_never_reaches_the_other_side() {
+    let (server, _) = calc_server(Config::default());
+    let client = Endpoint::builder().config(zero_rtt()).build();
+    let (c, accepted) = early_pair(&server, &client);
+    let calc = CalcClient::new(c);
+    // Held (over 64 KiB), then given up before the server has even run.
+    let held = calc.echo(vec![0; 200_000]);
+    assert!(futures::FutureExt::now_or_never(held).is_none());
+    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+    let s = accepted.await.unwrap().unwrap();
+    assert_eq!(s.stats().calls_in, 1, "only the sum arrived");
 }
