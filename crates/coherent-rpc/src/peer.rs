@@ -129,6 +129,22 @@ pub struct Stats {
     pub in_flight_in: u64,
 }
 
+/// A connecting side's write half until its writer task first runs. A new connection's
+/// first call is made right after `connect` returns, before that task has been scheduled
+/// (a thread wake-up away): frames sent meanwhile are written by their sender.
+struct FirstFlight {
+    /// Taken by the writer task when it starts.
+    wr: Option<Box<dyn AsyncWrite + Send + Unpin>>,
+    /// The part of a frame the transport did not take at once: the writer task writes it
+    /// first.
+    carry: Vec<u8>,
+    /// Whether a frame went to the writer's queue: every later one follows it there.
+    queued_any: bool,
+}
+
+/// Frames larger than this always go through the writer task.
+const FIRST_FLIGHT_MAX: usize = 64 * 1024;
+
 /// The other side's limit, stream window and the compression this side sends with.
 struct Remote {
     max: AtomicU32,
@@ -211,6 +227,10 @@ pub(crate) struct Shared {
     remote: Remote,
     /// Zero-RTT only: frames waiting for the `HelloAck` (see [`EARLY_MAX`]).
     early: Option<Mutex<Early>>,
+    /// The connecting side's write half until the writer task takes it, and whether it
+    /// still may be there.
+    first: Mutex<FirstFlight>,
+    first_open: AtomicBool,
     registry: Arc<Registry>,
     identity: Option<Identity>,
     closed: watch::Sender<Option<RpcError>>,
@@ -389,6 +409,58 @@ impl Shared {
     }
 
     fn enqueue(&self, out: Out) -> Result<(), RpcError> {
+        if self.first_open.load(Ordering::Acquire) {
+            let mut first = self.first.lock();
+            if first.wr.is_some() {
+                return self.first_flight(&mut first, out);
+            }
+        }
+        self.enqueue_for_writer(out)
+    }
+
+    /// Writes `out` at once while the writer task has not started, if nothing is queued
+    /// for it yet; queues it otherwise (under the lock the writer takes its half with).
+    #[cold]
+    fn first_flight(&self, first: &mut FirstFlight, out: Out) -> Result<(), RpcError> {
+        let small = matches!(&out, Out::Frame { payload, .. } if payload.len() <= FIRST_FLIGHT_MAX);
+        if first.queued_any || !first.carry.is_empty() || !small {
+            first.queued_any = true;
+            return self.enqueue_for_writer(out);
+        }
+        let Out::Frame {
+            head,
+            head_len,
+            payload,
+        } = out
+        else {
+            unreachable!("checked above")
+        };
+        let mut frame = Vec::with_capacity(head_len as usize + payload.len());
+        frame.extend_from_slice(&head[..head_len as usize]);
+        for part in payload.parts() {
+            frame.extend_from_slice(part);
+        }
+        let wr = first.wr.as_mut().expect("checked by the caller");
+        let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+        let mut at = 0;
+        while at < frame.len() {
+            // Pending or an error: the writer task writes the rest (and meets the error).
+            match std::pin::Pin::new(&mut *wr).poll_write(&mut cx, &frame[at..]) {
+                std::task::Poll::Ready(Ok(n)) if n > 0 => at += n,
+                _ => break,
+            }
+        }
+        // Buffering transports (TLS, WebSocket) send on flush; the writer task flushes
+        // when it starts, should this not finish now.
+        let _ = std::pin::Pin::new(&mut *wr).poll_flush(&mut cx);
+        first.carry.extend_from_slice(&frame[at..]);
+        self.counters
+            .bytes_out
+            .fetch_add(payload.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn enqueue_for_writer(&self, out: Out) -> Result<(), RpcError> {
         let bytes = match &out {
             Out::Frame { payload, .. } => payload.len(),
             Out::Stop(_) => 0,
@@ -889,6 +961,14 @@ impl Peer {
         };
         let early = early.map(Mutex::new);
         let high_water = high_water(settings.local_max, settings.remote_max);
+        // The connecting side hands its write half over through the first-flight slot.
+        let (wr, first) = if owned {
+            let boxed: Box<dyn AsyncWrite + Send + Unpin> = Box::new(wr);
+            (None, Some(boxed))
+        } else {
+            (Some(wr), None)
+        };
+        let first_open = first.is_some();
         static NEXT_CONNECTION: AtomicU64 = AtomicU64::new(1);
         let shared = Arc::new(Shared {
             id: NEXT_CONNECTION.fetch_add(1, Ordering::Relaxed),
@@ -900,6 +980,12 @@ impl Peer {
             settings,
             remote,
             early,
+            first: Mutex::new(FirstFlight {
+                wr: first,
+                carry: Vec::new(),
+                queued_any: false,
+            }),
+            first_open: AtomicBool::new(first_open),
             registry,
             identity,
             closed: watch::Sender::new(None),
@@ -909,7 +995,10 @@ impl Peer {
             drained: Notify::new(),
             counters: Counters::default(),
         });
-        tokio::spawn(write_loop(shared.clone(), rx, wr));
+        match wr {
+            Some(wr) => drop(tokio::spawn(write_loop(shared.clone(), rx, wr, Vec::new()))),
+            None => drop(tokio::spawn(first_flight_writer(shared.clone(), rx))),
+        }
         let reader = read_loop(shared.clone(), rd, leftover);
         let owner = owned.then(|| Arc::new(Owner(shared.clone())));
         let peer = Peer {
@@ -927,14 +1016,33 @@ impl Peer {
     }
 }
 
+/// The connecting side's writer: takes the write half from the first-flight slot, with
+/// what its senders could not write at once, then runs as usual.
+async fn first_flight_writer(shared: Arc<Shared>, rx: mpsc::UnboundedReceiver<Out>) {
+    let (wr, carry) = {
+        let mut first = shared.first.lock();
+        shared.first_open.store(false, Ordering::Release);
+        let wr = first.wr.take().expect("taken only here");
+        (wr, std::mem::take(&mut first.carry))
+    };
+    write_loop(shared, rx, wr, carry).await;
+}
+
 async fn write_loop<W: AsyncWrite + Unpin>(
     shared: Arc<Shared>,
     mut rx: mpsc::UnboundedReceiver<Out>,
     mut wr: W,
+    carry: Vec<u8>,
 ) {
     let mut buf: Vec<u8> = Vec::with_capacity(BATCH + MAX_HEADER_LEN);
     let stall = shared.settings.write_stall_timeout;
     let result: Result<(), RpcError> = async {
+        // What first-flight senders left: before anything queued, and flushed even when
+        // empty (a buffering transport may hold their frames).
+        if !carry.is_empty() {
+            write_all(&mut wr, &carry, stall).await?;
+        }
+        wr.flush().await?;
         while let Some(first) = rx.recv().await {
             let mut written_payload = 0usize;
             let mut stop = match append(&mut buf, first, &mut written_payload) {

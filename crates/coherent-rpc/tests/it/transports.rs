@@ -58,3 +58,108 @@ async fn calls_work_over_two_one_way_pipes_joined_like_a_child_processes_stdio()
     let _server_side = accepted.await.unwrap().unwrap();
     assert_eq!(CalcClient::new(peer).sum(2, 2).await.unwrap(), 4);
 }
+
+/// A new connection's first frames are written by their senders until the writer task
+/// runs; over a pipe too narrow to take them at once, the writer task sends the rest, in
+/// order, before what was queued for it meanwhile.
+#[tokio::test]
+async fn first_calls_that_the_transport_cannot_take_at_once_arrive_whole_and_in_order() {
+    let (server, _) = calc_server(coherent_rpc::Config::default());
+    let (a, b) = tokio::io::duplex(64);
+    let accepted = tokio::spawn(async move { server.accept(a).await });
+    let client = coherent_rpc::Endpoint::builder().build();
+    let connect = client.connect(b);
+    let c = connect.await.unwrap();
+    let calc = CalcClient::new(c);
+    let data: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
+    let big = vec![9u8; 100_000];
+    // Made before the writer task first runs (this test has one thread): the first is
+    // written at once, as far as the pipe takes it; the rest follow through the queue.
+    let (a, b, c, d) = tokio::join!(
+        calc.echo(data.clone()),
+        calc.sum(1, 2),
+        calc.echo(big.clone()),
+        calc.sum(3, 4)
+    );
+    assert_eq!(a.unwrap(), data);
+    assert_eq!(b.unwrap(), 3);
+    assert_eq!(c.unwrap(), big);
+    assert_eq!(d.unwrap(), 7);
+    let _server_side = accepted.await.unwrap().unwrap();
+}
+
+/// A transport that keeps what it is given until it is flushed, and every other flush of
+/// which does not finish at once (as a TLS or WebSocket stream's may not).
+struct HoldsUntilFlushed {
+    inner: tokio::io::DuplexStream,
+    held: Vec<u8>,
+    flushes: usize,
+}
+
+impl tokio::io::AsyncRead for HoldsUntilFlushed {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for HoldsUntilFlushed {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.held.extend_from_slice(buf);
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.flushes += 1;
+        if self.flushes % 2 == 1 {
+            cx.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        let this = &mut *self;
+        while !this.held.is_empty() {
+            let n =
+                std::task::ready!(std::pin::Pin::new(&mut this.inner).poll_write(cx, &this.held))?;
+            this.held.drain(..n);
+        }
+        std::pin::Pin::new(&mut this.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::ready!(self.as_mut().poll_flush(cx))?;
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[tokio::test]
+async fn a_first_call_held_by_a_buffering_transport_is_flushed_by_the_writer() {
+    let (server, _) = calc_server(Config::default().zero_rtt(false));
+    let (a, b) = tokio::io::duplex(64 * 1024);
+    let accepted = tokio::spawn(async move { server.accept(a).await });
+    let client = coherent_rpc::Endpoint::builder()
+        .config(Config::default().zero_rtt(true))
+        .build();
+    let io = HoldsUntilFlushed {
+        inner: b,
+        held: Vec::new(),
+        flushes: 0,
+    };
+    let calc = CalcClient::new(client.connect(io).await.unwrap());
+    // Written by the caller, whose flush does not finish: the writer task's first flush
+    // must send it.
+    let sum = tokio::time::timeout(std::time::Duration::from_secs(10), calc.sum(20, 22));
+    assert_eq!(sum.await.expect("the call was never sent").unwrap(), 42);
+    let _server_side = accepted.await.unwrap().unwrap();
+}
