@@ -129,9 +129,11 @@ pub struct Stats {
     pub in_flight_in: u64,
 }
 
-/// A connecting side's write half until its writer task first runs. A new connection's
-/// first call is made right after `connect` returns, before that task has been scheduled
-/// (a thread wake-up away): frames sent meanwhile are written by their sender.
+/// A connection's write half until its writer task first runs. A new connection's first
+/// call is made right after `connect` returns, and answered right after the handshake,
+/// before that task has been scheduled (a thread wake-up away): frames sent meanwhile are
+/// written by their sender, and the other side reads the answer to its `Hello` and to its
+/// first call together.
 struct FirstFlight {
     /// Taken by the writer task when it starts.
     wr: Option<Box<dyn AsyncWrite + Send + Unpin>>,
@@ -227,8 +229,7 @@ pub(crate) struct Shared {
     remote: Remote,
     /// Zero-RTT only: frames waiting for the `HelloAck` (see [`EARLY_MAX`]).
     early: Option<Mutex<Early>>,
-    /// The connecting side's write half until the writer task takes it, and whether it
-    /// still may be there.
+    /// The write half until the writer task takes it, and whether it still may be there.
     first: Mutex<FirstFlight>,
     first_open: AtomicBool,
     registry: Arc<Registry>,
@@ -961,14 +962,8 @@ impl Peer {
         };
         let early = early.map(Mutex::new);
         let high_water = high_water(settings.local_max, settings.remote_max);
-        // The connecting side hands its write half over through the first-flight slot.
-        let (wr, first) = if owned {
-            let boxed: Box<dyn AsyncWrite + Send + Unpin> = Box::new(wr);
-            (None, Some(boxed))
-        } else {
-            (Some(wr), None)
-        };
-        let first_open = first.is_some();
+        // The write half goes to the writer task through the first-flight slot.
+        let wr: Box<dyn AsyncWrite + Send + Unpin> = Box::new(wr);
         static NEXT_CONNECTION: AtomicU64 = AtomicU64::new(1);
         let shared = Arc::new(Shared {
             id: NEXT_CONNECTION.fetch_add(1, Ordering::Relaxed),
@@ -981,11 +976,11 @@ impl Peer {
             remote,
             early,
             first: Mutex::new(FirstFlight {
-                wr: first,
+                wr: Some(wr),
                 carry: Vec::new(),
                 queued_any: false,
             }),
-            first_open: AtomicBool::new(first_open),
+            first_open: AtomicBool::new(true),
             registry,
             identity,
             closed: watch::Sender::new(None),
@@ -995,10 +990,7 @@ impl Peer {
             drained: Notify::new(),
             counters: Counters::default(),
         });
-        match wr {
-            Some(wr) => drop(tokio::spawn(write_loop(shared.clone(), rx, wr, Vec::new()))),
-            None => drop(tokio::spawn(first_flight_writer(shared.clone(), rx))),
-        }
+        tokio::spawn(first_flight_writer(shared.clone(), rx));
         let reader = read_loop(shared.clone(), rd, leftover);
         let owner = owned.then(|| Arc::new(Owner(shared.clone())));
         let peer = Peer {
@@ -1016,8 +1008,8 @@ impl Peer {
     }
 }
 
-/// The connecting side's writer: takes the write half from the first-flight slot, with
-/// what its senders could not write at once, then runs as usual.
+/// The writer task: takes the write half from the first-flight slot, with what senders
+/// could not write at once, then runs as usual.
 async fn first_flight_writer(shared: Arc<Shared>, rx: mpsc::UnboundedReceiver<Out>) {
     let (wr, carry) = {
         let mut first = shared.first.lock();
