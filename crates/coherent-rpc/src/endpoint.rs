@@ -152,7 +152,6 @@ impl Endpoint {
                 .map_err(|_| RpcError::disconnected("the Hello stalled"))??;
             // Provisional until the answer: what every endpoint takes blind.
             let mut settings = self.settings(&hello);
-            settings.format = hello.format;
             settings.send_compression = Compression::None;
             settings.remote_max = peer::EARLY_MAX as u32;
             let early = peer::Early::new(self.inner.config.compression, hello.format, timeout);

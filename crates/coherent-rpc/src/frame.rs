@@ -75,6 +75,18 @@ pub enum Compression {
     Zstd = 2,
 }
 
+impl Compression {
+    /// The compression numbered `v` (its bits in a frame's first byte).
+    pub(crate) fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            0 => Some(Self::None),
+            1 => Some(Self::Lz4),
+            2 => Some(Self::Zstd),
+            _ => None,
+        }
+    }
+}
+
 /// A decoded envelope.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
@@ -142,12 +154,8 @@ impl Header {
             return Ok(None);
         };
         let kind = Kind::from_u8(first & 0x0F).ok_or(FrameError::UnknownKind(first & 0x0F))?;
-        let compression = match (first >> 4) & 0x03 {
-            0 => Compression::None,
-            1 => Compression::Lz4,
-            2 => Compression::Zstd,
-            _ => return Err(FrameError::BadFlags(first)),
-        };
+        let compression =
+            Compression::from_u8((first >> 4) & 0x03).ok_or(FrameError::BadFlags(first))?;
         let upload = first & 0x40 != 0;
         let stream_kind = matches!(
             kind,

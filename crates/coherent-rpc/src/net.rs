@@ -137,6 +137,20 @@ impl Direct for tokio::net::UnixStream {
     }
 }
 
+/// What a direct syscall answered, or `None` to go through tokio instead: on "would block",
+/// which also ends direct mode for that direction (`still_direct`), or on an interrupted
+/// call.
+fn direct<T>(still_direct: &mut bool, r: io::Result<T>) -> Option<io::Result<T>> {
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            *still_direct = false;
+            None
+        }
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => None,
+        r => Some(r),
+    }
+}
+
 impl<S: AsyncRead + Direct + Unpin> AsyncRead for Eager<S> {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -148,16 +162,13 @@ impl<S: AsyncRead + Direct + Unpin> AsyncRead for Eager<S> {
             // SAFETY: `recv` only writes into the slice, never de-initializes it, and
             // exactly the `n` bytes it reports are marked initialized and filled below.
             let unfilled = unsafe { buf.unfilled_mut() };
-            match this.inner.sock().recv(unfilled) {
-                Ok(n) => {
-                    // SAFETY: the kernel wrote these `n` bytes.
-                    unsafe { buf.assume_init(n) };
-                    buf.advance(n);
-                    return Poll::Ready(Ok(()));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => this.read_direct = false,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Poll::Ready(Err(e)),
+            let received = this.inner.sock().recv(unfilled);
+            if let Some(r) = direct(&mut this.read_direct, received) {
+                let n = r?;
+                // SAFETY: the kernel wrote these `n` bytes.
+                unsafe { buf.assume_init(n) };
+                buf.advance(n);
+                return Poll::Ready(Ok(()));
             }
         }
         Pin::new(&mut this.inner).poll_read(cx, buf)
@@ -172,11 +183,9 @@ impl<S: AsyncWrite + Direct + Unpin> AsyncWrite for Eager<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         if this.write_direct {
-            match this.inner.sock().send_with_flags(buf, SEND_FLAGS) {
-                Ok(n) => return Poll::Ready(Ok(n)),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => this.write_direct = false,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Poll::Ready(Err(e)),
+            let sent = this.inner.sock().send_with_flags(buf, SEND_FLAGS);
+            if let Some(r) = direct(&mut this.write_direct, sent) {
+                return Poll::Ready(r);
             }
         }
         Pin::new(&mut this.inner).poll_write(cx, buf)
@@ -189,11 +198,9 @@ impl<S: AsyncWrite + Direct + Unpin> AsyncWrite for Eager<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         if this.write_direct {
-            match this.inner.sock().send_vectored_with_flags(bufs, SEND_FLAGS) {
-                Ok(n) => return Poll::Ready(Ok(n)),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => this.write_direct = false,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Poll::Ready(Err(e)),
+            let sent = this.inner.sock().send_vectored_with_flags(bufs, SEND_FLAGS);
+            if let Some(r) = direct(&mut this.write_direct, sent) {
+                return Poll::Ready(r);
             }
         }
         Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)

@@ -159,11 +159,7 @@ struct Remote {
 
 impl Remote {
     fn compression(&self) -> Compression {
-        match self.compression.load(Ordering::Relaxed) {
-            1 => Compression::Lz4,
-            2 => Compression::Zstd,
-            _ => Compression::None,
-        }
+        Compression::from_u8(self.compression.load(Ordering::Relaxed)).unwrap_or(Compression::None)
     }
 }
 

@@ -159,16 +159,7 @@ async fn the_authenticated_identity_is_visible_to_handlers() {
 
 #[tokio::test]
 async fn a_refused_token_fails_the_connect_with_unauthenticated() {
-    let server = Endpoint::builder()
-        .service(CalcServer::new(CalcImpl::default()))
-        .authenticate(|token| async move {
-            if token == "good" {
-                Ok(Identity::new("ok"))
-            } else {
-                Err(format!("token {token:?} is not known"))
-            }
-        })
-        .build();
+    let server = calc_server_accepting("good");
     let client = Endpoint::builder().token("bad").build();
     let err = pair(&server, &client).await.unwrap_err();
     assert_eq!(err.code(), ErrorCode::Unauthenticated);

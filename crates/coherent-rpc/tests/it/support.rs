@@ -249,6 +249,21 @@ pub(crate) fn calc_server(config: coherent_rpc::Config) -> (Endpoint, Arc<Probe>
     (ep, probe)
 }
 
+/// A Calc server whose auth hook accepts only `good` (as identity "ok") and refuses any
+/// other token as "not known".
+pub(crate) fn calc_server_accepting(good: &'static str) -> Endpoint {
+    Endpoint::builder()
+        .service(CalcServer::new(CalcImpl::default()))
+        .authenticate(move |token| async move {
+            if token == good {
+                Ok(coherent_rpc::Identity::new("ok"))
+            } else {
+                Err(format!("token {token:?} is not known"))
+            }
+        })
+        .build()
+}
+
 /// Connects `client` to `server` over an in-memory duplex; returns (client side, server side).
 pub(crate) async fn pair(server: &Endpoint, client: &Endpoint) -> Result<(Peer, Peer), RpcError> {
     let (a, b) = tokio::io::duplex(256 * 1024);

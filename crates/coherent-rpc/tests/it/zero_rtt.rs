@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use coherent_rpc::frame::{Compression, Kind};
-use coherent_rpc::{Config, Endpoint, ErrorCode, Identity, Peer};
+use coherent_rpc::{Config, Endpoint, ErrorCode, Peer};
 use tokio::io::AsyncReadExt;
 
 use crate::hostile::{frame_bytes, hello};
@@ -60,16 +60,7 @@ async fn calls_made_before_the_answer_are_answered_and_the_answer_sets_the_limit
 
 #[tokio::test]
 async fn a_refused_token_fails_the_calls_made_meanwhile_with_unauthenticated() {
-    let server = Endpoint::builder()
-        .service(CalcServer::new(CalcImpl::default()))
-        .authenticate(|token| async move {
-            if token == "good" {
-                Ok(Identity::new("ok"))
-            } else {
-                Err(format!("token {token:?} is not known"))
-            }
-        })
-        .build();
+    let server = calc_server_accepting("good");
     let client = Endpoint::builder().config(zero_rtt()).token("bad").build();
     // The connect itself succeeds: nothing has been refused yet.
     let (c, refused) = early_pair(&server, &client);
