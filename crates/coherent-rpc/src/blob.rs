@@ -23,69 +23,182 @@ thread_local! {
 /// from its own buffer instead of being copied into the message (stream items are encoded
 /// into their batch, so a blob in one is copied there).
 ///
+/// A blob of up to 22 bytes made from a `Vec<u8>` or decoded is kept inline, in the `Blob`
+/// itself: no allocation to make or free it, no reference count to touch when it is cloned.
+///
 /// A `Blob` that is decoded some other way (e.g. `serde_json`) owns a copy. Holding a
 /// decoded `Blob` keeps the buffer it came in alive; [`Blob::detach`] copies it out.
-#[derive(Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Blob(Bytes);
+#[derive(Clone)]
+pub struct Blob(Repr);
+
+/// The longest blob kept inline.
+const INLINE: usize = 22;
+
+#[derive(Clone)]
+enum Repr {
+    Inline { len: u8, data: [u8; INLINE] },
+    Shared(Bytes),
+}
 
 impl Blob {
     /// An empty blob.
     pub const fn new() -> Self {
-        Self(Bytes::new())
+        Self(Repr::Inline {
+            len: 0,
+            data: [0; INLINE],
+        })
     }
 
-    /// The blob as `Bytes` (no copy).
+    /// A copy of `bytes`: inline if short, else in a buffer of its own.
+    fn copy_from(bytes: &[u8]) -> Self {
+        if bytes.len() <= INLINE {
+            Self(Repr::Inline {
+                len: bytes.len() as u8,
+                data: inline(bytes),
+            })
+        } else {
+            Self(Repr::Shared(Bytes::copy_from_slice(bytes)))
+        }
+    }
+
+    /// The blob as `Bytes` (no copy, except for a short blob kept inline).
     pub fn into_bytes(self) -> Bytes {
-        self.0
+        match self.0 {
+            Repr::Inline { len, data } => Bytes::copy_from_slice(&data[..usize::from(len)]),
+            Repr::Shared(b) => b,
+        }
     }
 
     /// A copy that shares no buffer with anything else.
     pub fn detach(&self) -> Self {
-        Self(Bytes::copy_from_slice(&self.0))
+        Self::copy_from(self)
+    }
+
+    /// The shared buffer, if the blob is not inline.
+    pub(crate) fn shared(&self) -> Option<&Bytes> {
+        match &self.0 {
+            Repr::Inline { .. } => None,
+            Repr::Shared(b) => Some(b),
+        }
+    }
+}
+
+/// `bytes` (at most `INLINE` of them) padded with zeros, read as a few whole words that
+/// overlap where `bytes` is not a multiple of their size. A byte-wise copy into the array
+/// would be read back as wider words right after, which stalls the CPU on every short blob.
+#[inline]
+fn inline(bytes: &[u8]) -> [u8; INLINE] {
+    let n = bytes.len();
+    debug_assert!(n <= INLINE);
+    let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+    let half = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+    // The first 16 bytes as `lo`, the rest as `hi`.
+    let (lo, hi): (u128, u64) = match n {
+        0 => (0, 0),
+        1..=3 => {
+            let b = |i: usize| u128::from(bytes[i]) << (8 * i);
+            (b(0) | b(n / 2) | b(n - 1), 0)
+        }
+        4..=7 => {
+            let tail = u128::from(half(n - 4)) >> (8 * (8 - n));
+            (u128::from(half(0)) | tail << 32, 0)
+        }
+        8..=15 => {
+            let tail = u128::from(word(n - 8)) >> (8 * (16 - n));
+            (u128::from(word(0)) | tail << 64, 0)
+        }
+        _ => {
+            let lo = u128::from(word(0)) | u128::from(word(8)) << 64;
+            (lo, (u128::from(word(n - 8)) >> (8 * (24 - n))) as u64)
+        }
+    };
+    let mut data = [0; INLINE];
+    data[..16].copy_from_slice(&lo.to_le_bytes());
+    data[16..].copy_from_slice(&hi.to_le_bytes()[..INLINE - 16]);
+    data
+}
+
+impl Default for Blob {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
 impl Deref for Blob {
     type Target = [u8];
 
+    #[inline]
     fn deref(&self) -> &[u8] {
-        &self.0
+        match &self.0 {
+            Repr::Inline { len, data } => &data[..usize::from(*len)],
+            Repr::Shared(b) => b,
+        }
     }
 }
 
 impl AsRef<[u8]> for Blob {
     fn as_ref(&self) -> &[u8] {
-        &self.0
+        self
+    }
+}
+
+impl PartialEq for Blob {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Blob {}
+
+impl PartialOrd for Blob {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Blob {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (**self).cmp(&**other)
+    }
+}
+
+impl std::hash::Hash for Blob {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (**self).hash(state);
     }
 }
 
 impl fmt::Debug for Blob {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Blob({} bytes)", self.0.len())
+        write!(f, "Blob({} bytes)", self.len())
     }
 }
 
 impl From<Bytes> for Blob {
     fn from(b: Bytes) -> Self {
-        Self(b)
+        Self(Repr::Shared(b))
     }
 }
 
 impl From<Vec<u8>> for Blob {
     fn from(v: Vec<u8>) -> Self {
-        Self(Bytes::from(v))
+        if v.len() <= INLINE {
+            Self::copy_from(&v)
+        } else {
+            Self(Repr::Shared(Bytes::from(v)))
+        }
     }
 }
 
 impl From<&'static [u8]> for Blob {
     fn from(s: &'static [u8]) -> Self {
-        Self(Bytes::from_static(s))
+        Self(Repr::Shared(Bytes::from_static(s)))
     }
 }
 
 impl From<Blob> for Bytes {
     fn from(b: Blob) -> Self {
-        b.0
+        b.into_bytes()
     }
 }
 
@@ -93,7 +206,10 @@ impl Serialize for Blob {
     #[inline]
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         // A large blob that a connection encodes is sent from its own buffer, not copied.
-        crate::codec::offer_blob(&self.0, || s.serialize_bytes(&self.0))
+        match self.shared() {
+            Some(b) => crate::codec::offer_blob(b, || s.serialize_bytes(b)),
+            None => s.serialize_bytes(self),
+        }
     }
 }
 
@@ -119,15 +235,13 @@ impl<'de> Visitor<'de> for BlobVisitor {
 
     fn visit_borrowed_bytes<E: de::Error>(self, v: &'de [u8]) -> Result<Blob, E> {
         if v.len() < SHARE_FROM {
-            return Ok(Blob(Bytes::copy_from_slice(v)));
+            return Ok(Blob::copy_from(v));
         }
-        Ok(Blob(
-            shared_slice(v).unwrap_or_else(|| Bytes::copy_from_slice(v)),
-        ))
+        Ok(shared_slice(v).map_or_else(|| Blob::copy_from(v), Blob::from))
     }
 
     fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Blob, E> {
-        Ok(Blob(Bytes::copy_from_slice(v)))
+        Ok(Blob::copy_from(v))
     }
 
     fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Blob, E> {
@@ -222,6 +336,42 @@ mod tests {
         assert_eq!(&blob[..], &[5u8; 20]);
         let at = blob.as_ptr() as usize;
         assert!(at < start || at >= start + len, "the blob owns a copy");
+    }
+
+    #[test]
+    fn a_short_blob_is_kept_inline_and_equals_a_shared_one() {
+        use std::hash::{BuildHasher, RandomState};
+        let inline = Blob::from(vec![3u8; INLINE]);
+        assert!(inline.shared().is_none());
+        let shared = Blob::from(Bytes::from(vec![3u8; INLINE]));
+        assert!(shared.shared().is_some());
+        assert_eq!(inline, shared);
+        let hasher = RandomState::new();
+        assert_eq!(hasher.hash_one(&inline), hasher.hash_one(&shared));
+        assert_eq!(inline.clone().into_bytes(), shared.clone().into_bytes());
+        assert!(Blob::from(vec![3u8; INLINE + 1]).shared().is_some());
+        assert!(Blob::new().is_empty());
+        assert!(Blob::from(vec![1u8]) > Blob::from(vec![0u8; 5]));
+
+        for len in 0..=INLINE {
+            let bytes: Vec<u8> = (1..=len as u8).collect();
+            let blob = Blob::from(bytes.clone());
+            assert_eq!(&blob[..], &bytes[..], "{len} bytes");
+            let Repr::Inline { data, .. } = blob.0 else {
+                panic!("{len} bytes are inline")
+            };
+            assert!(data[len..].iter().all(|&b| b == 0), "zeros after {len} bytes");
+        }
+
+        // Decoded: inline up to `INLINE` bytes, whatever the buffer.
+        for len in [0, 1, INLINE, INLINE + 1] {
+            let encoded = postcard::to_allocvec(&Blob::from(vec![8u8; len])).unwrap();
+            let mut src = Bytes::from(encoded);
+            let n = src.len();
+            let blob: Blob = decode_in(&mut src, 0..n, |b| postcard::from_bytes(b).unwrap());
+            assert_eq!(&blob[..], &vec![8u8; len][..]);
+            assert_eq!(blob.shared().is_none(), len <= INLINE, "{len} bytes");
+        }
     }
 
     #[test]
