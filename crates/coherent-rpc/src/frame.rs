@@ -214,6 +214,7 @@ impl<'a> BatchItems<'a> {
 impl<'a> Iterator for BatchItems<'a> {
     type Item = Result<&'a [u8], FrameError>;
 
+    #[inline]
     fn next(&mut self) -> Option<Self::Item> {
         if self.rest.is_empty() {
             return None;
@@ -265,7 +266,17 @@ pub fn write_varint(mut v: u64, out: &mut [u8]) -> usize {
 /// Reads a minimal unsigned LEB128 varint of at most 10 bytes.
 ///
 /// Non-minimal encodings are refused so that every id has exactly one byte form.
+#[inline]
 pub fn read_varint(buf: &[u8]) -> Result<Option<(u64, usize)>, FrameError> {
+    match buf.first() {
+        // Most varints (lengths of short items, small ids) are one byte.
+        Some(&b) if b < 0x80 => Ok(Some((u64::from(b), 1))),
+        _ => read_long_varint(buf),
+    }
+}
+
+#[inline(never)]
+fn read_long_varint(buf: &[u8]) -> Result<Option<(u64, usize)>, FrameError> {
     let mut v: u64 = 0;
     for i in 0..10 {
         let Some(&b) = buf.get(i) else {

@@ -1736,8 +1736,20 @@ impl Batch {
     }
 
     /// Writes the length of the item encoded after the `prefix` bytes left at `start`.
+    #[inline]
     fn seal(&mut self, start: usize) {
         let len = self.buf.len() - start - self.prefix;
+        if self.prefix == 1 && len < 0x80 {
+            // The common case of short items: a one-byte length where one was left.
+            self.buf[start] = len as u8;
+            self.count += 1;
+            return;
+        }
+        self.seal_long(start, len);
+    }
+
+    #[inline(never)]
+    fn seal_long(&mut self, start: usize, len: usize) {
         let mut prefix = [0u8; 10];
         let n = crate::frame::write_varint(len as u64, &mut prefix);
         if n != self.prefix {
