@@ -360,7 +360,10 @@ mod tests {
             let Repr::Inline { data, .. } = blob.0 else {
                 panic!("{len} bytes are inline")
             };
-            assert!(data[len..].iter().all(|&b| b == 0), "zeros after {len} bytes");
+            assert!(
+                data[len..].iter().all(|&b| b == 0),
+                "zeros after {len} bytes"
+            );
         }
 
         // Decoded: inline up to `INLINE` bytes, whatever the buffer.

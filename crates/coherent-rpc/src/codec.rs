@@ -116,9 +116,7 @@ impl Format {
 
     fn write<T: Serialize + ?Sized, S: Sink>(self, value: &T, out: &mut S) -> Result<(), String> {
         match self {
-            Self::Postcard => {
-                postcard::serialize_with_flavor(value, Append(out)).map_err(|e| e.to_string())
-            }
+            Self::Postcard => crate::compact::encode(value, out).map_err(|e| e.to_string()),
             Self::MessagePack => {
                 rmp_serde::encode::write(&mut Append(out), value).map_err(|e| e.to_string())
             }
@@ -135,7 +133,7 @@ impl Format {
     /// Deserializes a `T` from `bytes` in this format.
     pub fn decode<T: DeserializeOwned>(self, bytes: &[u8]) -> Result<T, RpcError> {
         let out = match self {
-            Self::Postcard => postcard::from_bytes(bytes).map_err(|e| e.to_string()),
+            Self::Postcard => crate::compact::decode(bytes).map_err(|e| e.to_string()),
             Self::MessagePack => rmp_serde::from_slice(bytes).map_err(|e| e.to_string()),
         };
         out.map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot decode: {e}")))
@@ -143,7 +141,7 @@ impl Format {
 }
 
 /// A growable buffer that encoders append to.
-trait Sink {
+pub(crate) trait Sink {
     fn push(&mut self, byte: u8);
     fn extend(&mut self, bytes: &[u8]);
 }
@@ -338,29 +336,8 @@ impl Sink for Vec<u8> {
     }
 }
 
-/// Encoder output appended to a [`Sink`] directly: postcard through its flavor trait,
-/// MessagePack through `io::Write`.
+/// MessagePack's encoder output appended to a [`Sink`] directly, through `io::Write`.
 struct Append<'a, S>(&'a mut S);
-
-impl<S: Sink> postcard::ser_flavors::Flavor for Append<'_, S> {
-    type Output = ();
-
-    #[inline]
-    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
-        self.0.extend(data);
-        Ok(())
-    }
-
-    #[inline]
-    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
-        self.0.push(data);
-        Ok(())
-    }
-
-    fn finalize(self) -> postcard::Result<()> {
-        Ok(())
-    }
-}
 
 impl<S: Sink> std::io::Write for Append<'_, S> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {

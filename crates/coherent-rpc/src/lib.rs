@@ -34,6 +34,7 @@ mod blob;
 pub mod blocking;
 mod caller;
 mod codec;
+mod compact;
 mod config;
 mod endpoint;
 mod error;
