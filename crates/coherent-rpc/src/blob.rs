@@ -96,12 +96,13 @@ fn inline(bytes: &[u8]) -> [u8; INLINE] {
     let (lo, hi): (u128, u64) = match n {
         0 => (0, 0),
         1..=3 => {
-            let b = |i: usize| u128::from(bytes[i]) << (8 * i);
-            (b(0) | b(n / 2) | b(n - 1), 0)
+            let b = |i: usize| u32::from(bytes[i]) << (8 * i);
+            (u128::from(b(0) | b(n / 2) | b(n - 1)), 0)
         }
         4..=7 => {
-            let tail = u128::from(half(n - 4)) >> (8 * (8 - n));
-            (u128::from(half(0)) | tail << 32, 0)
+            // Shifted in 64 bits: by 32 at most, for 4 bytes, whose tail is their head.
+            let tail = u64::from(half(n - 4)) >> (8 * (8 - n));
+            (u128::from(u64::from(half(0)) | tail << 32), 0)
         }
         8..=15 => {
             let tail = u128::from(word(n - 8)) >> (8 * (16 - n));

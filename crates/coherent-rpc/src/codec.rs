@@ -110,10 +110,10 @@ impl Format {
         value: &T,
         out: &mut Vec<u8>,
     ) -> Result<(), RpcError> {
-        self.write(value, out)
-            .map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))
+        self.write(value, out).map_err(|e| failed("encode", e))
     }
 
+    #[inline]
     fn write<T: Serialize + ?Sized, S: Sink>(self, value: &T, out: &mut S) -> Result<(), String> {
         match self {
             Self::Postcard => crate::compact::encode(value, out).map_err(|e| e.to_string()),
@@ -131,13 +131,19 @@ impl Format {
     }
 
     /// Deserializes a `T` from `bytes` in this format.
+    #[inline]
     pub fn decode<T: DeserializeOwned>(self, bytes: &[u8]) -> Result<T, RpcError> {
-        let out = match self {
-            Self::Postcard => crate::compact::decode(bytes).map_err(|e| e.to_string()),
-            Self::MessagePack => rmp_serde::from_slice(bytes).map_err(|e| e.to_string()),
-        };
-        out.map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot decode: {e}")))
+        match self {
+            Self::Postcard => crate::compact::decode(bytes).map_err(|e| failed("decode", e)),
+            Self::MessagePack => rmp_serde::from_slice(bytes).map_err(|e| failed("decode", e)),
+        }
     }
+}
+
+/// The error of a value that could not be encoded or decoded.
+#[cold]
+fn failed(what: &str, e: impl std::fmt::Display) -> RpcError {
+    RpcError::new(ErrorCode::BadArguments, format!("cannot {what}: {e}"))
 }
 
 /// A growable buffer that encoders append to.

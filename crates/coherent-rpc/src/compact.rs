@@ -97,6 +97,8 @@ impl<S: Sink> Encoder<'_, S> {
     fn varint(&mut self, v: u64) {
         if v < 0x80 {
             self.out.push(v as u8);
+        } else if v < 0x4000 {
+            self.out.extend(&[v as u8 | 0x80, (v >> 7) as u8]);
         } else {
             self.long_varint(u128::from(v));
         }
@@ -423,10 +425,15 @@ impl<'de> Decoder<'de> {
     /// A varint of a type `bits` wide.
     #[inline]
     fn varint(&mut self, bits: u32) -> Result<u64> {
-        match self.rest.first() {
-            Some(&b) if b < 0x80 => {
-                self.rest = &self.rest[1..];
+        // One and two bytes are valid for every type of 16 bits or more.
+        match *self.rest {
+            [b, ref rest @ ..] if b < 0x80 => {
+                self.rest = rest;
                 Ok(u64::from(b))
+            }
+            [b0, b1, ref rest @ ..] if b1 < 0x80 => {
+                self.rest = rest;
+                Ok(u64::from(b0 & 0x7F) | u64::from(b1) << 7)
             }
             _ => self.long_varint(bits).map(|v| v as u64),
         }
