@@ -271,7 +271,13 @@ pub fn read_varint(buf: &[u8]) -> Result<Option<(u64, usize)>, FrameError> {
     match buf.first() {
         // Most varints (lengths of short items, small ids) are one byte.
         Some(&b) if b < 0x80 => Ok(Some((u64::from(b), 1))),
-        _ => read_long_varint(buf),
+        _ => match *buf {
+            // Two bytes (ids up to 16,383), minimal when the second is not zero.
+            [b0, b1, ..] if b1 < 0x80 && b1 != 0 => {
+                Ok(Some((u64::from(b0 & 0x7F) | u64::from(b1) << 7, 2)))
+            }
+            _ => read_long_varint(buf),
+        },
     }
 }
 

@@ -547,13 +547,12 @@ impl Shared {
     /// Registers an outbound call; fails if the connection is (or just got) closed.
     fn register(&self, id: u64, p: Pending) -> Result<(), RpcError> {
         self.pending.lock().insert(id, p);
-        // Checked after inserting: `shutdown` sets the reason before draining the
-        // table, so a call inserted after the drain sees the reason here.
-        if let Some(reason) = self.closed_reason() {
+        // Checked after inserting: `shutdown` sets the failure before draining the
+        // table, so a call inserted after the drain sees it here (one atomic load, where
+        // the reason's watch would take a read lock that every caller shares).
+        if let Some(failure) = self.failure.get() {
             self.pending.lock().remove(&id);
-            return Err(self.failure.get().cloned().unwrap_or_else(|| {
-                RpcError::disconnected(format!("connection closed: {reason}"))
-            }));
+            return Err(failure.clone());
         }
         Ok(())
     }

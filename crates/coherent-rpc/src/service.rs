@@ -134,7 +134,9 @@ pub(crate) struct Entry {
 /// Method id → handler, built once per endpoint and shared by its connections.
 #[derive(Clone, Default)]
 pub(crate) struct Registry {
-    methods: HashMap<u32, Entry>,
+    /// foldhash: the ids are hashes already, and looking up ids that the other side
+    /// chooses cannot grow a table that only registration fills.
+    methods: HashMap<u32, Entry, foldhash::fast::RandomState>,
 }
 
 impl Registry {
