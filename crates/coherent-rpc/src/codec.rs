@@ -51,8 +51,8 @@ impl Format {
     /// freed when the last message in it has been written.
     pub fn encode<T: Serialize + ?Sized>(self, value: &T) -> Result<Bytes, RpcError> {
         let mut parts = Parts::default();
-        self.encode_parts(value, &mut parts, false)?;
-        debug_assert!(parts.rest.is_empty());
+        let small = self.encode_parts(value, &mut parts, false)?;
+        debug_assert!(parts.rest.is_empty() && small.is_none());
         Ok(parts.first)
     }
 
@@ -60,44 +60,60 @@ impl Format {
     /// [`encode`](Self::encode), except that a [`Blob`](crate::Blob) of `SPLICE_FROM` bytes or
     /// more is not copied but becomes a part of its own, written to the socket from its
     /// own buffer.
+    ///
+    /// A message of up to `SMALL` bytes is kept inline, in the `Message` itself: no shared
+    /// buffer, so no reference count to touch when it is written and dropped.
     pub fn encode_message<T: Serialize + ?Sized>(self, value: &T) -> Result<Message, RpcError> {
         let mut parts = Parts::default();
-        self.encode_parts(value, &mut parts, true)?;
-        Ok(Message(parts))
+        match self.encode_parts(value, &mut parts, true)? {
+            Some(small) => Ok(Message(Repr::Small(small))),
+            None => Ok(Message(Repr::Parts(parts))),
+        }
     }
 
+    /// Encodes `value` into this thread's arena, as `parts`; with `splice` (a message), a
+    /// value that turns out short stays in a stack buffer instead, returned here.
     fn encode_parts<T: Serialize + ?Sized>(
         self,
         value: &T,
         parts: &mut Parts,
         splice: bool,
-    ) -> Result<(), RpcError> {
+    ) -> Result<Option<Small>, RpcError> {
         thread_local! {
             static ARENA: RefCell<BytesMut> = RefCell::new(BytesMut::new());
         }
         let encoded = ARENA.with(|arena| match arena.try_borrow_mut() {
             Ok(mut arena) => {
-                if arena.capacity() - arena.len() < ARENA_ROOM {
-                    // A fresh chunk; the old one lives on in the messages that share it.
-                    *arena = BytesMut::with_capacity(ARENA_CHUNK);
-                }
-                let written = self.write(
-                    value,
-                    &mut Splicing {
+                let mut sink = Staged {
+                    small: Small::default(),
+                    spilled: !splice,
+                    inner: Splicing {
                         buf: &mut arena,
                         parts,
                         splice,
                     },
-                );
+                };
+                if sink.spilled {
+                    sink.make_room();
+                }
+                let written = self.write(value, &mut sink);
+                if !sink.spilled {
+                    return written.map(|()| Some(sink.small));
+                }
                 // Taken even on failure, so that a half-written message never prefixes the next.
                 let last = arena.split().freeze();
-                written.map(|()| parts.push(last))
+                written.map(|()| {
+                    parts.push(last);
+                    None
+                })
             }
             // A `Serialize` impl that encodes another message while being encoded.
             Err(_) => {
                 let mut own = BytesMut::new();
-                self.write(value, &mut own)
-                    .map(|()| parts.push(own.freeze()))
+                self.write(value, &mut own).map(|()| {
+                    parts.push(own.freeze());
+                    None
+                })
             }
         });
         encoded.map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))
@@ -192,6 +208,61 @@ impl Sink for Splicing<'_> {
     }
 }
 
+/// A message's bytes while they fit in a [`Small`]; once they do not, the arena's
+/// [`Splicing`], which the bytes so far move to.
+struct Staged<'a> {
+    small: Small,
+    spilled: bool,
+    inner: Splicing<'a>,
+}
+
+impl Staged<'_> {
+    /// Moves to the arena (a fresh chunk if the current one is nearly full).
+    #[cold]
+    fn spill(&mut self) {
+        self.spilled = true;
+        self.make_room();
+        self.inner.buf.extend_from_slice(self.small.bytes());
+    }
+
+    fn make_room(&mut self) {
+        let buf = &mut *self.inner.buf;
+        if buf.capacity() - buf.len() < ARENA_ROOM {
+            // A fresh chunk; the old one lives on in the messages that share it.
+            *buf = BytesMut::with_capacity(ARENA_CHUNK);
+        }
+    }
+}
+
+impl Sink for Staged<'_> {
+    #[inline]
+    fn push(&mut self, byte: u8) {
+        if !self.spilled {
+            if let Some(slot) = self.small.data.get_mut(usize::from(self.small.len)) {
+                *slot = byte;
+                self.small.len += 1;
+                return;
+            }
+            self.spill();
+        }
+        self.inner.push(byte);
+    }
+
+    #[inline]
+    fn extend(&mut self, bytes: &[u8]) {
+        if !self.spilled {
+            let at = usize::from(self.small.len);
+            if let Some(room) = self.small.data.get_mut(at..at + bytes.len()) {
+                room.copy_from_slice(bytes);
+                self.small.len += bytes.len() as u8;
+                return;
+            }
+            self.spill();
+        }
+        self.inner.extend(bytes);
+    }
+}
+
 /// Blobs of this size or more are sent from their own buffer, not copied into the message
 /// (the writer sends parts of this size straight from their buffer too).
 pub(crate) const SPLICE_FROM: usize = 32 * 1024;
@@ -260,17 +331,57 @@ impl Parts {
     }
 }
 
-/// An encoded message as a connection sends it: one buffer, or, when it holds large
-/// [`Blob`](crate::Blob)s, several in order, so that a blob goes to the socket from its
-/// own buffer instead of being copied into the message. Made by
-/// [`Format::encode_message`], or from `Bytes`.
-#[derive(Clone, Default)]
-pub struct Message(Parts);
+/// Messages up to this long are kept inline (see [`Format::encode_message`]).
+const SMALL: usize = 54;
+
+/// A short message's bytes, inline.
+#[derive(Clone, Copy)]
+struct Small {
+    len: u8,
+    data: [u8; SMALL],
+}
+
+impl Default for Small {
+    fn default() -> Self {
+        Self {
+            len: 0,
+            data: [0; SMALL],
+        }
+    }
+}
+
+impl Small {
+    fn bytes(&self) -> &[u8] {
+        &self.data[..usize::from(self.len)]
+    }
+}
+
+/// An encoded message as a connection sends it: a short one inline, a longer one in one
+/// buffer or, when it holds large [`Blob`](crate::Blob)s, in several in order, so that a
+/// blob goes to the socket from its own buffer instead of being copied into the message.
+/// Made by [`Format::encode_message`], or from `Bytes`.
+#[derive(Clone)]
+pub struct Message(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Small(Small),
+    Parts(Parts),
+}
+
+impl Default for Message {
+    fn default() -> Self {
+        Self(Repr::Small(Small::default()))
+    }
+}
 
 impl Message {
     /// The message's length in bytes.
     pub fn len(&self) -> usize {
-        self.0.first.len() + self.0.rest.iter().map(Bytes::len).sum::<usize>()
+        match &self.0 {
+            Repr::Small(s) => usize::from(s.len),
+            Repr::Parts(p) => p.first.len() + p.rest.iter().map(Bytes::len).sum::<usize>(),
+        }
     }
 
     /// Whether the message has no bytes.
@@ -278,30 +389,45 @@ impl Message {
         self.len() == 0
     }
 
-    /// Its buffers, in order.
-    pub fn parts(&self) -> impl Iterator<Item = &Bytes> {
-        std::iter::once(&self.0.first).chain(self.0.rest.iter())
+    /// Its bytes, in order, in one slice or several.
+    pub fn parts(&self) -> impl Iterator<Item = &[u8]> {
+        let (first, rest): (&[u8], &[Bytes]) = match &self.0 {
+            Repr::Small(s) => (s.bytes(), &[]),
+            Repr::Parts(p) => (&p.first, &p.rest),
+        };
+        std::iter::once(first).chain(rest.iter().map(|b| &b[..]))
     }
 
-    /// The message in one buffer (a copy only when it has several parts).
+    /// The message in one buffer (a copy when it is short or has several parts).
     pub fn into_bytes(self) -> Bytes {
-        if self.0.rest.is_empty() {
-            return self.0.first;
+        match self.0 {
+            Repr::Small(s) => Bytes::copy_from_slice(s.bytes()),
+            Repr::Parts(p) if p.rest.is_empty() => p.first,
+            Repr::Parts(_) => {
+                let mut all = BytesMut::with_capacity(self.len());
+                for part in self.parts() {
+                    all.extend_from_slice(part);
+                }
+                all.freeze()
+            }
         }
-        let mut all = BytesMut::with_capacity(self.len());
-        for part in self.parts() {
-            all.extend_from_slice(part);
+    }
+
+    /// The number of buffers it is in.
+    fn part_count(&self) -> usize {
+        match &self.0 {
+            Repr::Small(_) => 1,
+            Repr::Parts(p) => 1 + p.rest.len(),
         }
-        all.freeze()
     }
 }
 
 impl From<Bytes> for Message {
     fn from(first: Bytes) -> Self {
-        Self(Parts {
+        Self(Repr::Parts(Parts {
             first,
             rest: Vec::new(),
-        })
+        }))
     }
 }
 
@@ -314,8 +440,8 @@ impl From<Vec<u8>> for Message {
 impl std::fmt::Debug for Message {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Message({} bytes", self.len())?;
-        if !self.0.rest.is_empty() {
-            write!(f, " in {} parts", 1 + self.0.rest.len())?;
+        if self.part_count() > 1 {
+            write!(f, " in {} parts", self.part_count())?;
         }
         f.write_str(")")
     }
@@ -385,8 +511,8 @@ impl CompressionSet {
 /// still declares its content size), and stops once its output is as long as the message;
 /// LZ4's block format needs the parts in one buffer.
 pub(crate) fn compress_message(c: Compression, message: &Message) -> Option<Vec<u8>> {
-    if message.0.rest.is_empty() {
-        return compress(c, &message.0.first);
+    if message.part_count() == 1 {
+        return compress(c, message.parts().next().expect("one part"));
     }
     if c != Compression::Zstd {
         return compress(c, &message.clone().into_bytes());
@@ -475,6 +601,42 @@ mod tests {
     }
 
     #[test]
+    fn short_messages_are_inline_and_longer_ones_move_to_the_arena() {
+        for len in [0, 1, SMALL - 2, SMALL - 1, SMALL, SMALL + 1, 5000] {
+            // A string of `len` bytes encodes as its length (1 or 2 bytes) and the bytes.
+            let value = "x".repeat(len);
+            for format in [Format::Postcard, Format::MessagePack] {
+                let message = format.encode_message(&value).unwrap();
+                let whole = format.encode(&value).unwrap();
+                assert_eq!(message.len(), whole.len());
+                assert_eq!(message.clone().into_bytes(), whole, "{format:?}, {len}");
+                assert_eq!(
+                    matches!(message.0, Repr::Small(_)),
+                    whole.len() <= SMALL,
+                    "{format:?}, {len}"
+                );
+                assert_eq!(format.decode::<String>(&whole).unwrap(), value);
+            }
+        }
+        // A failed encoding leaves nothing behind for the next message.
+        struct Fails;
+        impl Serialize for Fails {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::{Error, SerializeTuple};
+                let mut t = s.serialize_tuple(2)?;
+                t.serialize_element(&"y".repeat(100))?;
+                Err(S::Error::custom("no"))
+            }
+        }
+        assert!(Format::Postcard.encode_message(&Fails).is_err());
+        let next = Format::Postcard.encode_message(&"z".repeat(100)).unwrap();
+        assert_eq!(
+            next.into_bytes(),
+            Format::Postcard.encode(&"z".repeat(100)).unwrap()
+        );
+    }
+
+    #[test]
     fn large_blobs_are_parts_of_their_own_and_the_message_decodes_whole() {
         use crate::Blob;
         let big =
@@ -489,7 +651,7 @@ mod tests {
         );
         for format in [Format::Postcard, Format::MessagePack] {
             let message = format.encode_message(&value).unwrap();
-            let parts: Vec<&Bytes> = message.parts().collect();
+            let parts: Vec<&[u8]> = message.parts().collect();
             // Head, first blob, the bytes between, second blob, the rest (the short blob copied).
             assert_eq!(parts.len(), 5, "{format:?}: {message:?}");
             assert_eq!(
