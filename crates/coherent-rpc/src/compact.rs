@@ -37,6 +37,9 @@ pub(crate) enum Error {
     BadUtf8,
     /// A sequence or map whose length the encoder could not know up front.
     LengthUnknown,
+    /// Values nested deeper than `MAX_DEPTH`: a recursive type fed hostile bytes would
+    /// otherwise recurse until the stack overflows.
+    TooDeep,
     /// A self-describing request (`deserialize_any`, identifiers, ignored values), which
     /// this format cannot answer.
     NotSelfDescribing,
@@ -54,6 +57,7 @@ impl fmt::Display for Error {
             Self::BadChar => "a malformed char",
             Self::BadUtf8 => "a string that is not UTF-8",
             Self::LengthUnknown => "a sequence or map of unknown length",
+            Self::TooDeep => "values nested too deeply",
             Self::NotSelfDescribing => "a type that needs a self-describing format",
             Self::Custom(m) => m,
         })
@@ -85,8 +89,15 @@ pub(crate) fn encode<T: Serialize + ?Sized, S: Sink>(value: &T, out: &mut S) -> 
 /// Decodes a `T` from the start of `bytes`.
 #[inline]
 pub(crate) fn decode<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) -> Result<T> {
-    T::deserialize(&mut Decoder { rest: bytes })
+    T::deserialize(&mut Decoder {
+        rest: bytes,
+        depth: 0,
+    })
 }
+
+/// How deeply values may nest (options, sequences, maps, tuples, structs and enum variants
+/// each count one level). postcard has no such limit; a legitimate message nests far less.
+const MAX_DEPTH: u32 = 256;
 
 struct Encoder<'a, S> {
     out: &'a mut S,
@@ -402,9 +413,22 @@ impl<S: Sink> ser::SerializeMap for &mut Encoder<'_, S> {
 
 struct Decoder<'de> {
     rest: &'de [u8],
+    depth: u32,
 }
 
 impl<'de> Decoder<'de> {
+    /// Runs `f` one nesting level deeper.
+    #[inline]
+    fn nested<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if self.depth >= MAX_DEPTH {
+            return Err(Error::TooDeep);
+        }
+        self.depth += 1;
+        let out = f(self);
+        self.depth -= 1;
+        out
+    }
+
     #[inline]
     fn byte(&mut self) -> Result<u8> {
         let (&b, rest) = self.rest.split_first().ok_or(Error::End)?;
@@ -467,7 +491,7 @@ impl<'de> Decoder<'de> {
 
     #[inline]
     fn len(&mut self) -> Result<usize> {
-        Ok(self.varint(64)? as usize)
+        Ok(self.varint(usize::BITS)? as usize)
     }
 
     #[inline]
@@ -654,7 +678,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
     fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
         match self.byte()? {
             0 => visitor.visit_none(),
-            1 => visitor.visit_some(self),
+            1 => self.nested(|de| visitor.visit_some(de)),
             _ => Err(Error::BadOption),
         }
     }
@@ -679,21 +703,18 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
         _: &'static str,
         visitor: V,
     ) -> Result<V::Value> {
-        visitor.visit_newtype_struct(self)
+        self.nested(|de| visitor.visit_newtype_struct(de))
     }
 
     #[inline]
     fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
         let left = self.len()?;
-        visitor.visit_seq(Elements { de: self, left })
+        self.nested(|de| visitor.visit_seq(Elements { de, left }))
     }
 
     #[inline]
     fn deserialize_tuple<V: Visitor<'de>>(self, len: usize, visitor: V) -> Result<V::Value> {
-        visitor.visit_seq(Elements {
-            de: self,
-            left: len,
-        })
+        self.nested(|de| visitor.visit_seq(Elements { de, left: len }))
     }
 
     #[inline]
@@ -709,7 +730,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
     #[inline]
     fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
         let left = self.len()?;
-        visitor.visit_map(Elements { de: self, left })
+        self.nested(|de| visitor.visit_map(Elements { de, left }))
     }
 
     #[inline]
@@ -729,7 +750,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
         _: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value> {
-        visitor.visit_enum(self)
+        self.nested(|de| visitor.visit_enum(de))
     }
 
     fn deserialize_identifier<V: Visitor<'de>>(self, _: V) -> Result<V::Value> {
@@ -1042,6 +1063,22 @@ mod tests {
             }
         }
         assert_eq!(encode(&Unsized, &mut Vec::new()), Err(Error::LengthUnknown));
+        // A recursive type nested deeper than the limit fails instead of overflowing the stack.
+        #[derive(Debug, PartialEq, Deserialize)]
+        enum Tree {
+            Leaf,
+            Node(Box<Tree>),
+        }
+        let mut deep = vec![1u8; 100_000];
+        deep.push(0);
+        assert_eq!(decode::<Tree>(&deep), Err(Error::TooDeep));
+        let mut fine = vec![1u8; 100];
+        fine.push(0);
+        assert!(decode::<Tree>(&fine).is_ok());
+        assert_eq!(
+            decode::<Vec<Option<Option<u8>>>>(&[1, 1, 1, 7]),
+            Ok(vec![Some(Some(7))])
+        );
         // A count far beyond the input reserves nothing up front and fails at the end.
         assert_eq!(
             decode::<Vec<u64>>(&[0xff, 0xff, 0xff, 0xff, 0x0f, 1]),
