@@ -84,6 +84,9 @@ impl Format {
         }
         let encoded = ARENA.with(|arena| match arena.try_borrow_mut() {
             Ok(mut arena) => {
+                // Left by an encoding that panicked on this thread (its task was caught and
+                // the thread lives on): never the start of this message.
+                arena.clear();
                 let mut sink = Staged {
                     small: Small::default(),
                     spilled: !splice,
@@ -634,6 +637,34 @@ mod tests {
             next.into_bytes(),
             Format::Postcard.encode(&"z".repeat(100)).unwrap()
         );
+    }
+
+    #[test]
+    fn a_panicking_serializer_leaves_nothing_for_the_next_message() {
+        struct Panics;
+        impl Serialize for Panics {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::SerializeTuple;
+                let mut t = s.serialize_tuple(2)?;
+                t.serialize_element(&"y".repeat(100))?;
+                panic!("the serializer fails")
+            }
+        }
+        for message in [true, false] {
+            let caught = std::panic::catch_unwind(|| {
+                if message {
+                    drop(Format::Postcard.encode_message(&Panics));
+                } else {
+                    drop(Format::Postcard.encode(&Panics));
+                }
+            });
+            assert!(caught.is_err());
+            let value = "z".repeat(100);
+            let whole = postcard::to_allocvec(&value).unwrap();
+            assert_eq!(Format::Postcard.encode(&value).unwrap(), whole);
+            let next = Format::Postcard.encode_message(&value).unwrap();
+            assert_eq!(next.into_bytes(), whole);
+        }
     }
 
     #[test]

@@ -10,8 +10,9 @@
 //! then the bytes; an `Option` is a byte 0 or 1 then the value; sequences and maps are a
 //! varint count then their elements; structs and tuples are their fields in order; enum
 //! variants are a varint index then their fields; unit values are nothing. Decoding accepts
-//! what postcard accepts (including varints longer than needed) and refuses the rest with
-//! an error, never a panic; trailing bytes after a value are ignored, as postcard does.
+//! what postcard accepts (including varints longer than needed), except values nested more
+//! than `MAX_DEPTH` deep, and refuses the rest with an error, never a panic; trailing bytes
+//! after a value are ignored, as postcard does.
 
 use std::fmt;
 
@@ -96,8 +97,9 @@ pub(crate) fn decode<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) -> Result<T
 }
 
 /// How deeply values may nest (options, sequences, maps, tuples, structs and enum variants
-/// each count one level). postcard has no such limit; a legitimate message nests far less.
-const MAX_DEPTH: u32 = 256;
+/// each count one level), as serde_json's limit: postcard has none, a legitimate message
+/// nests far less, and a recursive type's frames on a 2 MiB worker stack stay well within it.
+const MAX_DEPTH: u32 = 128;
 
 struct Encoder<'a, S> {
     out: &'a mut S,
