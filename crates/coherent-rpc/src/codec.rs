@@ -119,7 +119,7 @@ impl Format {
                 })
             }
         });
-        encoded.map_err(|e| RpcError::new(ErrorCode::BadArguments, format!("cannot encode: {e}")))
+        encoded.map_err(|e| failed("encode", e))
     }
 
     /// Serializes `value` in this format at the end of `out`. On failure `out` may hold

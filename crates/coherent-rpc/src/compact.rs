@@ -544,11 +544,8 @@ impl<'de> de::MapAccess<'de> for Elements<'_, 'de> {
 
     #[inline]
     fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>> {
-        if self.left == 0 {
-            return Ok(None);
-        }
-        self.left -= 1;
-        seed.deserialize(&mut *self.de).map(Some)
+        // A map's entries count as its elements: the key takes one, its value follows.
+        de::SeqAccess::next_element_seed(self, seed)
     }
 
     #[inline]
@@ -663,7 +660,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
 
     #[inline]
     fn deserialize_string<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        visitor.visit_borrowed_str(self.str()?)
+        self.deserialize_str(visitor)
     }
 
     #[inline]
@@ -673,7 +670,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
 
     #[inline]
     fn deserialize_byte_buf<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        visitor.visit_borrowed_bytes(self.bytes()?)
+        self.deserialize_bytes(visitor)
     }
 
     #[inline]

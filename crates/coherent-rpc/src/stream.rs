@@ -40,8 +40,6 @@ pub struct ClientStream<T> {
     at: usize,
     buffered: Arc<AtomicU32>,
     unacked: u32,
-    /// Credits go back once this many are due: half the window.
-    ack_every: u32,
     done: bool,
     /// The receiving end of an upload (the callee's), not of an answer stream.
     upload: bool,
@@ -55,7 +53,6 @@ impl<T> ClientStream<T> {
         rx: mpsc::UnboundedReceiver<Event>,
         buffered: Arc<AtomicU32>,
     ) -> Self {
-        let ack_every = shared.settings.local_window.div_ceil(2);
         Self {
             shared,
             id,
@@ -64,7 +61,6 @@ impl<T> ClientStream<T> {
             at: 0,
             buffered,
             unacked: 0,
-            ack_every,
             done: false,
             upload: false,
             _item: PhantomData,
@@ -129,7 +125,7 @@ impl<T> ClientStream<T> {
     /// keeps sending while the ack travels.
     fn consumed(&mut self) {
         self.unacked += 1;
-        if self.unacked >= self.ack_every {
+        if self.unacked >= self.shared.settings.local_window.div_ceil(2) {
             let n = std::mem::take(&mut self.unacked);
             // Released before the credits go out: the producer can then send `n` more
             // without the reader seeing more than the window buffered.
