@@ -204,6 +204,8 @@ impl Endpoint {
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
         let (peer, reader) = self.handshake_accepting(io).await?;
+        // The reader runs later, on its own task: the answer to the `Hello` goes now.
+        peer.shared.uncork();
         tokio::spawn(reader);
         Ok(peer)
     }
@@ -283,16 +285,18 @@ impl Endpoint {
         };
         let mut ack = self.hello("");
         ack.format = hello.format;
-        tokio::time::timeout(timeout, write_frame(&mut wr, Kind::HelloAck, &ack.encode()))
-            .await
-            .map_err(|_| RpcError::disconnected("handshake answer stalled"))??;
+        // The answer goes out with the answers to the calls sent right behind the `Hello`
+        // (zero-RTT), in one write, once the reader has routed them: see `Shared::uncork`.
         Ok(Peer::start_writer(
             rd,
             wr,
             leftover,
             self.settings(&hello),
             self.inner.registry.clone(),
-            Role::Accepting { identity },
+            Role::Accepting {
+                identity,
+                answer: frame(Kind::HelloAck, &ack.encode()),
+            },
         ))
     }
 
@@ -313,6 +317,7 @@ impl Endpoint {
     /// Accepts TCP connections until the listener fails, serving each on its own task.
     /// A connection that fails its handshake is dropped; the others go on.
     pub async fn serve_tcp(&self, listener: TcpListener) -> io::Result<()> {
+        let inherited = crate::net::nodelay_inherited(&listener);
         loop {
             let (stream, _) = match listener.accept().await {
                 Ok(s) => s,
@@ -320,14 +325,26 @@ impl Endpoint {
                 Err(e) if is_transient(&e) => continue,
                 Err(e) => return Err(e),
             };
-            let _ = stream.set_nodelay(true);
-            let this = self.clone();
-            tokio::spawn(async move {
-                if let Err(e) = this.serve_accepted(crate::net::Eager::new(stream)).await {
-                    tracing::debug!(%e, "handshake failed");
-                }
-            });
+            if !inherited {
+                let _ = stream.set_nodelay(true);
+            }
+            self.hand_off(stream).await;
         }
+    }
+
+    /// Serves an accepted connection on a task of its own, and lets that task run first: it
+    /// reads the `Hello` (and what came with it) and answers while the next accept waits.
+    async fn hand_off<S>(&self, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + crate::net::Direct + Send + Unpin + 'static,
+    {
+        let this = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = this.serve_accepted(crate::net::Eager::new(stream)).await {
+                tracing::debug!(%e, "handshake failed");
+            }
+        });
+        tokio::task::yield_now().await;
     }
 
     /// Connects over a Unix domain socket.
@@ -346,12 +363,7 @@ impl Endpoint {
                 Err(e) if is_transient(&e) => continue,
                 Err(e) => return Err(e),
             };
-            let this = self.clone();
-            tokio::spawn(async move {
-                if let Err(e) = this.serve_accepted(crate::net::Eager::new(stream)).await {
-                    tracing::debug!(%e, "handshake failed");
-                }
-            });
+            self.hand_off(stream).await;
         }
     }
 
@@ -381,6 +393,13 @@ async fn write_frame<W: AsyncWrite + Unpin>(
     kind: Kind,
     payload: &[u8],
 ) -> Result<(), RpcError> {
+    wr.write_all(&frame(kind, payload)).await?;
+    wr.flush().await?;
+    Ok(())
+}
+
+/// A handshake frame's bytes: uncompressed, call id and method id 0.
+fn frame(kind: Kind, payload: &[u8]) -> Vec<u8> {
     let Out::Frame { head, head_len, .. } =
         peer::encode(kind, Compression::None, false, 0, 0, Bytes::new().into())
     else {
@@ -393,9 +412,7 @@ async fn write_frame<W: AsyncWrite + Unpin>(
     let mut frame = Vec::with_capacity(n + payload.len());
     frame.extend_from_slice(&head[..n]);
     frame.extend_from_slice(payload);
-    wr.write_all(&frame).await?;
-    wr.flush().await?;
-    Ok(())
+    frame
 }
 
 /// Reads one handshake frame; bytes after it stay in `buf` for the connection's reader.
@@ -421,5 +438,110 @@ async fn read_frame<R: AsyncRead + Unpin>(
         if rd.read_buf(buf).await? == 0 {
             return Err(RpcError::disconnected("closed during the handshake"));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use parking_lot::Mutex;
+
+    use super::*;
+
+    /// The server's side of a duplex pipe, which keeps a copy of every write it takes.
+    struct Recorded {
+        inner: tokio::io::DuplexStream,
+        writes: Arc<Mutex<Vec<Vec<u8>>>>,
+    }
+
+    impl AsyncRead for Recorded {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for Recorded {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            let n = std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, buf))?;
+            self.writes.lock().push(buf[..n].to_vec());
+            Poll::Ready(Ok(n))
+        }
+
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_flush(cx)
+        }
+
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+    }
+
+    /// The accepting side answers the calls that came with the `Hello` (zero-RTT) in the
+    /// same write as its `HelloAck`: the connecting side reads them all at once.
+    #[tokio::test]
+    async fn the_hello_ack_and_the_answers_to_early_calls_go_out_in_one_write() {
+        let server = Endpoint::builder().build();
+        let (client_io, server_io) = tokio::io::duplex(64 * 1024);
+        let writes = Arc::new(Mutex::new(Vec::new()));
+        let io = Recorded {
+            inner: server_io,
+            writes: writes.clone(),
+        };
+        let served = tokio::spawn(async move { server.serve_accepted(io).await });
+
+        // A `Hello` and a call to a method the server does not have, in one write: the
+        // server answers the call inline, with an error.
+        let hello = Endpoint::builder().build().hello("");
+        let mut sent = frame(Kind::Hello, &hello.encode());
+        let Out::Frame {
+            head,
+            head_len,
+            payload,
+        } = peer::encode(
+            Kind::Call,
+            Compression::None,
+            false,
+            1,
+            12345,
+            Bytes::new().into(),
+        )
+        else {
+            unreachable!("encode returns a frame")
+        };
+        sent.extend_from_slice(&head[..head_len as usize]);
+        for part in payload.parts() {
+            sent.extend_from_slice(part);
+        }
+        let (mut rd, mut wr) = tokio::io::split(client_io);
+        wr.write_all(&sent).await.unwrap();
+
+        let mut got = BytesMut::new();
+        let mut kinds = Vec::new();
+        while kinds.len() < 2 {
+            assert!(rd.read_buf(&mut got).await.unwrap() > 0, "closed early");
+            while let Some((h, head_len)) = Header::decode(&got, 1 << 20).unwrap() {
+                let total = head_len + h.len as usize;
+                if got.len() < total {
+                    break;
+                }
+                got.advance(total);
+                kinds.push((h.kind, h.call_id));
+            }
+        }
+        assert_eq!(kinds, [(Kind::HelloAck, 0), (Kind::Error, 1)]);
+        let writes = writes.lock().clone();
+        assert_eq!(writes.len(), 1, "one write for both frames: {writes:?}");
+        drop((rd, wr));
+        served.await.unwrap().unwrap();
     }
 }

@@ -70,6 +70,13 @@ async fn connect_one(addr: SocketAddr) -> io::Result<TcpStream> {
     Ok(stream)
 }
 
+/// Sets `TCP_NODELAY` on a listening socket where the sockets it accepts inherit it (Linux):
+/// then they need no `setsockopt` each. Returns whether they do.
+pub(crate) fn nodelay_inherited(listener: &tokio::net::TcpListener) -> bool {
+    cfg!(any(target_os = "linux", target_os = "android"))
+        && SockRef::from(listener).set_tcp_nodelay(true).is_ok()
+}
+
 fn in_progress(e: &io::Error) -> bool {
     #[cfg(unix)]
     if e.raw_os_error() == Some(libc::EINPROGRESS) {
@@ -230,6 +237,23 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
+
+    /// `serve_tcp` counts on this to skip a `setsockopt` per connection.
+    #[tokio::test]
+    async fn accepted_sockets_inherit_nodelay_where_said() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let inherited = nodelay_inherited(&listener);
+        assert_eq!(
+            inherited,
+            cfg!(any(target_os = "linux", target_os = "android"))
+        );
+        let addr = listener.local_addr().unwrap();
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        if inherited {
+            assert!(accepted.nodelay().unwrap());
+        }
+    }
 
     #[tokio::test]
     async fn connects_with_nodelay_and_carries_bytes_both_ways() {

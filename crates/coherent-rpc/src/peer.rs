@@ -142,6 +142,11 @@ struct FirstFlight {
     carry: Vec<u8>,
     /// Whether a frame went to the writer's queue: every later one follows it there.
     queued_any: bool,
+    /// Whether small frames are gathered in `carry` instead of written: the accepting
+    /// side's `HelloAck` waits there for the answers to the calls sent right behind the
+    /// `Hello`, so that the connecting side reads them all at once (one write, one wake-up,
+    /// instead of one each). See [`Shared::uncork`].
+    corked: bool,
 }
 
 /// Frames larger than this always go through the writer task.
@@ -168,8 +173,12 @@ pub(crate) enum Role {
     /// The connecting side; with zero-RTT, its state until the answer and how long the
     /// answer may take.
     Connecting { early: Option<Early> },
-    /// The accepting side, with the identity its auth hook returned.
-    Accepting { identity: Option<Identity> },
+    /// The accepting side, with the identity its auth hook returned and its answer to the
+    /// `Hello` (sent first, corked: see [`FirstFlight::corked`]).
+    Accepting {
+        identity: Option<Identity>,
+        answer: Vec<u8>,
+    },
 }
 
 /// A zero-RTT connection's state until the other side's `HelloAck`.
@@ -420,6 +429,24 @@ impl Shared {
     #[cold]
     fn first_flight(&self, first: &mut FirstFlight, out: Out) -> Result<(), RpcError> {
         let small = matches!(&out, Out::Frame { payload, .. } if payload.len() <= FIRST_FLIGHT_MAX);
+        if first.corked && small && !first.queued_any {
+            let Out::Frame {
+                head,
+                head_len,
+                payload,
+            } = out
+            else {
+                unreachable!("checked above")
+            };
+            first.carry.extend_from_slice(&head[..head_len as usize]);
+            for part in payload.parts() {
+                first.carry.extend_from_slice(part);
+            }
+            self.counters
+                .bytes_out
+                .fetch_add(payload.len() as u64, Ordering::Relaxed);
+            return Ok(());
+        }
         if first.queued_any || !first.carry.is_empty() || !small {
             first.queued_any = true;
             return self.enqueue_for_writer(out);
@@ -438,23 +465,27 @@ impl Shared {
             frame.extend_from_slice(part);
         }
         let wr = first.wr.as_mut().expect("checked by the caller");
-        let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-        let mut at = 0;
-        while at < frame.len() {
-            // Pending or an error: the writer task writes the rest (and meets the error).
-            match std::pin::Pin::new(&mut *wr).poll_write(&mut cx, &frame[at..]) {
-                std::task::Poll::Ready(Ok(n)) if n > 0 => at += n,
-                _ => break,
-            }
-        }
-        // Buffering transports (TLS, WebSocket) send on flush; the writer task flushes
-        // when it starts, should this not finish now.
-        let _ = std::pin::Pin::new(&mut *wr).poll_flush(&mut cx);
+        let at = write_now(wr, &frame);
         first.carry.extend_from_slice(&frame[at..]);
         self.counters
             .bytes_out
             .fetch_add(payload.len() as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Ends the accepting side's cork (see [`FirstFlight::corked`]): writes what it gathered,
+    /// unless the writer task took it already. The reader calls it before it first waits
+    /// for input, having routed the frames that came with the `Hello`.
+    pub(crate) fn uncork(&self) {
+        let mut first = self.first.lock();
+        if !std::mem::take(&mut first.corked) {
+            return;
+        }
+        let first = &mut *first;
+        if let Some(wr) = first.wr.as_mut() {
+            let at = write_now(wr, &first.carry);
+            first.carry.drain(..at);
+        }
     }
 
     fn enqueue_for_writer(&self, out: Out) -> Result<(), RpcError> {
@@ -945,9 +976,9 @@ impl Peer {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (tx, rx) = mpsc::unbounded_channel();
-        let (identity, owned, early) = match role {
-            Role::Accepting { identity } => (identity, false, None),
-            Role::Connecting { early } => (None, true, early),
+        let (identity, owned, early, answer) = match role {
+            Role::Accepting { identity, answer } => (identity, false, None, answer),
+            Role::Connecting { early } => (None, true, early, Vec::new()),
         };
         let remote = Remote {
             max: AtomicU32::new(settings.remote_max),
@@ -972,7 +1003,8 @@ impl Peer {
             early,
             first: Mutex::new(FirstFlight {
                 wr: Some(wr),
-                carry: Vec::new(),
+                corked: !answer.is_empty(),
+                carry: answer,
                 queued_any: false,
             }),
             first_open: AtomicBool::new(true),
@@ -1001,6 +1033,23 @@ impl Peer {
             _owner: None,
         }
     }
+}
+
+/// Writes as much of `bytes` as the transport takes without waiting; returns how much.
+/// Pending or an error leaves the rest to the writer task (which meets the error).
+fn write_now(wr: &mut (dyn AsyncWrite + Send + Unpin), bytes: &[u8]) -> usize {
+    let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+    let mut at = 0;
+    while at < bytes.len() {
+        match std::pin::Pin::new(&mut *wr).poll_write(&mut cx, &bytes[at..]) {
+            std::task::Poll::Ready(Ok(n)) if n > 0 => at += n,
+            _ => break,
+        }
+    }
+    // Buffering transports (TLS, WebSocket) send on flush; the writer task flushes when it
+    // starts, should this not finish now.
+    let _ = std::pin::Pin::new(&mut *wr).poll_flush(&mut cx);
+    at
 }
 
 /// The writer task: takes the write half from the first-flight slot, with what senders
@@ -1208,6 +1257,7 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
     let max = shared.settings.local_max;
     // Zero-RTT: the other side's first frame is its answer to the `Hello`, due in time.
     let mut awaiting_answer = shared.early.is_some();
+    let mut uncork = true;
     let answer_within = shared.early.as_ref().map(|e| e.lock().within);
     let mut answer_due = answer_within.map(|d| Box::pin(tokio::time::sleep(d)));
     let reason = 'conn: loop {
@@ -1242,6 +1292,12 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
                     break 'conn (RpcError::new(code, e.to_string()), true);
                 }
             }
+        }
+        // The frames that came with the `Hello` are routed: the accepting side's answers
+        // to them go out with its `HelloAck` (a no-op on the connecting side).
+        if uncork {
+            uncork = false;
+            shared.uncork();
         }
         if buf.capacity() - buf.len() < 4096 {
             buf.reserve(BATCH);
