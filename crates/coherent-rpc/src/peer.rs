@@ -424,30 +424,15 @@ impl Shared {
         self.enqueue_for_writer(out)
     }
 
-    /// Writes `out` at once while the writer task has not started, if nothing is queued
-    /// for it yet; queues it otherwise (under the lock the writer takes its half with).
+    /// Writes `out` at once while the writer task has not started (or gathers it in `carry`
+    /// while corked), if nothing is queued for it yet; queues it otherwise (under the lock
+    /// the writer takes its half with).
     #[cold]
     fn first_flight(&self, first: &mut FirstFlight, out: Out) -> Result<(), RpcError> {
         let small = matches!(&out, Out::Frame { payload, .. } if payload.len() <= FIRST_FLIGHT_MAX);
-        if first.corked && small && !first.queued_any {
-            let Out::Frame {
-                head,
-                head_len,
-                payload,
-            } = out
-            else {
-                unreachable!("checked above")
-            };
-            first.carry.extend_from_slice(&head[..head_len as usize]);
-            for part in payload.parts() {
-                first.carry.extend_from_slice(part);
-            }
-            self.counters
-                .bytes_out
-                .fetch_add(payload.len() as u64, Ordering::Relaxed);
-            return Ok(());
-        }
-        if first.queued_any || !first.carry.is_empty() || !small {
+        // Behind a frame the transport did not take (in `carry`, uncorked) or one queued for
+        // the writer, a frame keeps its place in line by going to the writer too.
+        if !small || first.queued_any || (!first.corked && !first.carry.is_empty()) {
             first.queued_any = true;
             return self.enqueue_for_writer(out);
         }
@@ -459,17 +444,16 @@ impl Shared {
         else {
             unreachable!("checked above")
         };
-        let mut frame = Vec::with_capacity(head_len as usize + payload.len());
-        frame.extend_from_slice(&head[..head_len as usize]);
+        first.carry.extend_from_slice(&head[..head_len as usize]);
         for part in payload.parts() {
-            frame.extend_from_slice(part);
+            first.carry.extend_from_slice(part);
         }
-        let wr = first.wr.as_mut().expect("checked by the caller");
-        let at = write_now(wr, &frame);
-        first.carry.extend_from_slice(&frame[at..]);
         self.counters
             .bytes_out
             .fetch_add(payload.len() as u64, Ordering::Relaxed);
+        if !first.corked {
+            write_carry(first);
+        }
         Ok(())
     }
 
@@ -478,13 +462,8 @@ impl Shared {
     /// for input, having routed the frames that came with the `Hello`.
     pub(crate) fn uncork(&self) {
         let mut first = self.first.lock();
-        if !std::mem::take(&mut first.corked) {
-            return;
-        }
-        let first = &mut *first;
-        if let Some(wr) = first.wr.as_mut() {
-            let at = write_now(wr, &first.carry);
-            first.carry.drain(..at);
+        if std::mem::take(&mut first.corked) {
+            write_carry(&mut first);
         }
     }
 
@@ -1032,6 +1011,15 @@ impl Peer {
             shared,
             _owner: None,
         }
+    }
+}
+
+/// Writes what waits in `carry` as far as the transport takes it at once, unless the writer
+/// task took the write half already (and `carry` with it); the rest waits for that task.
+fn write_carry(first: &mut FirstFlight) {
+    if let Some(wr) = first.wr.as_mut() {
+        let at = write_now(wr, &first.carry);
+        first.carry.drain(..at);
     }
 }
 
