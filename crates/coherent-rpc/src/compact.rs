@@ -11,8 +11,9 @@
 //! varint count then their elements; structs and tuples are their fields in order; enum
 //! variants are a varint index then their fields; unit values are nothing. Decoding accepts
 //! what postcard accepts (including varints longer than needed), except values nested more
-//! than `MAX_DEPTH` deep, and refuses the rest with an error, never a panic; trailing bytes
-//! after a value are ignored, as postcard does.
+//! than `MAX_DEPTH` deep and more than `EMPTY_MAX` sequence or map elements that take no
+//! bytes, and refuses the rest with an error, never a panic; trailing bytes after a value
+//! are ignored, as postcard does.
 
 use std::fmt;
 
@@ -41,6 +42,10 @@ pub(crate) enum Error {
     /// Values nested deeper than `MAX_DEPTH`: a recursive type fed hostile bytes would
     /// otherwise recurse until the stack overflows.
     TooDeep,
+    /// More than `EMPTY_MAX` sequence or map elements that take no bytes (`()`, unit
+    /// structs): a count of billions in a few bytes would otherwise keep the decoder busy
+    /// for minutes.
+    TooManyEmpty,
     /// A self-describing request (`deserialize_any`, identifiers, ignored values), which
     /// this format cannot answer.
     NotSelfDescribing,
@@ -59,6 +64,7 @@ impl fmt::Display for Error {
             Self::BadUtf8 => "a string that is not UTF-8",
             Self::LengthUnknown => "a sequence or map of unknown length",
             Self::TooDeep => "values nested too deeply",
+            Self::TooManyEmpty => "too many sequence elements that take no bytes",
             Self::NotSelfDescribing => "a type that needs a self-describing format",
             Self::Custom(m) => m,
         })
@@ -93,6 +99,7 @@ pub(crate) fn decode<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) -> Result<T
     T::deserialize(&mut Decoder {
         rest: bytes,
         depth: 0,
+        empty_left: EMPTY_MAX,
     })
 }
 
@@ -100,6 +107,12 @@ pub(crate) fn decode<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) -> Result<T
 /// each count one level), as serde_json's limit: postcard has none, a legitimate message
 /// nests far less, and a recursive type's frames on a 2 MiB worker stack stay well within it.
 const MAX_DEPTH: u32 = 128;
+
+/// How many sequence or map elements that take no bytes one message may hold, in all. Every
+/// other element takes a byte at least, so the input's length bounds the decoder's work;
+/// these alone are bounded by their declared count, which costs the sender a few bytes.
+/// Postcard has no limit; a legitimate message holds a handful such elements at most.
+const EMPTY_MAX: u32 = 1 << 16;
 
 struct Encoder<'a, S> {
     out: &'a mut S,
@@ -416,6 +429,8 @@ impl<S: Sink> ser::SerializeMap for &mut Encoder<'_, S> {
 struct Decoder<'de> {
     rest: &'de [u8],
     depth: u32,
+    /// What is left of `EMPTY_MAX`.
+    empty_left: u32,
 }
 
 impl<'de> Decoder<'de> {
@@ -507,18 +522,55 @@ impl<'de> Decoder<'de> {
     }
 }
 
-/// A sequence's or map's elements: `left` more to come.
+/// A sequence's or map's elements (or a tuple's or struct's fields): `left` more to come.
 struct Elements<'a, 'de> {
     de: &'a mut Decoder<'de>,
     left: usize,
+    /// Whether the count came from the input (a sequence or map, not a tuple or struct):
+    /// then elements that take no bytes count against `EMPTY_MAX`.
+    counted: bool,
+    /// A map entry's first byte: where its key started.
+    entry: usize,
 }
 
-impl<'de> Elements<'_, 'de> {
+impl<'a, 'de> Elements<'a, 'de> {
     /// The count, as a hint only where the input could hold that many elements (every
     /// element takes a byte at least, mostly): a declared count is not trusted for
     /// reserving memory.
     fn hint(&self) -> Option<usize> {
         (self.left <= self.de.rest.len()).then_some(self.left)
+    }
+
+    fn new(de: &'a mut Decoder<'de>, left: usize, counted: bool) -> Self {
+        Self {
+            de,
+            left,
+            counted,
+            entry: 0,
+        }
+    }
+
+    #[inline]
+    fn next<T: DeserializeSeed<'de>>(&mut self, seed: T) -> Result<Option<T::Value>> {
+        if self.left == 0 {
+            return Ok(None);
+        }
+        self.left -= 1;
+        seed.deserialize(&mut *self.de).map(Some)
+    }
+
+    /// Counts an element that started with `rest_before` bytes of input left, if it took
+    /// none of them.
+    #[inline]
+    fn charge(&mut self, rest_before: usize) -> Result<()> {
+        if self.counted && self.de.rest.len() == rest_before {
+            self.de.empty_left = self
+                .de
+                .empty_left
+                .checked_sub(1)
+                .ok_or(Error::TooManyEmpty)?;
+        }
+        Ok(())
     }
 }
 
@@ -527,11 +579,12 @@ impl<'de> de::SeqAccess<'de> for Elements<'_, 'de> {
 
     #[inline]
     fn next_element_seed<T: DeserializeSeed<'de>>(&mut self, seed: T) -> Result<Option<T::Value>> {
-        if self.left == 0 {
-            return Ok(None);
+        let before = self.de.rest.len();
+        let v = self.next(seed)?;
+        if v.is_some() {
+            self.charge(before)?;
         }
-        self.left -= 1;
-        seed.deserialize(&mut *self.de).map(Some)
+        Ok(v)
     }
 
     fn size_hint(&self) -> Option<usize> {
@@ -545,12 +598,15 @@ impl<'de> de::MapAccess<'de> for Elements<'_, 'de> {
     #[inline]
     fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>> {
         // A map's entries count as its elements: the key takes one, its value follows.
-        de::SeqAccess::next_element_seed(self, seed)
+        self.entry = self.de.rest.len();
+        self.next(seed)
     }
 
     #[inline]
     fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value> {
-        seed.deserialize(&mut *self.de)
+        let v = seed.deserialize(&mut *self.de)?;
+        self.charge(self.entry)?;
+        Ok(v)
     }
 
     fn size_hint(&self) -> Option<usize> {
@@ -708,12 +764,12 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
     #[inline]
     fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
         let left = self.len()?;
-        self.nested(|de| visitor.visit_seq(Elements { de, left }))
+        self.nested(|de| visitor.visit_seq(Elements::new(de, left, true)))
     }
 
     #[inline]
     fn deserialize_tuple<V: Visitor<'de>>(self, len: usize, visitor: V) -> Result<V::Value> {
-        self.nested(|de| visitor.visit_seq(Elements { de, left: len }))
+        self.nested(|de| visitor.visit_seq(Elements::new(de, len, false)))
     }
 
     #[inline]
@@ -729,7 +785,7 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
     #[inline]
     fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
         let left = self.len()?;
-        self.nested(|de| visitor.visit_map(Elements { de, left }))
+        self.nested(|de| visitor.visit_map(Elements::new(de, left, true)))
     }
 
     #[inline]
@@ -1078,6 +1134,40 @@ mod tests {
             decode::<Vec<Option<Option<u8>>>>(&[1, 1, 1, 7]),
             Ok(vec![Some(Some(7))])
         );
+        // Elements that take no bytes: as many as `EMPTY_MAX` in all, however they nest.
+        let count = |n: u32| {
+            let mut v = Vec::new();
+            encode(&n, &mut v).unwrap();
+            v
+        };
+        assert_eq!(
+            decode::<Vec<()>>(&count(EMPTY_MAX)).map(|v| v.len()),
+            Ok(EMPTY_MAX as usize)
+        );
+        assert_eq!(
+            decode::<Vec<()>>(&count(EMPTY_MAX + 1)),
+            Err(Error::TooManyEmpty)
+        );
+        assert_eq!(
+            decode::<Vec<()>>(&count(u32::MAX)),
+            Err(Error::TooManyEmpty)
+        );
+        let mut nested = count(3);
+        for _ in 0..3 {
+            nested.extend_from_slice(&count(EMPTY_MAX / 2));
+        }
+        assert_eq!(decode::<Vec<Vec<()>>>(&nested), Err(Error::TooManyEmpty));
+        let mut units = count(2);
+        units.extend_from_slice(&[0, 0]);
+        assert_eq!(
+            decode::<std::collections::BTreeMap<(), ()>>(&units).map(|m| m.len()),
+            Ok(1)
+        );
+        // Elements that take a byte, and fields of a type, do not count.
+        let big = vec![0u8; EMPTY_MAX as usize + 10];
+        let mut seq = count(EMPTY_MAX + 10);
+        seq.extend_from_slice(&big);
+        assert!(decode::<Vec<((), u8, ())>>(&seq).is_ok());
         // A count far beyond the input reserves nothing up front and fails at the end.
         assert_eq!(
             decode::<Vec<u64>>(&[0xff, 0xff, 0xff, 0xff, 0x0f, 1]),

@@ -168,6 +168,26 @@ async fn undecodable_arguments_get_a_bad_arguments_error() {
 }
 
 #[tokio::test]
+async fn a_count_of_billions_of_empty_elements_gets_a_bad_arguments_error_at_once() {
+    let server = server();
+    let mut raw = Raw::connected(&server).await;
+    let id = method_id("Calc.count_units");
+    // The arguments tuple `(Vec<()>,)`: its count alone, as a varint (3, then u64::MAX).
+    raw.send(&frame_bytes(Kind::Call, 1, id, &[3])).await;
+    let (h, payload) = raw.next().await.unwrap();
+    assert_eq!((h.kind, h.call_id, payload), (Kind::Ok, 1, vec![3]));
+    let huge = [0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0x01];
+    raw.send(&frame_bytes(Kind::Call, 2, id, &huge)).await;
+    let (h, payload) = raw.next().await.unwrap();
+    assert_eq!((h.kind, h.call_id), (Kind::Error, 2));
+    assert_eq!(
+        u16::from_le_bytes([payload[0], payload[1]]),
+        ErrorCode::BadArguments.as_u16()
+    );
+    still_serves(&server).await;
+}
+
+#[tokio::test]
 async fn an_unknown_frame_kind_closes_the_connection_with_a_protocol_reason() {
     let server = server();
     let mut raw = Raw::connected(&server).await;

@@ -56,6 +56,8 @@ pub trait Calc {
     /// Hangs on its first run, answers the run count afterwards.
     #[idempotent]
     async fn hang_first_time(&self) -> usize;
+    /// How many units came: elements that take no bytes on the wire.
+    async fn count_units(&self, units: Vec<()>) -> usize;
 }
 
 #[service]
@@ -147,6 +149,10 @@ impl Calc for CalcImpl {
 
     async fn panics(&self) {
         panic!("this handler panics on purpose");
+    }
+
+    async fn count_units(&self, units: Vec<()>) -> usize {
+        units.len()
     }
 
     async fn ask_back(&self, x: i32) -> i32 {
