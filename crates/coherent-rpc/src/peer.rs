@@ -1043,11 +1043,16 @@ fn write_now(wr: &mut (dyn AsyncWrite + Send + Unpin), bytes: &[u8]) -> usize {
 /// The writer task: takes the write half from the first-flight slot, with what senders
 /// could not write at once, then runs as usual.
 async fn first_flight_writer(shared: Arc<Shared>, rx: mpsc::UnboundedReceiver<Out>) {
-    let (wr, carry) = {
-        let mut first = shared.first.lock();
-        shared.first_open.store(false, Ordering::Release);
-        let wr = first.wr.take().expect("taken only here");
-        (wr, std::mem::take(&mut first.carry))
+    let (wr, carry) = loop {
+        if let Some(mut first) = shared.first.try_lock() {
+            shared.first_open.store(false, Ordering::Release);
+            let wr = first.wr.take().expect("taken only here");
+            break (wr, std::mem::take(&mut first.carry));
+        }
+        // A sender holds the slot while it writes its frame to the transport (a syscall):
+        // let the thread run other tasks meanwhile instead of spinning and parking on the
+        // lock (which also costs a wake-up when the sender lets go).
+        tokio::task::yield_now().await;
     };
     write_loop(shared, rx, wr, carry).await;
 }
@@ -1364,8 +1369,11 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
             if h.kind == Kind::Error {
                 s.counters.errors_in.fetch_add(1, Ordering::Relaxed);
             }
-            // An unknown id is a reply to a call this side already gave up on.
-            if let Some(p) = s.pending.lock().remove(&h.call_id) {
+            // An unknown id is a reply to a call this side already gave up on. The lock is
+            // let go before the caller is woken: it may run at once on another thread and
+            // take the lock itself (to make its next call, or to close the connection).
+            let pending = s.pending.lock().remove(&h.call_id);
+            if let Some(p) = pending {
                 let r = if h.kind == Kind::Ok {
                     Ok(payload)
                 } else {
@@ -1432,12 +1440,14 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
             }
         }
         Kind::StreamEnd => {
-            if let Some(Pending::Stream(tx, _)) = s.pending.lock().remove(&h.call_id) {
+            let pending = s.pending.lock().remove(&h.call_id);
+            if let Some(Pending::Stream(tx, _)) = pending {
                 let _ = tx.send(crate::stream::Event::End);
             }
         }
         Kind::Cancel => {
-            if let Some(i) = s.inbound.lock().remove(&h.call_id) {
+            let inbound = s.inbound.lock().remove(&h.call_id);
+            if let Some(i) = inbound {
                 i.abort.abort();
             }
         }
