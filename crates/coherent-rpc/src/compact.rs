@@ -11,8 +11,9 @@
 //! varint count then their elements; structs and tuples are their fields in order; enum
 //! variants are a varint index then their fields; unit values are nothing. Decoding accepts
 //! what postcard accepts (including varints longer than needed), except values nested more
-//! than `MAX_DEPTH` deep and more than `EMPTY_MAX` sequence or map elements that take no
-//! bytes, and refuses the rest with an error, never a panic; trailing bytes after a value
+//! than `MAX_DEPTH` deep, more than `EMPTY_MAX` sequence or map elements that take no
+//! bytes, and sequences and maps whose elements would take more memory than `memory_limit`
+//! allows, and refuses the rest with an error, never a panic; trailing bytes after a value
 //! are ignored, as postcard does.
 
 use std::fmt;
@@ -46,6 +47,10 @@ pub(crate) enum Error {
     /// structs): a count of billions in a few bytes would otherwise keep the decoder busy
     /// for minutes.
     TooManyEmpty,
+    /// Sequence or map elements that would take more memory than `memory_limit` allows
+    /// for the input's length: `None`s of a large type take a byte each on the wire and
+    /// their whole size in memory.
+    TooMuchMemory,
     /// A self-describing request (`deserialize_any`, identifiers, ignored values), which
     /// this format cannot answer.
     NotSelfDescribing,
@@ -65,6 +70,7 @@ impl fmt::Display for Error {
             Self::LengthUnknown => "a sequence or map of unknown length",
             Self::TooDeep => "values nested too deeply",
             Self::TooManyEmpty => "too many sequence elements that take no bytes",
+            Self::TooMuchMemory => "sequences that would take too much memory once decoded",
             Self::NotSelfDescribing => "a type that needs a self-describing format",
             Self::Custom(m) => m,
         })
@@ -100,6 +106,7 @@ pub(crate) fn decode<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) -> Result<T
         rest: bytes,
         depth: 0,
         empty_left: EMPTY_MAX,
+        memory_left: memory_limit(bytes.len()),
     })
 }
 
@@ -113,6 +120,15 @@ const MAX_DEPTH: u32 = 128;
 /// these alone are bounded by their declared count, which costs the sender a few bytes.
 /// Postcard has no limit; a legitimate message holds a handful such elements at most.
 const EMPTY_MAX: u32 = 1 << 16;
+
+/// How many bytes of memory the elements of a message's sequences and maps may take, in
+/// all (each counted at its type's size; what it owns on the heap is counted by its own
+/// elements): 64 times the message's length, and 64 MiB at least. A varint or a `None`
+/// takes a byte on the wire; a legitimate message grows far less than 64 times, and a
+/// hostile one of a few MiB could otherwise ask for gigabytes.
+fn memory_limit(input: usize) -> usize {
+    input.saturating_mul(64).saturating_add(64 << 20)
+}
 
 struct Encoder<'a, S> {
     out: &'a mut S,
@@ -431,6 +447,8 @@ struct Decoder<'de> {
     depth: u32,
     /// What is left of `EMPTY_MAX`.
     empty_left: u32,
+    /// What is left of `memory_limit`.
+    memory_left: usize,
 }
 
 impl<'de> Decoder<'de> {
@@ -556,7 +574,22 @@ impl<'a, 'de> Elements<'a, 'de> {
             return Ok(None);
         }
         self.left -= 1;
+        if self.counted {
+            self.reserve::<T::Value>()?;
+        }
         seed.deserialize(&mut *self.de).map(Some)
+    }
+
+    /// Counts a sequence's or map's element of type `T` against `memory_limit`, before it
+    /// is decoded.
+    #[inline]
+    fn reserve<T>(&mut self) -> Result<()> {
+        self.de.memory_left = self
+            .de
+            .memory_left
+            .checked_sub(std::mem::size_of::<T>())
+            .ok_or(Error::TooMuchMemory)?;
+        Ok(())
     }
 
     /// Counts an element that started with `rest_before` bytes of input left, if it took
@@ -604,6 +637,7 @@ impl<'de> de::MapAccess<'de> for Elements<'_, 'de> {
 
     #[inline]
     fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value> {
+        self.reserve::<V::Value>()?;
         let v = seed.deserialize(&mut *self.de)?;
         self.charge(self.entry)?;
         Ok(v)
@@ -1168,6 +1202,29 @@ mod tests {
         let mut seq = count(EMPTY_MAX + 10);
         seq.extend_from_slice(&big);
         assert!(decode::<Vec<((), u8, ())>>(&seq).is_ok());
+        // Elements that take a byte on the wire and far more in memory: up to the limit.
+        type Big = [[u64; 32]; 16];
+        let nones = |n: u32| {
+            let mut v = count(n);
+            v.resize(v.len() + n as usize, 0);
+            v
+        };
+        assert_eq!(
+            decode::<Vec<Option<Big>>>(&nones(10_000)).map(|v| v.len()),
+            Ok(10_000)
+        );
+        let many = nones(1 << 16);
+        assert_eq!(decode::<Vec<Option<Big>>>(&many), Err(Error::TooMuchMemory));
+        assert!(memory_limit(many.len()) < (1 << 16) * std::mem::size_of::<Option<Big>>());
+        let mut map = count(1 << 16);
+        for i in 0..1u32 << 16 {
+            encode(&i, &mut map).unwrap();
+            map.push(0);
+        }
+        assert_eq!(
+            decode::<std::collections::BTreeMap<u32, Option<Big>>>(&map),
+            Err(Error::TooMuchMemory)
+        );
         // A count far beyond the input reserves nothing up front and fails at the end.
         assert_eq!(
             decode::<Vec<u64>>(&[0xff, 0xff, 0xff, 0xff, 0x0f, 1]),
