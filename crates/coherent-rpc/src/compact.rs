@@ -545,7 +545,8 @@ struct Elements<'a, 'de> {
     de: &'a mut Decoder<'de>,
     left: usize,
     /// Whether the count came from the input (a sequence or map, not a tuple or struct):
-    /// then elements that take no bytes count against `EMPTY_MAX`.
+    /// then each element counts against `memory_limit`, and one that takes no bytes
+    /// against `EMPTY_MAX` too.
     counted: bool,
     /// A map entry's first byte: where its key started.
     entry: usize,

@@ -1066,7 +1066,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     // Grown as batches need (up to about `BATCH`), not allocated at full size: most
     // connections write little, and freeing a 64 KiB buffer per connection made glibc give
     // the memory back to the kernel each time (an `madvise` and a TLB shootdown, which
-    // interrupts the other cores: measured with perf on `examples/connect`).
+    // interrupts the other cores: counted with `strace -c` on `examples/connect`).
     let mut buf: Vec<u8> = Vec::with_capacity(SMALL_BATCH);
     let stall = shared.settings.write_stall_timeout;
     let result: Result<(), RpcError> = async {
