@@ -1,8 +1,9 @@
 //! Quick connect-latency check: a new TCP connection, the handshake and one call, repeated;
-//! prints the medians of the connect, the call and the total, in microseconds. Not the
+//! prints the medians of the connect, the call and the total, in microseconds, then the
+//! median of one caller's sequential calls on a connection kept open. Not the
 //! benchmark suite (that is `coherent-bench rpc --only latency`); a smoke measure.
 //!
-//! `cargo run --release -p coherent-rpc --example connect -- [samples] [zero-rtt: 0 or 1]`
+//! `cargo run --release -p coherent-rpc --example connect -- [samples] [zero-rtt: 0 or 1] [kept calls]`
 
 use std::time::Instant;
 
@@ -36,6 +37,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let samples = args.first().copied().unwrap_or(3000);
     let zero_rtt = args.get(1).copied().unwrap_or(0) == 1;
+    let kept_calls = args.get(2).copied().unwrap_or(samples * 10);
 
     let server = Endpoint::builder().service(CalcServer::new(Impl)).build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -62,6 +64,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         median(connects),
         median(calls),
         median(totals)
+    );
+
+    // One caller's sequential calls on a connection kept open (the suite's `rtt` case).
+    let kept = CalcClient::new(client.connect_tcp(addr).await?);
+    let mut rtts = Vec::with_capacity(kept_calls);
+    for i in 0..kept_calls + 100 {
+        let t0 = Instant::now();
+        assert_eq!(kept.sum(1, 2).await?, 3);
+        if i >= 100 {
+            rtts.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    println!(
+        "kept connection: call {:.1} us (median of {kept_calls})",
+        median(rtts)
     );
     Ok(())
 }

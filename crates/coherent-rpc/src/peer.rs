@@ -1,8 +1,10 @@
 //! One connection after its handshake: the call tables, the single writer task that
-//! coalesces queued frames into few socket writes, the single reader task that routes
-//! each frame, and the `Peer` handle through which both sides make calls.
+//! coalesces queued frames into few socket writes (lone frames are written by their
+//! senders), the single reader task that routes each frame, and the `Peer` handle through
+//! which both sides make calls.
 
 use std::collections::HashMap;
+use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,7 +58,7 @@ pub(crate) struct Settings {
     pub(crate) call_timeout: Option<Duration>,
 }
 
-/// An encoded frame waiting for the writer, or the order to stop.
+/// An encoded frame waiting for the writer, or an order to it.
 pub(crate) enum Out {
     Frame {
         head: [u8; MAX_HEADER_LEN],
@@ -64,6 +66,8 @@ pub(crate) enum Out {
         payload: Message,
     },
     Stop(Option<Box<Out>>),
+    /// Write `carry` (what a sender's own write left) and flush.
+    Flush,
 }
 
 /// What the reader delivers to a caller waiting on an outbound call.
@@ -129,28 +133,105 @@ pub struct Stats {
     pub in_flight_in: u64,
 }
 
-/// A connection's write half until its writer task first runs. A new connection's first
-/// call is made right after `connect` returns, and answered right after the handshake,
-/// before that task has been scheduled (a thread wake-up away): frames sent meanwhile are
-/// written by their sender, and the other side reads the answer to its `Hello` and to its
-/// first call together.
-struct FirstFlight {
-    /// Taken by the writer task when it starts.
-    wr: Option<Box<dyn AsyncWrite + Send + Unpin>>,
-    /// The part of a frame the transport did not take at once: the writer task writes it
-    /// first.
+/// A connection's write half, shared by its writer task and by senders that write their
+/// frame themselves.
+///
+/// A lone frame (a call made while no other call waits on the connection, the answer to
+/// the only call in a read) is written by its sender when nothing waits for the writer:
+/// handing it to the writer task would cost a task switch, and from a thread outside the
+/// runtime (a caller in `block_on`, a new connection's first call) a thread wake-up, for
+/// no batching in return. Everything else goes through the writer's queue, where
+/// concurrent frames are coalesced into few writes. See [`Shared::enqueue`].
+struct WriteSide {
+    wr: Box<dyn AsyncWrite + Send + Unpin>,
+    /// Bytes that go out before anything queued: the part of a sender's own write the
+    /// transport did not take at once (the writer task writes it), or, while `corked`,
+    /// the frames gathered.
     carry: Vec<u8>,
-    /// Whether a frame went to the writer's queue: every later one follows it there.
-    queued_any: bool,
-    /// Whether small frames are gathered in `carry` instead of written: the accepting
+    /// Whether lone frames are gathered in `carry` instead of written: the accepting
     /// side's `HelloAck` waits there for the answers to the calls sent right behind the
     /// `Hello`, so that the connecting side reads them all at once (one write, one wake-up,
     /// instead of one each). See [`Shared::uncork`].
     corked: bool,
 }
 
+impl WriteSide {
+    /// Writes `carry` as far as the transport takes it; ready once it is all written.
+    fn poll_carry(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
+        while !self.carry.is_empty() {
+            match std::pin::Pin::new(&mut self.wr).poll_write(cx, &self.carry) {
+                std::task::Poll::Ready(Ok(0)) => {
+                    return std::task::Poll::Ready(Err(io::ErrorKind::WriteZero.into()))
+                }
+                std::task::Poll::Ready(Ok(n)) => drop(self.carry.drain(..n)),
+                std::task::Poll::Ready(Err(e)) => return std::task::Poll::Ready(Err(e)),
+                std::task::Poll::Pending => return std::task::Poll::Pending,
+            }
+        }
+        self.corked = false;
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// The writer task's view of [`WriteSide`]: each poll takes the lock (never across an
+/// await) and writes `carry` before anything else.
+struct Locked<'a>(&'a Mutex<WriteSide>);
+
+impl AsyncWrite for Locked<'_> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        let mut io = self.0.lock();
+        std::task::ready!(io.poll_carry(cx))?;
+        std::pin::Pin::new(&mut io.wr).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> std::task::Poll<io::Result<usize>> {
+        let mut io = self.0.lock();
+        std::task::ready!(io.poll_carry(cx))?;
+        std::pin::Pin::new(&mut io.wr).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.lock().wr.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        let mut io = self.0.lock();
+        std::task::ready!(io.poll_carry(cx))?;
+        std::pin::Pin::new(&mut io.wr).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        let mut io = self.0.lock();
+        std::task::ready!(io.poll_carry(cx))?;
+        std::pin::Pin::new(&mut io.wr).poll_shutdown(cx)
+    }
+}
+
+/// A connection's writer task before it runs: started by the first frame that needs it, so
+/// that a connection whose frames all go out with their senders (a new connection's first
+/// call and its answer, a `Close`) costs no task, nor the thread wake-up that starting one
+/// from outside the runtime costs.
+struct WriterStart {
+    started: AtomicBool,
+    start: Mutex<Option<(mpsc::UnboundedReceiver<Out>, tokio::runtime::Handle)>>,
+}
+
 /// Frames larger than this always go through the writer task.
-const FIRST_FLIGHT_MAX: usize = 64 * 1024;
+const DIRECT_MAX: usize = 64 * 1024;
 
 /// The other side's limit, stream window and the compression this side sends with.
 struct Remote {
@@ -174,7 +255,7 @@ pub(crate) enum Role {
     /// answer may take.
     Connecting { early: Option<Early> },
     /// The accepting side, with the identity its auth hook returned and its answer to the
-    /// `Hello` (sent first, corked: see [`FirstFlight::corked`]).
+    /// `Hello` (sent first, corked: see [`WriteSide::corked`]).
     Accepting {
         identity: Option<Identity>,
         answer: Vec<u8>,
@@ -234,9 +315,16 @@ pub(crate) struct Shared {
     remote: Remote,
     /// Zero-RTT only: frames waiting for the `HelloAck` (see [`EARLY_MAX`]).
     early: Option<Mutex<Early>>,
-    /// The write half until the writer task takes it, and whether it still may be there.
-    first: Mutex<FirstFlight>,
-    first_open: AtomicBool,
+    /// The write half, shared with senders of lone frames.
+    io: Mutex<WriteSide>,
+    /// The writer task, started on first need.
+    writer: WriterStart,
+    /// This connection, for starting its writer task.
+    me: std::sync::Weak<Shared>,
+    /// Items handed to the writer task and not yet written (`Out::Flush` included): a
+    /// sender writes its frame itself only while this is zero, so that it never overtakes
+    /// one of its own frames still queued.
+    backlog: AtomicUsize,
     registry: Arc<Registry>,
     identity: Option<Identity>,
     closed: watch::Sender<Option<RpcError>>,
@@ -259,7 +347,20 @@ impl Shared {
         method_id: u32,
         payload: impl Into<Message>,
     ) -> Result<(), RpcError> {
-        self.submit(kind, false, call_id, method_id, payload.into())
+        self.submit(kind, false, call_id, method_id, payload.into(), false)
+    }
+
+    /// Like [`send`](Self::send) for a lone frame: one that its sender may write itself
+    /// (see [`WriteSide`]).
+    fn send_lone(
+        &self,
+        kind: Kind,
+        call_id: u64,
+        method_id: u32,
+        payload: impl Into<Message>,
+        lone: bool,
+    ) -> Result<(), RpcError> {
+        self.submit(kind, false, call_id, method_id, payload.into(), lone)
     }
 
     /// Like [`send`](Self::send) for a stream frame, flagged as an upload's or not.
@@ -270,7 +371,7 @@ impl Shared {
         call_id: u64,
         payload: Bytes,
     ) -> Result<(), RpcError> {
-        self.submit(kind, upload, call_id, 0, payload.into())
+        self.submit(kind, upload, call_id, 0, payload.into(), false)
     }
 
     #[inline]
@@ -281,6 +382,7 @@ impl Shared {
         call_id: u64,
         method_id: u32,
         payload: Message,
+        lone: bool,
     ) -> Result<(), RpcError> {
         if let Some(early) = &self.early {
             if !self.remote.known.load(Ordering::Acquire) {
@@ -300,11 +402,11 @@ impl Shared {
                 }
                 // Queued under the lock: the flush cannot slip in between.
                 let out = self.prepare(kind, upload, call_id, method_id, payload)?;
-                return self.enqueue(out);
+                return self.enqueue(out, lone);
             }
         }
         let out = self.prepare(kind, upload, call_id, method_id, payload)?;
-        self.enqueue(out)
+        self.enqueue(out, lone)
     }
 
     /// Zero-RTT: takes the other side's `HelloAck`, then sends the held frames with its
@@ -351,7 +453,7 @@ impl Shared {
                 continue;
             }
             match self.prepare(h.kind, h.upload, h.call_id, h.method_id, h.payload) {
-                Ok(out) => self.enqueue(out)?,
+                Ok(out) => self.enqueue(out, false)?,
                 Err(e) if is_call => {
                     // Too large for the other side after all: the call fails alone, and
                     // what else it queued (an upload's items and end) is not sent.
@@ -414,68 +516,132 @@ impl Shared {
         ))
     }
 
-    fn enqueue(&self, out: Out) -> Result<(), RpcError> {
-        if self.first_open.load(Ordering::Acquire) {
-            let mut first = self.first.lock();
-            if first.wr.is_some() {
-                return self.first_flight(&mut first, out);
+    /// Hands `out` to the writer task, or, for a small `lone` frame while nothing waits
+    /// for the writer, writes it at once (gathers it in `carry` while corked).
+    fn enqueue(&self, out: Out, lone: bool) -> Result<(), RpcError> {
+        if lone && self.backlog.load(Ordering::Acquire) == 0 {
+            // Held by the writer task or another sender: the queue it is, then.
+            if let Some(mut io) = self.io.try_lock() {
+                if let Out::Frame {
+                    head,
+                    head_len,
+                    payload,
+                } = &out
+                {
+                    // `carry` is empty here unless corked: whatever a write left over
+                    // counts in the backlog until the writer has written it.
+                    if payload.len() <= DIRECT_MAX && self.backlog.load(Ordering::Acquire) == 0 {
+                        io.carry.extend_from_slice(&head[..*head_len as usize]);
+                        for part in payload.parts() {
+                            io.carry.extend_from_slice(part);
+                        }
+                        self.counters
+                            .bytes_out
+                            .fetch_add(payload.len() as u64, Ordering::Relaxed);
+                        return if io.corked {
+                            Ok(())
+                        } else {
+                            self.write_carry(&mut io)
+                        };
+                    }
+                }
             }
         }
         self.enqueue_for_writer(out)
     }
 
-    /// Writes `out` at once while the writer task has not started (or gathers it in `carry`
-    /// while corked), if nothing is queued for it yet; queues it otherwise (under the lock
-    /// the writer takes its half with).
-    #[cold]
-    fn first_flight(&self, first: &mut FirstFlight, out: Out) -> Result<(), RpcError> {
-        let small = matches!(&out, Out::Frame { payload, .. } if payload.len() <= FIRST_FLIGHT_MAX);
-        // Behind a frame the transport did not take (in `carry`, uncorked) or one queued for
-        // the writer, a frame keeps its place in line by going to the writer too.
-        if !small || first.queued_any || (!first.corked && !first.carry.is_empty()) {
-            first.queued_any = true;
-            return self.enqueue_for_writer(out);
+    /// Writes `carry` as far as the transport takes it at once, and flushes; what is left
+    /// (or an error) is the writer task's, told with an `Out::Flush`.
+    fn write_carry(&self, io: &mut WriteSide) -> Result<(), RpcError> {
+        let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+        let done = matches!(io.poll_carry(&mut cx), std::task::Poll::Ready(Ok(())))
+            && matches!(
+                std::pin::Pin::new(&mut io.wr).poll_flush(&mut cx),
+                std::task::Poll::Ready(Ok(()))
+            );
+        if done {
+            return Ok(());
         }
-        let Out::Frame {
-            head,
-            head_len,
-            payload,
-        } = out
-        else {
-            unreachable!("checked above")
-        };
-        first.carry.extend_from_slice(&head[..head_len as usize]);
-        for part in payload.parts() {
-            first.carry.extend_from_slice(part);
-        }
-        self.counters
-            .bytes_out
-            .fetch_add(payload.len() as u64, Ordering::Relaxed);
-        if !first.corked {
-            write_carry(first);
-        }
-        Ok(())
+        self.backlog.fetch_add(1, Ordering::AcqRel);
+        self.to_writer(Out::Flush)
     }
 
-    /// Ends the accepting side's cork (see [`FirstFlight::corked`]): writes what it gathered,
-    /// unless the writer task took it already. The reader calls it before it first waits
+    /// Ends the accepting side's cork (see [`WriteSide::corked`]): writes what it gathered,
+    /// unless the writer task wrote it already. The reader calls it before it first waits
     /// for input, having routed the frames that came with the `Hello`.
     pub(crate) fn uncork(&self) {
-        let mut first = self.first.lock();
-        if std::mem::take(&mut first.corked) {
-            write_carry(&mut first);
+        let mut io = self.io.lock();
+        if std::mem::take(&mut io.corked) {
+            let _ = self.write_carry(&mut io);
         }
     }
 
     fn enqueue_for_writer(&self, out: Out) -> Result<(), RpcError> {
         let bytes = match &out {
             Out::Frame { payload, .. } => payload.len(),
-            Out::Stop(_) => 0,
+            Out::Stop(_) | Out::Flush => 0,
         };
         self.queued.fetch_add(bytes, Ordering::Relaxed);
+        self.backlog.fetch_add(1, Ordering::AcqRel);
+        self.to_writer(out)
+    }
+
+    /// Queues `out` for the writer task, starting that task first if it has not run yet.
+    fn to_writer(&self, out: Out) -> Result<(), RpcError> {
+        if !self.writer.started.load(Ordering::Acquire) {
+            self.start_writer();
+        }
         self.out
             .send(out)
             .map_err(|_| RpcError::disconnected("connection closed"))
+    }
+
+    #[cold]
+    fn start_writer(&self) {
+        let mut slot = self.writer.start.lock();
+        if let Some((rx, runtime)) = slot.take() {
+            // Set before anything is queued: `stop` reads it under the write side's lock.
+            self.writer.started.store(true, Ordering::Release);
+            if let Some(shared) = self.me.upgrade() {
+                runtime.spawn(write_loop(shared, rx));
+            }
+        }
+    }
+
+    /// Sends `close` (if any) and shuts the write side down: at once where the writer task
+    /// never started and the transport takes it all without waiting (a connection whose
+    /// frames all went out with their senders), else through that task, after what it has.
+    fn stop(&self, close: Option<Out>) {
+        if !self.writer.started.load(Ordering::Acquire) {
+            let mut io = self.io.lock();
+            if !self.writer.started.load(Ordering::Acquire) {
+                // Nothing was ever queued: `carry` holds all there is to write before it.
+                if let Some(Out::Frame {
+                    head,
+                    head_len,
+                    payload,
+                }) = &close
+                {
+                    io.carry.extend_from_slice(&head[..*head_len as usize]);
+                    for part in payload.parts() {
+                        io.carry.extend_from_slice(part);
+                    }
+                }
+                let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+                let done = matches!(io.poll_carry(&mut cx), std::task::Poll::Ready(Ok(())))
+                    && matches!(
+                        std::pin::Pin::new(&mut io.wr).poll_shutdown(&mut cx),
+                        std::task::Poll::Ready(Ok(()))
+                    );
+                drop(io);
+                if !done {
+                    // The rest, `Close` included, is in `carry`: the writer writes it first.
+                    let _ = self.to_writer(Out::Stop(None));
+                }
+                return;
+            }
+        }
+        let _ = self.to_writer(Out::Stop(close.map(Box::new)));
     }
 
     /// Awaits an upload call's `reply` within its deadline (`opts.timeout`, else the
@@ -529,16 +695,18 @@ impl Shared {
         }
         tracing::debug!(%reason, "connection closing");
         let close = tell_remote.then(|| {
-            Box::new(encode(
+            encode(
                 Kind::Close,
                 Compression::None,
                 false,
                 0,
                 0,
                 Bytes::from(reason.to_payload()).into(),
-            ))
+            )
         });
-        let _ = self.out.send(Out::Stop(close));
+        // Counted and never written off: no sender writes on its own after this.
+        self.backlog.fetch_add(1, Ordering::AcqRel);
+        self.stop(close);
         let pending: Vec<_> = self.pending.lock().drain().collect();
         for (_, p) in pending {
             p.fail(failure.clone());
@@ -555,8 +723,13 @@ impl Shared {
     }
 
     /// Registers an outbound call; fails if the connection is (or just got) closed.
-    fn register(&self, id: u64, p: Pending) -> Result<(), RpcError> {
-        self.pending.lock().insert(id, p);
+    /// Returns whether it is the only call waiting on the connection.
+    fn register(&self, id: u64, p: Pending) -> Result<bool, RpcError> {
+        let lone = {
+            let mut pending = self.pending.lock();
+            pending.insert(id, p);
+            pending.len() == 1
+        };
         // Checked after inserting: `shutdown` sets the failure before draining the
         // table, so a call inserted after the drain sees it here (one atomic load, where
         // the reason's watch would take a read lock that every caller shares).
@@ -564,7 +737,7 @@ impl Shared {
             self.pending.lock().remove(&id);
             return Err(failure.clone());
         }
-        Ok(())
+        Ok(lone)
     }
 
     /// Registers unary call `id` and sends its `Call` frame. The guard, while armed, forgets
@@ -577,8 +750,8 @@ impl Shared {
         payload: Message,
     ) -> Result<(oneshot::Receiver<Result<Bytes, RpcError>>, CallGuard<'_>), RpcError> {
         let (tx, rx) = oneshot::channel();
-        self.register(id, Pending::Unary(tx))?;
-        if let Err(e) = self.send(Kind::Call, id, method_id, payload) {
+        let lone = self.register(id, Pending::Unary(tx))?;
+        if let Err(e) = self.send_lone(Kind::Call, id, method_id, payload, lone) {
             self.pending.lock().remove(&id);
             return Err(e);
         }
@@ -967,10 +1140,15 @@ impl Peer {
         };
         let early = early.map(Mutex::new);
         let high_water = high_water(settings.local_max, settings.remote_max);
-        // The write half goes to the writer task through the first-flight slot.
         let wr: Box<dyn AsyncWrite + Send + Unpin> = Box::new(wr);
         static NEXT_CONNECTION: AtomicU64 = AtomicU64::new(1);
-        let shared = Arc::new(Shared {
+        let writer = WriterStart {
+            started: AtomicBool::new(false),
+            start: Mutex::new(Some((rx, tokio::runtime::Handle::current()))),
+        };
+        let shared = Arc::new_cyclic(|me| Shared {
+            writer,
+            me: me.clone(),
             id: NEXT_CONNECTION.fetch_add(1, Ordering::Relaxed),
             out: tx,
             pending: Mutex::default(),
@@ -980,13 +1158,12 @@ impl Peer {
             settings,
             remote,
             early,
-            first: Mutex::new(FirstFlight {
-                wr: Some(wr),
+            io: Mutex::new(WriteSide {
+                wr,
                 corked: !answer.is_empty(),
                 carry: answer,
-                queued_any: false,
             }),
-            first_open: AtomicBool::new(true),
+            backlog: AtomicUsize::new(0),
             registry,
             identity,
             closed: watch::Sender::new(None),
@@ -996,7 +1173,6 @@ impl Peer {
             drained: Notify::new(),
             counters: Counters::default(),
         });
-        tokio::spawn(first_flight_writer(shared.clone(), rx));
         let reader = read_loop(shared.clone(), rd, leftover);
         let owner = owned.then(|| Arc::new(Owner(shared.clone())));
         let peer = Peer {
@@ -1014,55 +1190,10 @@ impl Peer {
     }
 }
 
-/// Writes what waits in `carry` as far as the transport takes it at once, unless the writer
-/// task took the write half already (and `carry` with it); the rest waits for that task.
-fn write_carry(first: &mut FirstFlight) {
-    if let Some(wr) = first.wr.as_mut() {
-        let at = write_now(wr, &first.carry);
-        first.carry.drain(..at);
-    }
-}
-
-/// Writes as much of `bytes` as the transport takes without waiting; returns how much.
-/// Pending or an error leaves the rest to the writer task (which meets the error).
-fn write_now(wr: &mut (dyn AsyncWrite + Send + Unpin), bytes: &[u8]) -> usize {
-    let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-    let mut at = 0;
-    while at < bytes.len() {
-        match std::pin::Pin::new(&mut *wr).poll_write(&mut cx, &bytes[at..]) {
-            std::task::Poll::Ready(Ok(n)) if n > 0 => at += n,
-            _ => break,
-        }
-    }
-    // Buffering transports (TLS, WebSocket) send on flush; the writer task flushes when it
-    // starts, should this not finish now.
-    let _ = std::pin::Pin::new(&mut *wr).poll_flush(&mut cx);
-    at
-}
-
-/// The writer task: takes the write half from the first-flight slot, with what senders
-/// could not write at once, then runs as usual.
-async fn first_flight_writer(shared: Arc<Shared>, rx: mpsc::UnboundedReceiver<Out>) {
-    let (wr, carry) = loop {
-        if let Some(mut first) = shared.first.try_lock() {
-            shared.first_open.store(false, Ordering::Release);
-            let wr = first.wr.take().expect("taken only here");
-            break (wr, std::mem::take(&mut first.carry));
-        }
-        // A sender holds the slot while it writes its frame to the transport (a syscall):
-        // let the thread run other tasks meanwhile instead of spinning and parking on the
-        // lock (which also costs a wake-up when the sender lets go).
-        tokio::task::yield_now().await;
-    };
-    write_loop(shared, rx, wr, carry).await;
-}
-
-async fn write_loop<W: AsyncWrite + Unpin>(
-    shared: Arc<Shared>,
-    mut rx: mpsc::UnboundedReceiver<Out>,
-    mut wr: W,
-    carry: Vec<u8>,
-) {
+/// The writer task: coalesces queued frames into few writes, after what senders of lone
+/// frames left in `carry`.
+async fn write_loop(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Out>) {
+    let mut wr = Locked(&shared.io);
     // Grown as batches need (up to about `BATCH`), not allocated at full size: most
     // connections write little, and freeing a 64 KiB buffer per connection made glibc give
     // the memory back to the kernel each time (an `madvise` and a TLB shootdown, which
@@ -1070,14 +1201,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     let mut buf: Vec<u8> = Vec::with_capacity(SMALL_BATCH);
     let stall = shared.settings.write_stall_timeout;
     let result: Result<(), RpcError> = async {
-        // What first-flight senders left: before anything queued, and flushed even when
-        // empty (a buffering transport may hold their frames).
-        if !carry.is_empty() {
-            write_all(&mut wr, &carry, stall).await?;
-        }
-        wr.flush().await?;
         while let Some(first) = rx.recv().await {
             let mut written_payload = 0usize;
+            let mut items = 1;
             let mut stop = match append(&mut buf, first, &mut written_payload) {
                 None => false,
                 Some(m) => push(&mut wr, &mut buf, m, &mut written_payload, stall).await?,
@@ -1086,6 +1212,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             while !stop {
                 match rx.try_recv() {
                     Ok(m) => {
+                        items += 1;
                         if let Some(m) = append(&mut buf, m, &mut written_payload) {
                             stop = push(&mut wr, &mut buf, m, &mut written_payload, stall).await?;
                         }
@@ -1107,6 +1234,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 .fetch_add(written_payload as u64, Ordering::Relaxed);
             shared.queued.fetch_sub(written_payload, Ordering::Relaxed);
             shared.drained.notify_waiters();
+            // Not after the stop: nothing may be written past the `Close`.
+            if !stop {
+                shared.backlog.fetch_sub(items, Ordering::AcqRel);
+            }
             if stop {
                 let _ = wr.shutdown().await;
                 return Ok(());
@@ -1174,6 +1305,8 @@ async fn push<W: AsyncWrite + Unpin>(
             }
             Ok(true)
         }
+        // The batch ends with a flush, which writes `carry` first.
+        Out::Flush => Ok(false),
     }
 }
 
@@ -1276,7 +1409,10 @@ async fn read_loop<R: AsyncRead + Unpin>(shared: Arc<Shared>, mut rd: R, mut buf
                         awaiting_answer = false;
                         continue;
                     }
-                    if let Err(e) = route(&shared, h, frame.freeze()).await {
+                    // The last frame of a read (or one that came with the `Hello`, whose
+                    // answers are gathered) may be answered with a write of its own.
+                    let lone = buf.is_empty() || uncork;
+                    if let Err(e) = route(&shared, h, frame.freeze(), lone).await {
                         break 'conn (e, true);
                     }
                 }
@@ -1353,7 +1489,13 @@ fn take_handshake_answer(s: &Shared, h: Header, payload: &[u8]) -> Result<(), Rp
 }
 
 /// Handles one received frame. An `Err` closes the connection with that reason.
-async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), RpcError> {
+/// `lone`: whether an answer sent at once may be written by this task (see [`WriteSide`]).
+async fn route(
+    shared: &Arc<Shared>,
+    h: Header,
+    payload: Bytes,
+    lone: bool,
+) -> Result<(), RpcError> {
     let s = &**shared;
     let payload = if h.compression == Compression::None {
         payload
@@ -1363,7 +1505,7 @@ async fn route(shared: &Arc<Shared>, h: Header, payload: Bytes) -> Result<(), Rp
     match h.kind {
         Kind::Call | Kind::OneWay => {
             wait_for_room(s).await;
-            start_call(shared, h, payload);
+            start_call(shared, h, payload, lone);
         }
         Kind::Ok | Kind::Error => {
             if h.kind == Kind::Error {
@@ -1517,13 +1659,13 @@ async fn wait_for_room(s: &Shared) {
     }
 }
 
-fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
+fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes, lone: bool) {
     let s = &**shared;
     let id = h.call_id;
     let reply = h.kind == Kind::Call;
     let fail = |e: RpcError| {
         if reply {
-            let _ = s.send(Kind::Error, id, 0, Bytes::from(e.to_payload()));
+            let _ = s.send_lone(Kind::Error, id, 0, Bytes::from(e.to_payload()), lone);
         }
     };
     let Some(entry) = s.registry.get(h.method_id) else {
@@ -1597,8 +1739,8 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
                 })
             };
             match polled {
-                Ok(std::task::Poll::Ready(r)) => return answer(s, id, reply, Ok(r)),
-                Err(panic) => return answer(s, id, reply, Err(panic)),
+                Ok(std::task::Poll::Ready(r)) => return answer(s, id, reply, Ok(r), lone),
+                Err(panic) => return answer(s, id, reply, Err(panic), lone),
                 Ok(std::task::Poll::Pending) => {}
             }
             let fut = fut.expect("pending, so not dropped");
@@ -1609,7 +1751,7 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
                 // Whoever removes the entry owns the answer: if `Cancel` got it first,
                 // the caller no longer waits.
                 if sh.inbound.lock().remove(&id).is_some() {
-                    answer(&sh, id, reply, r);
+                    answer(&sh, id, reply, r, false);
                 }
             };
             (None, task.boxed())
@@ -1654,14 +1796,21 @@ fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes) {
 }
 
 /// Sends a unary call's answer (nothing for a one-way call).
-fn answer(s: &Shared, id: u64, reply: bool, r: std::thread::Result<Result<Message, RpcError>>) {
+/// `lone`: see [`route`].
+fn answer(
+    s: &Shared,
+    id: u64,
+    reply: bool,
+    r: std::thread::Result<Result<Message, RpcError>>,
+    lone: bool,
+) {
     if !reply {
         return;
     }
     let r = r.unwrap_or_else(|_| Err(RpcError::new(ErrorCode::Internal, "the handler panicked")));
     let sent = match r {
-        Ok(bytes) => s.send(Kind::Ok, id, 0, bytes),
-        Err(e) => s.send(Kind::Error, id, 0, Bytes::from(e.to_payload())),
+        Ok(bytes) => s.send_lone(Kind::Ok, id, 0, bytes, lone),
+        Err(e) => s.send_lone(Kind::Error, id, 0, Bytes::from(e.to_payload()), lone),
     };
     if let Err(e) = sent {
         let _ = s.send(Kind::Error, id, 0, Bytes::from(e.to_payload()));

@@ -161,5 +161,65 @@ async fn a_first_call_held_by_a_buffering_transport_is_flushed_by_the_writer() {
     // must send it.
     let sum = tokio::time::timeout(std::time::Duration::from_secs(10), calc.sum(20, 22));
     assert_eq!(sum.await.expect("the call was never sent").unwrap(), 42);
+    // Later lone calls are written by their callers too, whatever the flush answers.
+    for i in 0..10 {
+        let sum = tokio::time::timeout(std::time::Duration::from_secs(10), calc.sum(i, 1));
+        assert_eq!(
+            sum.await.expect("a later call was never sent").unwrap(),
+            i + 1
+        );
+    }
     let _server_side = accepted.await.unwrap().unwrap();
+}
+
+/// On an open connection, a call made while no other waits (and the answer to it) is
+/// written by its sender; over a pipe too narrow to take it at once, the writer task sends
+/// the rest, and the frames queued meanwhile follow it, whole and in order.
+#[tokio::test]
+async fn lone_calls_that_the_transport_cannot_take_at_once_arrive_whole_and_in_order() {
+    let (server, _) = calc_server(Config::default());
+    let (a, b) = tokio::io::duplex(64);
+    let accepted = tokio::spawn(async move { server.accept(a).await });
+    let calc = CalcClient::new(
+        coherent_rpc::Endpoint::builder()
+            .build()
+            .connect(b)
+            .await
+            .unwrap(),
+    );
+    let _server_side = accepted.await.unwrap().unwrap();
+    for round in 0..20u32 {
+        let data: Vec<u8> = (0..1000 + round).map(|i| i as u8).collect();
+        assert_eq!(calc.echo(data.clone()).await.unwrap(), data);
+        // The first of these goes alone, the others behind it through the queue.
+        let (x, y, z) = tokio::join!(
+            calc.echo(data.clone()),
+            calc.sum(round as i32, 1),
+            calc.echo(data.clone())
+        );
+        assert_eq!(x.unwrap(), data);
+        assert_eq!(y.unwrap(), round as i32 + 1);
+        assert_eq!(z.unwrap(), data);
+    }
+}
+
+/// A connection whose frames all went out with their senders never started its writer
+/// task; dropping the client still sends `Close`, with its reason.
+#[tokio::test]
+async fn a_client_dropped_after_lone_calls_tells_the_server_why() {
+    let (server, _) = calc_server(Config::default());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        server.accept(stream).await
+    });
+    let client = coherent_rpc::Endpoint::builder().build();
+    let calc = CalcClient::new(client.connect_tcp(addr).await.unwrap());
+    let server_side = accepted.await.unwrap().unwrap();
+    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+    assert_eq!(calc.sum(3, 4).await.unwrap(), 7);
+    drop(calc);
+    let reason = server_side.closed().await;
+    assert!(reason.message().contains("dropped"), "{reason}");
 }
