@@ -123,6 +123,7 @@ async fn run_async(timing: Timing, only: &str) -> anyhow::Result<Report> {
     bar.finish_and_clear();
 
     report.note("every peer serves and calls in this process over 127.0.0.1; ratios compare coherent with tonic (other peers: with coherent)");
+    report.note("latency: the peers take turns, 8 new-connection samples (each a connect, one call and a drop) or 100 calls on a kept connection at a time; calls made from the thread that runs the runtime's block_on");
     report.note("calls: each peer's best of (callers, connections) settings, shown in its row, all peers' runs taking turns; coherent/rawtcp tried (200,2) (1000,2) (200,1), tonic/tarpc (200,2) (1000,4) (200,1), http (50,50) (16,16)");
     report.note("coherent: postcard, no compression, default limits but 16 MB messages, stream window 1024 items, zero-RTT connects; tonic: HTTP/2, TCP_NODELAY, 8 MB windows; tarpc: bincode serde transport, requests spawned; http: axum + hyper pool, JSON; rawtcp: length-prefixed postcard frames, one batching writer and one reader per connection, answers computed inline");
     report.note(
@@ -325,9 +326,16 @@ impl Probe {
     }
 }
 
-/// The latency cases of every peer. The peers take turns, sample by sample for a new
-/// connection and 100 calls at a time on a kept one, so that a slow phase of the machine
-/// hits every peer alike.
+/// New-connection samples a peer makes in a row before the next peer's turn. A closed
+/// connection's teardown runs on while the next connection is set up, so a sample pays
+/// for the teardown before it: in runs, most samples pay for their own peer's previous
+/// connection, as in a client that connects again and again, instead of every sample
+/// paying for the same other peer's (sample by sample, each peer followed one fixed peer).
+const CONNECT_RUN: usize = 8;
+
+/// The latency cases of every peer. The peers take turns, in runs of [`CONNECT_RUN`]
+/// samples for a new connection and of 100 calls on a kept one, so that a slow phase of
+/// the machine hits every peer alike.
 async fn latency(
     report: &mut Report,
     bar: &ProgressBar,
@@ -345,10 +353,12 @@ async fn latency(
     let start = Instant::now();
     while totals[0].len() < 5_000 && (totals[0].len() < 50 || start.elapsed() < budget) {
         for (i, p) in probes.iter().enumerate() {
-            let (connect, call) = (p.connect_call)().await?;
-            connects[i].push(connect);
-            calls[i].push(call);
-            totals[i].push(connect + call);
+            for _ in 0..CONNECT_RUN {
+                let (connect, call) = (p.connect_call)().await?;
+                connects[i].push(connect);
+                calls[i].push(call);
+                totals[i].push(connect + call);
+            }
         }
     }
 
