@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::error::{ErrorCode, RpcError};
 use crate::frame::{Compression, Header, Kind};
 use crate::handshake::{self, Hello};
+use crate::net::{Due, Eager};
 use crate::peer::{self, Out, Peer, Role, Settings};
 use crate::service::{BoxFuture, Identity, Registry, Service};
 
@@ -143,6 +144,15 @@ impl Endpoint {
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
+        self.connect_with_due(io, None).await
+    }
+
+    /// [`connect`](Self::connect), with the handle through which the reader tells a socket
+    /// read as it is how many bytes are due (see [`Due`]).
+    async fn connect_with_due<IO>(&self, io: IO, due: Option<Due>) -> Result<Peer, RpcError>
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
         let (mut rd, mut wr) = tokio::io::split(io);
         let timeout = self.inner.config.handshake_timeout;
         let hello = self.hello(&self.inner.token);
@@ -156,7 +166,7 @@ impl Endpoint {
             settings.remote_max = peer::EARLY_MAX as u32;
             let early = peer::Early::new(self.inner.config.compression, hello.format, timeout);
             return Ok(Peer::start(
-                rd,
+                (rd, due),
                 wr,
                 BytesMut::new(),
                 settings,
@@ -188,7 +198,7 @@ impl Endpoint {
         }
         settings.format = hello.format;
         Ok(Peer::start(
-            rd,
+            (rd, due),
             wr,
             leftover,
             settings,
@@ -203,7 +213,7 @@ impl Endpoint {
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
-        let (peer, reader) = self.handshake_accepting(io).await?;
+        let (peer, reader) = self.handshake_accepting(io, None).await?;
         // The reader runs later, on its own task: the answer to the `Hello` goes now.
         peer.shared.uncork();
         tokio::spawn(reader);
@@ -213,11 +223,11 @@ impl Endpoint {
     /// Accepts a connection and serves it on the calling task until it closes: the task
     /// that read the `Hello` reads on (frames sent right behind it included) instead of
     /// handing the connection to a new reader task.
-    pub(crate) async fn serve_accepted<IO>(&self, io: IO) -> Result<(), RpcError>
+    pub(crate) async fn serve_accepted<IO>(&self, io: IO, due: Option<Due>) -> Result<(), RpcError>
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
-        let (_peer, reader) = self.handshake_accepting(io).await?;
+        let (_peer, reader) = self.handshake_accepting(io, due).await?;
         reader.await;
         Ok(())
     }
@@ -225,6 +235,7 @@ impl Endpoint {
     async fn handshake_accepting<IO>(
         &self,
         io: IO,
+        due: Option<Due>,
     ) -> Result<(Peer, impl Future<Output = ()> + Send + 'static), RpcError>
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
@@ -288,7 +299,7 @@ impl Endpoint {
         // The answer goes out with the answers to the calls sent right behind the `Hello`
         // (zero-RTT), in one write, once the reader has routed them: see `Shared::uncork`.
         Ok(Peer::start_writer(
-            rd,
+            (rd, due),
             wr,
             leftover,
             self.settings(&hello),
@@ -311,7 +322,9 @@ impl Endpoint {
         )
         .await
         .map_err(|_| RpcError::disconnected("TCP connect timed out"))??;
-        self.connect(crate::net::Eager::new(stream)).await
+        let io = Eager::new(stream);
+        let due = io.due();
+        self.connect_with_due(io, due).await
     }
 
     /// Accepts TCP connections until the listener fails, serving each on its own task.
@@ -340,7 +353,9 @@ impl Endpoint {
     {
         let this = self.clone();
         tokio::spawn(async move {
-            if let Err(e) = this.serve_accepted(crate::net::Eager::new(stream)).await {
+            let io = Eager::new(stream);
+            let due = io.due();
+            if let Err(e) = this.serve_accepted(io, due).await {
                 tracing::debug!(%e, "handshake failed");
             }
         });
@@ -351,7 +366,7 @@ impl Endpoint {
     #[cfg(unix)]
     pub async fn connect_unix(&self, path: impl AsRef<std::path::Path>) -> Result<Peer, RpcError> {
         let stream = tokio::net::UnixStream::connect(path).await?;
-        self.connect(crate::net::Eager::new(stream)).await
+        self.connect(Eager::new(stream)).await
     }
 
     /// Accepts Unix domain socket connections until the listener fails.
@@ -497,7 +512,7 @@ mod tests {
             inner: server_io,
             writes: writes.clone(),
         };
-        let served = tokio::spawn(async move { server.serve_accepted(io).await });
+        let served = tokio::spawn(async move { server.serve_accepted(io, None).await });
 
         // A `Hello` and a call to a method the server does not have, in one write: the
         // server answers the call inline, with an error.

@@ -78,7 +78,7 @@ impl Endpoint {
             tokio::spawn(async move {
                 let served = async {
                     let tls = this.tls_accept(tcp, config).await?;
-                    this.serve_accepted(tls).await
+                    this.serve_accepted(tls, None).await
                 };
                 if let Err(e) = served.await {
                     tracing::debug!(%e, "TLS connection failed");

@@ -47,3 +47,92 @@ async fn a_call_to_a_peer_that_went_silent_fails_with_disconnected_at_the_idle_t
     assert_eq!(err.code(), ErrorCode::Disconnected);
     assert!(peer.closed().await.message().contains("dead"));
 }
+
+/// A TCP stream whose writes go out at most `SLOW_CHUNK` bytes per `SLOW_PAUSE`: a slow link.
+struct Slow {
+    inner: tokio::net::TcpStream,
+    pause: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+const SLOW_CHUNK: usize = 32 * 1024;
+const SLOW_PAUSE: Duration = Duration::from_millis(25);
+
+impl tokio::io::AsyncRead for Slow {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Slow {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        use std::future::Future;
+        if let Some(pause) = self.pause.as_mut() {
+            std::task::ready!(pause.as_mut().poll(cx));
+            self.pause = None;
+        }
+        let n = buf.len().min(SLOW_CHUNK);
+        let r = std::task::ready!(std::pin::Pin::new(&mut self.inner).poll_write(cx, &buf[..n]));
+        self.pause = Some(Box::pin(tokio::time::sleep(SLOW_PAUSE)));
+        std::task::Poll::Ready(r)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Over TCP, a reader of a large frame asks the kernel not to wake it before a good part of
+/// the rest has come (`SO_RCVLOWAT`); a sender slower than that per idle timeout must still
+/// not be taken for a dead peer. Real time: the link's pace is what is tested.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_message_trickling_in_over_tcp_keeps_the_connection_alive() {
+    let config = Config::default()
+        .keepalive(
+            Some(Duration::from_millis(50)),
+            Some(Duration::from_millis(250)),
+        )
+        .max_message_size(4 << 20);
+    let (server, _) = calc_server(config.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { server.serve_tcp(listener).await });
+    let slow = Slow {
+        inner: tokio::net::TcpStream::connect(addr).await.unwrap(),
+        pause: None,
+    };
+    let peer = Endpoint::builder()
+        .config(config)
+        .build()
+        .connect(slow)
+        .await
+        .unwrap();
+    // 1.25 MiB at 32 KiB per 25 ms: 400 ms between wake-ups at the reader's 512 KiB
+    // low-water mark, against a 250 ms idle timeout checked every 50 ms.
+    let data: Vec<u8> = (0..5 << 18).map(|i: u32| (i % 251) as u8).collect();
+    let blob = coherent_rpc::Blob::from(data);
+    let (n, back) = CalcClient::new(peer.clone())
+        .echo_blob(blob.clone())
+        .await
+        .unwrap();
+    assert_eq!(n, blob.len());
+    assert!(back == blob, "the echo differs");
+    assert!(peer.close_reason().is_none());
+}
