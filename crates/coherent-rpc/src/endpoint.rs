@@ -318,7 +318,7 @@ impl Endpoint {
     pub async fn connect_tcp(&self, addr: impl ToSocketAddrs) -> Result<Peer, RpcError> {
         let stream = tokio::time::timeout(
             self.inner.config.handshake_timeout,
-            crate::net::connect_tcp(addr),
+            crate::net::connect_tcp(addr, self.inner.config.tcp_send_buffer),
         )
         .await
         .map_err(|_| RpcError::disconnected("TCP connect timed out"))??;
@@ -332,7 +332,7 @@ impl Endpoint {
     pub async fn serve_tcp(&self, listener: TcpListener) -> io::Result<()> {
         let inherited = crate::net::nodelay_inherited(&listener);
         loop {
-            let (stream, _) = match listener.accept().await {
+            let (stream, peer) = match listener.accept().await {
                 Ok(s) => s,
                 // Out of file descriptors and the like: keep serving the others.
                 Err(e) if is_transient(&e) => continue,
@@ -341,6 +341,7 @@ impl Endpoint {
             if !inherited {
                 let _ = stream.set_nodelay(true);
             }
+            crate::net::set_send_buffer(&stream, peer, self.inner.config.tcp_send_buffer);
             self.hand_off(stream).await;
         }
     }

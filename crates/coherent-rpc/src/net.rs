@@ -13,6 +13,8 @@ use socket2::{Domain, SockRef, Socket, Type};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{lookup_host, TcpStream, ToSocketAddrs};
 
+use crate::config::SendBuffer;
+
 /// Connects to the first of `addr`'s addresses that answers, with `TCP_NODELAY` set (the
 /// writer batches already).
 ///
@@ -20,10 +22,13 @@ use tokio::net::{lookup_host, TcpStream, ToSocketAddrs};
 /// so on loopback, where the handshake runs inside the `connect` call) is used at once:
 /// waiting for the reactor to report the socket writable costs a thread wake-up, about a
 /// fifth of a fresh connection's first call on a 2-core machine.
-pub(crate) async fn connect_tcp(addr: impl ToSocketAddrs) -> io::Result<TcpStream> {
+pub(crate) async fn connect_tcp(
+    addr: impl ToSocketAddrs,
+    send_buffer: SendBuffer,
+) -> io::Result<TcpStream> {
     let mut last = None;
     for addr in lookup_host(addr).await? {
-        match connect_one(addr).await {
+        match connect_one(addr, send_buffer).await {
             Ok(s) => return Ok(s),
             Err(e) => last = Some(e),
         }
@@ -36,7 +41,31 @@ pub(crate) async fn connect_tcp(addr: impl ToSocketAddrs) -> io::Result<TcpStrea
     }))
 }
 
-async fn connect_one(addr: SocketAddr) -> io::Result<TcpStream> {
+/// The send buffer [`SendBuffer::Auto`] gives a connection to this host.
+const LOOPBACK_SEND_BUFFER: u32 = 512 * 1024;
+
+/// The send buffer `choice` gives a connection to `peer`, if any (else the kernel's).
+fn send_buffer_for(choice: SendBuffer, peer: SocketAddr) -> Option<u32> {
+    match choice {
+        SendBuffer::Kernel => None,
+        SendBuffer::Bytes(n) => Some(n),
+        SendBuffer::Auto => peer
+            .ip()
+            .to_canonical()
+            .is_loopback()
+            .then_some(LOOPBACK_SEND_BUFFER),
+    }
+}
+
+/// Sets the send buffer of an accepted connection from `peer` as `choice` says. A failure
+/// leaves the kernel's (the connection works either way).
+pub(crate) fn set_send_buffer(stream: &TcpStream, peer: SocketAddr, choice: SendBuffer) {
+    if let Some(bytes) = send_buffer_for(choice, peer) {
+        let _ = SockRef::from(stream).set_send_buffer_size(bytes as usize);
+    }
+}
+
+async fn connect_one(addr: SocketAddr, send_buffer: SendBuffer) -> io::Result<TcpStream> {
     // On Linux the socket is non-blocking from `socket(2)`: two `fcntl` calls fewer on a
     // new connection's path.
     #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -46,6 +75,9 @@ async fn connect_one(addr: SocketAddr) -> io::Result<TcpStream> {
     #[cfg(not(any(target_os = "linux", target_os = "android")))]
     socket.set_nonblocking(true)?;
     socket.set_tcp_nodelay(true)?;
+    if let Some(bytes) = send_buffer_for(send_buffer, addr) {
+        let _ = socket.set_send_buffer_size(bytes as usize);
+    }
     // Where writes cannot say `MSG_NOSIGNAL`, the socket says it (as mio's sockets do).
     #[cfg(any(
         target_os = "ios",
@@ -319,6 +351,45 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
+    #[test]
+    fn the_automatic_send_buffer_is_set_for_peers_on_this_host_only() {
+        let at = |a: &str| a.parse::<SocketAddr>().unwrap();
+        let auto = |a: &str| send_buffer_for(SendBuffer::Auto, at(a));
+        assert_eq!(auto("127.0.0.1:1"), Some(LOOPBACK_SEND_BUFFER));
+        assert_eq!(auto("127.9.9.9:1"), Some(LOOPBACK_SEND_BUFFER));
+        assert_eq!(auto("[::1]:1"), Some(LOOPBACK_SEND_BUFFER));
+        assert_eq!(auto("[::ffff:127.0.0.1]:1"), Some(LOOPBACK_SEND_BUFFER));
+        assert_eq!(auto("10.0.0.1:1"), None);
+        assert_eq!(auto("[2001:db8::1]:1"), None);
+        assert_eq!(send_buffer_for(SendBuffer::Kernel, at("127.0.0.1:1")), None);
+        assert_eq!(
+            send_buffer_for(SendBuffer::Bytes(65536), at("10.0.0.1:1")),
+            Some(65536)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_connection_to_this_host_gets_the_loopback_send_buffer() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let ours = connect_tcp(addr, SendBuffer::Auto).await.unwrap();
+        let (theirs, peer) = listener.accept().await.unwrap();
+        set_send_buffer(&theirs, peer, SendBuffer::Bytes(256 * 1024));
+        let size = |s: &TcpStream| SockRef::from(s).send_buffer_size().unwrap();
+        if cfg!(target_os = "linux") {
+            // Linux reports twice what was asked (its bookkeeping), unless capped by
+            // `net.core.wmem_max`: either way not the autotuned default's 16 KiB start.
+            let cap = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(usize::MAX);
+            assert_eq!(size(&ours), 2 * (LOOPBACK_SEND_BUFFER as usize).min(cap));
+            assert_eq!(size(&theirs), 2 * (256 * 1024usize).min(cap));
+        } else {
+            assert!(size(&ours) >= LOOPBACK_SEND_BUFFER as usize);
+        }
+    }
+
     /// `serve_tcp` counts on this to skip a `setsockopt` per connection.
     #[tokio::test]
     async fn accepted_sockets_inherit_nodelay_where_said() {
@@ -348,7 +419,7 @@ mod tests {
             s.write_all(b"world").await.unwrap();
             b
         });
-        let stream = connect_tcp(addr).await.unwrap();
+        let stream = connect_tcp(addr, SendBuffer::Kernel).await.unwrap();
         assert!(stream.nodelay().unwrap());
         assert_eq!(stream.peer_addr().unwrap(), addr);
         let mut stream = Eager::new(stream);
@@ -366,7 +437,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         drop(listener);
-        let e = connect_tcp(addr).await.unwrap_err();
+        let e = connect_tcp(addr, SendBuffer::Kernel).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
     }
 
@@ -377,7 +448,9 @@ mod tests {
         drop(closed);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let stream = connect_tcp(&[closed_addr, addr][..]).await.unwrap();
+        let stream = connect_tcp(&[closed_addr, addr][..], SendBuffer::Kernel)
+            .await
+            .unwrap();
         assert_eq!(stream.peer_addr().unwrap(), addr);
     }
 
@@ -400,7 +473,7 @@ mod tests {
             s.read_to_end(&mut got).await.unwrap();
             got
         });
-        let mut w = Eager::new(connect_tcp(addr).await.unwrap());
+        let mut w = Eager::new(connect_tcp(addr, SendBuffer::Kernel).await.unwrap());
         assert!(w.is_write_vectored());
         w.write_all(&data[..LEN / 2]).await.unwrap();
         let (a, b) = data[LEN / 2..].split_at(LEN / 4);
@@ -424,7 +497,7 @@ mod tests {
     async fn a_fresh_socket_takes_a_vectored_write_directly() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut w = Eager::new(connect_tcp(addr).await.unwrap());
+        let mut w = Eager::new(connect_tcp(addr, SendBuffer::Kernel).await.unwrap());
         let (r, _) = listener.accept().await.unwrap();
         let slices = [IoSlice::new(b"head:"), IoSlice::new(b"body")];
         let n = std::future::poll_fn(|cx| Pin::new(&mut w).poll_write_vectored(cx, &slices))

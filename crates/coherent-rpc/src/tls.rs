@@ -26,7 +26,7 @@ impl Endpoint {
             .map_err(|e| RpcError::disconnected(format!("bad TLS server name: {e}")))?;
         let timeout = self.config_ref().handshake_timeout;
         let tls = tokio::time::timeout(timeout, async {
-            let tcp = crate::net::connect_tcp(addr).await?;
+            let tcp = crate::net::connect_tcp(addr, self.config_ref().tcp_send_buffer).await?;
             TlsConnector::from(config)
                 .connect(name, crate::net::Eager::new(tcp))
                 .await
@@ -52,6 +52,9 @@ impl Endpoint {
         config: Arc<rustls::ServerConfig>,
     ) -> Result<tokio_rustls::server::TlsStream<crate::net::Eager<TcpStream>>, RpcError> {
         let _ = tcp.set_nodelay(true);
+        if let Ok(peer) = tcp.peer_addr() {
+            crate::net::set_send_buffer(&tcp, peer, self.config_ref().tcp_send_buffer);
+        }
         let timeout = self.config_ref().handshake_timeout;
         let tcp = crate::net::Eager::new(tcp);
         Ok(

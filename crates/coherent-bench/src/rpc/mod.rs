@@ -125,7 +125,7 @@ async fn run_async(timing: Timing, only: &str) -> anyhow::Result<Report> {
     report.note("every peer serves and calls in this process over 127.0.0.1; ratios compare coherent with tonic (other peers: with coherent)");
     report.note("latency: the peers take turns, 8 new-connection samples (each a connect, one call and a drop) or 100 calls on a kept connection at a time; calls made from the thread that runs the runtime's block_on");
     report.note("calls: each peer's best of (callers, connections) settings, shown in its row, all peers' runs taking turns; coherent/rawtcp tried (200,2) (1000,2) (200,1), tonic/tarpc (200,2) (1000,4) (200,1), http (50,50) (16,16)");
-    report.note("coherent: postcard, no compression, default limits but 16 MB messages, stream window 1024 items, zero-RTT connects; tonic: HTTP/2, TCP_NODELAY, 8 MB windows; tarpc: bincode serde transport, requests spawned; http: axum + hyper pool, JSON; rawtcp: length-prefixed postcard frames, one batching writer and one reader per connection, answers computed inline");
+    report.note("coherent: postcard, no compression, default limits but 16 MB messages, stream window 1024 items, zero-RTT connects, the default 512 KiB TCP send buffer to a loopback peer (other peers: the kernel's autotuning; tonic offers no such setting); tonic: HTTP/2, TCP_NODELAY, 8 MB windows; tarpc: bincode serde transport, requests spawned; http: axum + hyper pool, JSON; rawtcp: length-prefixed postcard frames, one batching writer and one reader per connection, answers computed inline");
     report.note(
         "payload: 10 MiB echoed per round trip by one caller; MB/s = 10.49 MB x round trips/s",
     );
