@@ -145,7 +145,7 @@ impl<S: Direct> Eager<S> {
             inner,
             read_direct: true,
             write_direct: true,
-            due: S::LOW_MARK.then(Due::default),
+            due: S::HONORS_RCVLOWAT.then(Due::default),
             mark: 0,
         }
     }
@@ -172,9 +172,9 @@ impl<S: Direct> Eager<S> {
 
 /// How many bytes a connection's reader knows will arrive (the rest of a large frame), shared
 /// with the socket it reads: the socket then asks the kernel not to wake the reader until that
-/// many are queued (`SO_RCVLOWAT`), instead of at every segment. A 10 MB payload then wakes
-/// its reader about 20 times instead of about 150, each wake-up an interrupt to the other core
-/// that the sending core waits on. 0 (the default) asks nothing.
+/// many are queued (`SO_RCVLOWAT`), instead of at every segment: a 10 MiB echo took 18 reads
+/// per round trip instead of 37 (`strace -c` on `examples/payload`), and fewer wake-ups of
+/// the reading thread. 0 (the default) asks nothing.
 ///
 /// The reader must never say more than the other side is bound to send (the rest of a frame
 /// it has started), or it could sleep on bytes that never come; and must say 0 when it wants
@@ -244,7 +244,7 @@ pub(crate) trait Direct {
 
     /// Whether its kernel keeps a reader asleep until `SO_RCVLOWAT` bytes are queued (TCP
     /// on Linux: it checks the mark both when it wakes a reader and when `epoll` asks).
-    const LOW_MARK: bool = false;
+    const HONORS_RCVLOWAT: bool = false;
 }
 
 impl Direct for TcpStream {
@@ -252,7 +252,7 @@ impl Direct for TcpStream {
         SockRef::from(self)
     }
 
-    const LOW_MARK: bool = cfg!(any(target_os = "linux", target_os = "android"));
+    const HONORS_RCVLOWAT: bool = cfg!(any(target_os = "linux", target_os = "android"));
 }
 
 #[cfg(unix)]

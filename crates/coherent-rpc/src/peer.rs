@@ -532,10 +532,7 @@ impl Shared {
                     // `carry` is empty here unless corked: whatever a write left over
                     // counts in the backlog until the writer has written it.
                     if payload.len() <= DIRECT_MAX && self.backlog.load(Ordering::Acquire) == 0 {
-                        io.carry.extend_from_slice(&head[..*head_len as usize]);
-                        for part in payload.parts() {
-                            io.carry.extend_from_slice(part);
-                        }
+                        put_frame(&mut io.carry, &head[..*head_len as usize], payload);
                         self.counters
                             .bytes_out
                             .fetch_add(payload.len() as u64, Ordering::Relaxed);
@@ -623,10 +620,7 @@ impl Shared {
                     payload,
                 }) = &close
                 {
-                    io.carry.extend_from_slice(&head[..*head_len as usize]);
-                    for part in payload.parts() {
-                        io.carry.extend_from_slice(part);
-                    }
+                    put_frame(&mut io.carry, &head[..*head_len as usize], payload);
                 }
                 let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
                 let done = matches!(io.poll_carry(&mut cx), std::task::Poll::Ready(Ok(())))
@@ -1262,14 +1256,20 @@ fn append(buf: &mut Vec<u8>, m: Out, written: &mut usize) -> Option<Out> {
             head_len,
             payload,
         } if payload.parts().all(|p| p.len() < DIRECT_WRITE) => {
-            buf.extend_from_slice(&head[..head_len as usize]);
+            put_frame(buf, &head[..head_len as usize], &payload);
             *written += payload.len();
-            for part in payload.parts() {
-                buf.extend_from_slice(part);
-            }
             None
         }
         other => Some(other),
+    }
+}
+
+/// Appends a frame's head and every part of its payload to `buf`.
+#[inline]
+fn put_frame(buf: &mut Vec<u8>, head: &[u8], payload: &Message) {
+    buf.extend_from_slice(head);
+    for part in payload.parts() {
+        buf.extend_from_slice(part);
     }
 }
 
@@ -1400,7 +1400,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
     // The low-water mark asked of the socket, and whether it must wake at every byte.
     let (mut marked, mut every_byte) = (0u32, false);
     let reason = 'conn: loop {
-        if let Some(l) = large.take_if(|l| l.payload.len() == l.header.len as usize) {
+        if let Some(l) = large.take_if(|l| l.rest() == 0) {
             let h = l.header;
             if let Err(e) = route(&shared, h, l.finish(), true).await {
                 break 'conn (e, true);
@@ -1521,6 +1521,11 @@ impl Large {
         Self { header, payload }
     }
 
+    /// The bytes of the frame still to come.
+    fn rest(&self) -> usize {
+        self.header.len as usize - self.payload.len()
+    }
+
     fn finish(self) -> Bytes {
         Bytes::from(self.payload)
     }
@@ -1529,8 +1534,7 @@ impl Large {
     /// while at least that much of the frame is due, else 0 (wake at every byte), so that
     /// the mark changes twice per frame, not at every read.
     fn low_mark(&self) -> u32 {
-        let rest = self.header.len as usize - self.payload.len();
-        if rest >= LOW_MARK {
+        if self.rest() >= LOW_MARK {
             LOW_MARK as u32
         } else {
             0
@@ -1552,7 +1556,7 @@ async fn read_some<R: AsyncRead + Unpin>(
 ) -> io::Result<usize> {
     match large {
         Some(l) => {
-            let rest = l.header.len as usize - l.payload.len();
+            let rest = l.rest();
             rd.read_buf(&mut bytes::BufMut::limit(&mut l.payload, rest))
                 .await
         }
