@@ -337,6 +337,11 @@ pub(crate) struct Shared {
     high_water: AtomicUsize,
     drained: Notify,
     counters: Counters,
+    /// What a new stream's first batch reserves: what the last stream's batches did (see
+    /// [`Batch::capacity`]). Growing each stream's first batch from a few hundred bytes
+    /// took a `realloc` at every doubling, and glibc's arena lock with it, which the
+    /// writer's thread freeing sent batches contends for.
+    stream_batch: AtomicUsize,
 }
 
 impl Shared {
@@ -1167,6 +1172,7 @@ impl Peer {
             high_water: AtomicUsize::new(high_water),
             drained: Notify::new(),
             counters: Counters::default(),
+            stream_batch: AtomicUsize::new(MIN_BATCH),
         });
         let reader = read_loop(shared.clone(), rd, due, leftover);
         let owner = owned.then(|| Arc::new(Owner(shared.clone())));
@@ -1939,16 +1945,30 @@ async fn pump(
     items: &mut crate::service::ItemStream,
     credits: &Semaphore,
 ) -> Result<(), RpcError> {
-    use std::task::{Context, Poll};
-    let format = s.settings.format;
+    let limit = STREAM_BATCH.min(s.remote.max.load(Ordering::Relaxed) as usize);
     let mut batch = Batch {
         buf: Vec::new(),
         count: 0,
-        capacity: 256,
-        limit: STREAM_BATCH.min(s.remote.max.load(Ordering::Relaxed) as usize),
+        capacity: s.stream_batch.load(Ordering::Relaxed).min(limit + 64),
+        peak: MIN_BATCH,
+        limit,
         upload,
         prefix: 1,
     };
+    let result = pump_batches(s, id, items, credits, &mut batch).await;
+    s.stream_batch.store(batch.peak, Ordering::Relaxed);
+    result
+}
+
+async fn pump_batches(
+    s: &Shared,
+    id: u64,
+    items: &mut crate::service::ItemStream,
+    credits: &Semaphore,
+    batch: &mut Batch,
+) -> Result<(), RpcError> {
+    use std::task::{Context, Poll};
+    let format = s.settings.format;
     let mut credit = 0u32;
     loop {
         if credit == 0 {
@@ -2001,12 +2021,14 @@ async fn pump(
         credit -= 1;
         batch.seal(start);
         if batch.buf.len() > batch.limit && batch.count > 1 {
-            // The last item does not fit: it starts the next batch.
-            let last = batch.buf[start..].to_vec();
+            // The last item does not fit: it starts the next batch, in a buffer of the
+            // next batch's size.
+            let mut next = Vec::with_capacity(batch.capacity.max(batch.buf.len() - start));
+            next.extend_from_slice(&batch.buf[start..]);
             batch.buf.truncate(start);
             batch.count -= 1;
             batch.flush(s, id)?;
-            batch.buf = last;
+            batch.buf = next;
             batch.count = 1;
         }
         if batch.buf.len() >= batch.limit {
@@ -2018,12 +2040,17 @@ async fn pump(
 /// The largest `StreamBatch` payload a producer builds.
 const STREAM_BATCH: usize = 64 * 1024;
 
+/// The least a batch reserves.
+const MIN_BATCH: usize = 256;
+
 /// Items of one stream waiting to be sent, each as `length (varint) · item`.
 struct Batch {
     buf: Vec<u8>,
     count: u32,
-    /// What a new batch reserves: twice the last batch, within `256..=limit`.
+    /// What a new batch reserves: twice the last batch, within `MIN_BATCH..=limit + 64`.
     capacity: usize,
+    /// The most that `capacity` was: what the connection's next stream starts with.
+    peak: usize,
     limit: usize,
     /// Whether the frames are an upload's.
     upload: bool,
@@ -2080,7 +2107,8 @@ impl Batch {
             return Ok(());
         }
         let len = self.buf.len();
-        self.capacity = (len * 2).clamp(256, self.limit + 64);
+        self.capacity = (len * 2).clamp(MIN_BATCH, self.limit + 64);
+        self.peak = self.peak.max(self.capacity);
         let mut payload = Bytes::from(std::mem::take(&mut self.buf));
         if count == 1 {
             let (_, prefix) = crate::frame::read_varint(&payload)
