@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::error::{ErrorCode, RpcError};
 use crate::frame::{Compression, Header, Kind};
 use crate::handshake::{self, Hello};
-use crate::net::{Due, Eager};
+use crate::net::Due;
 use crate::peer::{self, Out, Peer, Role, Settings};
 use crate::service::{BoxFuture, Identity, Registry, Service};
 
@@ -144,16 +144,22 @@ impl Endpoint {
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
-        self.connect_with_due(io, None).await
+        let (rd, wr) = tokio::io::split(io);
+        self.connect_halves(rd, wr, None).await
     }
 
-    /// [`connect`](Self::connect), with the handle through which the reader tells a socket
-    /// read as it is how many bytes are due (see [`Due`]).
-    async fn connect_with_due<IO>(&self, io: IO, due: Option<Due>) -> Result<Peer, RpcError>
+    /// [`connect`](Self::connect) over a transport's two halves, with the handle through
+    /// which the reader tells a socket read as it is how many bytes are due (see [`Due`]).
+    async fn connect_halves<R, W>(
+        &self,
+        mut rd: R,
+        mut wr: W,
+        due: Option<Due>,
+    ) -> Result<Peer, RpcError>
     where
-        IO: AsyncRead + AsyncWrite + Send + 'static,
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
     {
-        let (mut rd, mut wr) = tokio::io::split(io);
         let timeout = self.inner.config.handshake_timeout;
         let hello = self.hello(&self.inner.token);
         if self.inner.config.zero_rtt {
@@ -213,7 +219,8 @@ impl Endpoint {
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
-        let (peer, reader) = self.handshake_accepting(io, None).await?;
+        let (rd, wr) = tokio::io::split(io);
+        let (peer, reader) = self.handshake_accepting(rd, wr, None).await?;
         // The reader runs later, on its own task: the answer to the `Hello` goes now.
         peer.shared.uncork();
         tokio::spawn(reader);
@@ -223,24 +230,36 @@ impl Endpoint {
     /// Accepts a connection and serves it on the calling task until it closes: the task
     /// that read the `Hello` reads on (frames sent right behind it included) instead of
     /// handing the connection to a new reader task.
-    pub(crate) async fn serve_accepted<IO>(&self, io: IO, due: Option<Due>) -> Result<(), RpcError>
+    pub(crate) async fn serve_accepted<IO>(&self, io: IO) -> Result<(), RpcError>
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
-        let (_peer, reader) = self.handshake_accepting(io, due).await?;
+        let (rd, wr) = tokio::io::split(io);
+        self.serve_halves(rd, wr, None).await
+    }
+
+    /// [`serve_accepted`](Self::serve_accepted) over a transport's two halves, with the
+    /// reader's [`Due`].
+    async fn serve_halves<R, W>(&self, rd: R, wr: W, due: Option<Due>) -> Result<(), RpcError>
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let (_peer, reader) = self.handshake_accepting(rd, wr, due).await?;
         reader.await;
         Ok(())
     }
 
-    async fn handshake_accepting<IO>(
+    async fn handshake_accepting<R, W>(
         &self,
-        io: IO,
+        mut rd: R,
+        mut wr: W,
         due: Option<Due>,
     ) -> Result<(Peer, impl Future<Output = ()> + Send + 'static), RpcError>
     where
-        IO: AsyncRead + AsyncWrite + Send + 'static,
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
     {
-        let (mut rd, mut wr) = tokio::io::split(io);
         let timeout = self.inner.config.handshake_timeout;
         let exchange = async {
             let mut buf = BytesMut::with_capacity(4096);
@@ -322,9 +341,8 @@ impl Endpoint {
         )
         .await
         .map_err(|_| RpcError::disconnected("TCP connect timed out"))??;
-        let io = Eager::new(stream);
-        let due = io.due();
-        self.connect_with_due(io, due).await
+        let (rd, wr, due) = crate::net::eager_halves(stream);
+        self.connect_halves(rd, wr, due).await
     }
 
     /// Accepts TCP connections until the listener fails, serving each on its own task.
@@ -350,13 +368,12 @@ impl Endpoint {
     /// reads the `Hello` (and what came with it) and answers while the next accept waits.
     async fn hand_off<S>(&self, stream: S)
     where
-        S: AsyncRead + AsyncWrite + crate::net::Direct + Send + Unpin + 'static,
+        S: crate::net::Splits + Send + 'static,
     {
         let this = self.clone();
         tokio::spawn(async move {
-            let io = Eager::new(stream);
-            let due = io.due();
-            if let Err(e) = this.serve_accepted(io, due).await {
+            let (rd, wr, due) = crate::net::eager_halves(stream);
+            if let Err(e) = this.serve_halves(rd, wr, due).await {
                 tracing::debug!(%e, "handshake failed");
             }
         });
@@ -367,7 +384,8 @@ impl Endpoint {
     #[cfg(unix)]
     pub async fn connect_unix(&self, path: impl AsRef<std::path::Path>) -> Result<Peer, RpcError> {
         let stream = tokio::net::UnixStream::connect(path).await?;
-        self.connect(Eager::new(stream)).await
+        let (rd, wr, due) = crate::net::eager_halves(stream);
+        self.connect_halves(rd, wr, due).await
     }
 
     /// Accepts Unix domain socket connections until the listener fails.
@@ -513,7 +531,7 @@ mod tests {
             inner: server_io,
             writes: writes.clone(),
         };
-        let served = tokio::spawn(async move { server.serve_accepted(io, None).await });
+        let served = tokio::spawn(async move { server.serve_accepted(io).await });
 
         // A `Hello` and a call to a method the server does not have, in one write: the
         // server answers the call inline, with an error.

@@ -81,7 +81,7 @@ impl Endpoint {
             tokio::spawn(async move {
                 let served = async {
                     let tls = this.tls_accept(tcp, config).await?;
-                    this.serve_accepted(tls, None).await
+                    this.serve_accepted(tls).await
                 };
                 if let Err(e) = served.await {
                     tracing::debug!(%e, "TLS connection failed");
