@@ -1403,6 +1403,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
     let answer_within = shared.early.as_ref().map(|e| e.lock().within);
     let mut answer_due = answer_within.map(|d| Box::pin(tokio::time::sleep(d)));
     let mut large: Option<Large> = None;
+    let mut buffers = ReadBuffers::default();
     // The low-water mark asked of the socket, and whether it must wake at every byte.
     let (mut marked, mut every_byte) = (0u32, false);
     let reason = 'conn: loop {
@@ -1462,7 +1463,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
             shared.uncork();
         }
         if large.is_none() && buf.capacity() - buf.len() < 4096 {
-            buf.reserve(BATCH);
+            buf.reserve(buffers.size());
         }
         // While a large frame arrives, the socket need not wake this task before a good part
         // of its rest is queued (see `Due`); after a keep-alive tick, it wakes at every byte
@@ -1481,6 +1482,9 @@ async fn read_loop<R: AsyncRead + Unpin>(
             r = read_some(&mut rd, &mut buf, large.as_mut()) => match r {
                 Ok(0) => break (RpcError::disconnected("the other side closed the connection"), false),
                 Ok(n) => {
+                    if large.is_none() {
+                        buffers.read(n);
+                    }
                     shared.counters.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
                     last_recv = tokio::time::Instant::now();
                     every_byte = false;
@@ -1507,6 +1511,54 @@ async fn read_loop<R: AsyncRead + Unpin>(
         }
     };
     shared.shutdown(reason.0, reason.1);
+}
+
+/// How much the reader reserves when its buffer is full.
+///
+/// Frames are split off the read buffer and handed on without a copy, so a buffer's memory
+/// lives until the last of its frames is dropped, often on another thread; glibc then takes
+/// the arena's lock and may give the memory back to the kernel (`madvise`), to be faulted in
+/// again by the next buffer. A connection whose reads come in bulk reads into 256 KiB
+/// buffers instead of 64 KiB: a quarter of the buffers to allocate and free, and fewer frames
+/// cut in two (whose start is copied to the next buffer). Streaming 100-byte items
+/// (`examples/streams 16 100`, medians of six runs in turns): 18.9M -> 20.2M items/s,
+/// `madvise` calls halved. A quiet connection keeps the small buffer.
+#[derive(Default)]
+struct ReadBuffers {
+    /// Short reads in a row since the last long one.
+    calm: u32,
+    busy: bool,
+}
+
+/// A read at least this long makes a connection busy.
+const BUSY_READ: usize = 32 * 1024;
+/// The read buffer of a busy connection.
+const BUSY_BUFFER: usize = 256 * 1024;
+/// Short reads in a row after which a busy connection is quiet again.
+const CALM_READS: u32 = 16;
+
+impl ReadBuffers {
+    /// Counts a read of `n` bytes.
+    fn read(&mut self, n: usize) {
+        if n >= BUSY_READ {
+            self.busy = true;
+            self.calm = 0;
+        } else if self.busy {
+            self.calm += 1;
+            if self.calm >= CALM_READS {
+                self.busy = false;
+            }
+        }
+    }
+
+    /// What a full buffer reserves.
+    fn size(&self) -> usize {
+        if self.busy {
+            BUSY_BUFFER
+        } else {
+            BATCH
+        }
+    }
 }
 
 /// Frames at least this long are read into a buffer of their own (see [`Large`]).
@@ -2139,4 +2191,34 @@ async fn take_credits(credits: &Semaphore) -> Result<u32, RpcError> {
         _ => 0,
     };
     Ok(1 + more)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_reads_into_big_buffers_while_its_reads_come_in_bulk() {
+        let mut b = ReadBuffers::default();
+        assert_eq!(b.size(), BATCH, "quiet at first");
+        b.read(BUSY_READ - 1);
+        assert_eq!(b.size(), BATCH, "a short read changes nothing");
+        b.read(BUSY_READ);
+        assert_eq!(b.size(), BUSY_BUFFER);
+        for _ in 1..CALM_READS {
+            b.read(100);
+        }
+        assert_eq!(
+            b.size(),
+            BUSY_BUFFER,
+            "busy until enough short reads in a row"
+        );
+        b.read(BUSY_READ);
+        for _ in 1..CALM_READS {
+            b.read(100);
+        }
+        assert_eq!(b.size(), BUSY_BUFFER, "a long read starts the count again");
+        b.read(100);
+        assert_eq!(b.size(), BATCH, "quiet again");
+    }
 }
