@@ -1521,7 +1521,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
 /// again by the next buffer. A connection whose reads come in bulk reads into 256 KiB
 /// buffers instead of 64 KiB: a quarter of the buffers to allocate and free, and fewer frames
 /// cut in two (whose start is copied to the next buffer). Streaming 100-byte items
-/// (`examples/streams 16 100`, medians of six runs in turns): 18.9M -> 20.2M items/s,
+/// (`examples/streams 16 100`, medians of six runs in turns): 19.6M -> 20.4M items/s,
 /// `madvise` calls halved. A quiet connection keeps the small buffer.
 #[derive(Default)]
 struct ReadBuffers {
