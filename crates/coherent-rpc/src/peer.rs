@@ -594,9 +594,17 @@ impl Shared {
         if !self.writer.started.load(Ordering::Acquire) {
             self.start_writer();
         }
-        self.out
-            .send(out)
-            .map_err(|_| RpcError::disconnected("connection closed"))
+        self.out.send(out).map_err(|_| self.closed_error())
+    }
+
+    /// What an operation on the closed connection fails with: the reason calls fail with
+    /// (a refusal's `Unauthenticated`, say), set before the writer task lets go of its queue
+    /// and before any caller's reply is dropped unanswered.
+    fn closed_error(&self) -> RpcError {
+        self.failure
+            .get()
+            .cloned()
+            .unwrap_or_else(|| RpcError::disconnected("connection closed"))
     }
 
     #[cold]
@@ -923,7 +931,7 @@ impl Peer {
             },
         };
         guard.armed = false;
-        reply.map_err(|_| RpcError::disconnected("connection closed"))?
+        reply.map_err(|_| s.closed_error())?
     }
 
     /// Sends a one-way call: no reply, no delivery guarantee beyond the queue.
@@ -1002,7 +1010,7 @@ impl Peer {
             let mut sent = false;
             loop {
                 tokio::select! {
-                    reply = &mut rx => return reply.map_err(|_| RpcError::disconnected("connection closed"))?,
+                    reply = &mut rx => return reply.map_err(|_| self.shared.closed_error())?,
                     r = &mut sending, if !sent => {
                         sent = true;
                         // An item that does not encode ends the call (the guard cancels it).
