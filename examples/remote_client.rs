@@ -1,6 +1,8 @@
-//! The client half of the replica example (start `remote_server` first). Its compute
-//! methods read the server's `Users.user` through replicas; a `ComputedState` built from
-//! them prints a new line the moment the server's data changes, and not otherwise.
+//! The client half of the replica example (start `remote_server` first). `UsersClient`,
+//! generated from the `Users` trait of `examples/lib.rs`, implements that trait with
+//! replicas of the server's results. The roster below is written against the trait; a
+//! `ComputedState` built from it prints a new line the moment the server's data changes,
+//! and not otherwise.
 //!
 //! ```sh
 //! cargo run -p coherent-examples --example remote_client [rpc address]
@@ -8,46 +10,33 @@
 
 use std::net::SocketAddr;
 
-use coherent::{compute_service, ComputeService, ComputedState, ServiceHandle};
-use coherent_remote::RemoteClient;
-use serde::{Deserialize, Serialize};
+use coherent::prelude::*;
+use coherent_examples::api::{Users, UsersClient};
 
-/// The client's copy of the server's type: the same fields, the same order.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct User {
-    id: i64,
-    name: String,
-    team: i64,
-}
-
-coherent_remote::replica_service! {
-    /// The typed client stub of the server's `Users` service. Its methods are compute
-    /// methods: a round trip the first time, a cache hit after that, until the server says
-    /// the result changed. Each wraps the server's output in `Result<_, RpcError>`.
-    struct UsersReplica = "Users" {
-        async fn user(&self, id: i64) -> Result<Option<User>, String>;
-    }
-}
-
+/// A view built on any implementation of `Users`: the service itself in the server's
+/// process, or the remote stub here.
 #[derive(Clone, ComputeService)]
-struct Team {
+struct Team<U: Users + Clone + Send + Sync + 'static> {
     handle: ServiceHandle,
-    users: UsersReplica,
+    users: U,
 }
 
 #[compute_service]
-impl Team {
+impl<U: Users + Clone + Send + Sync + 'static> Team<U> {
     /// Built from replicas: recomputed only when one of them is invalidated.
     #[compute]
-    async fn roster(&self) -> String {
+    async fn roster(&self, team: i64) -> String {
         println!("  (recomputing the roster)");
+        let ids = match self.users.team_members(team).await {
+            Ok(ids) => ids,
+            Err(e) => return e.to_string(),
+        };
         let mut names = Vec::new();
-        for id in [1, 2] {
+        for id in ids {
             match self.users.user(id).await {
-                Ok(Ok(Some(u))) => names.push(format!("{} (#{})", u.name, u.id)),
-                Ok(Ok(None)) => names.push(format!("nobody (#{id})")),
-                Ok(Err(e)) => names.push(format!("database error: {e}")),
-                Err(e) => names.push(format!("connection error: {e}")),
+                Ok(Some(u)) => names.push(format!("{} (#{})", u.name, u.id)),
+                Ok(None) => names.push(format!("nobody (#{id})")),
+                Err(e) => names.push(e.to_string()),
             }
         }
         names.join(", ")
@@ -64,13 +53,13 @@ async fn main() -> anyhow::Result<()> {
     println!("connected to {addr}");
     let team = Team {
         handle: ServiceHandle::new(),
-        users: UsersReplica::new(remote),
+        users: UsersClient::new(remote),
     };
     let state = {
         let team = team.clone();
         ComputedState::new(move || {
             let team = team.clone();
-            async move { team.roster().await }
+            async move { team.roster(1).await }
         })
         .await
     };

@@ -1,6 +1,7 @@
-//! The server half of the replica example: a compute service over SQLite, exposed to
-//! remote clients over Coherent RPC (and to curl over HTTP), whose data changes every two
-//! seconds. Run it, then `remote_client` in a second terminal:
+//! The server half of the replica example: the `Users` service of `examples/lib.rs`
+//! implemented over SQLite, exposed to remote clients over Coherent RPC (and to curl over
+//! HTTP), whose data changes every two seconds. Run it, then `remote_client` in a second
+//! terminal:
 //!
 //! ```sh
 //! cargo run -p coherent-examples --example remote_server
@@ -14,54 +15,54 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use coherent::{compute_service, ComputeService, ServiceHandle};
-use coherent_remote::RemoteServer;
-use coherent_rpc::Endpoint;
+use coherent::prelude::*;
+use coherent_examples::api::{User, Users, UsersError, UsersServer};
 use parking_lot::Mutex;
 use rusqlite::{params, Connection, OptionalExtension};
-use serde::{Deserialize, Serialize};
-
-/// What the server hands out. Clients decode it into their own copy of this type.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct User {
-    id: i64,
-    name: String,
-    team: i64,
-}
-
-/// Errors are cached (briefly) like values, so they must be `Clone`; and they travel to
-/// clients, so they must be serde types.
-type DbResult<T> = Result<T, String>;
 
 #[derive(Clone, ComputeService)]
-struct Users {
+struct SqliteUsers {
     handle: ServiceHandle,
     db: Arc<Mutex<Connection>>,
 }
 
+fn db_error(e: rusqlite::Error) -> UsersError {
+    UsersError::Database(e.to_string())
+}
+
 #[compute_service]
-impl Users {
-    /// One user, or `None`. Clients hold replicas of it.
-    #[compute]
-    async fn user(&self, id: i64) -> DbResult<Option<User>> {
+impl Users for SqliteUsers {
+    async fn user(&self, id: i64) -> Result<Option<User>, UsersError> {
         println!("  ran user({id})");
         let db = self.db.lock();
-        db.prepare_cached("SELECT id, name, team FROM users WHERE id = ?1")
-            .and_then(|mut q| {
-                q.query_row(params![id], |row| {
-                    Ok(User {
-                        id: row.get(0)?,
-                        name: row.get(1)?,
-                        team: row.get(2)?,
-                    })
-                })
-                .optional()
+        let mut q = db
+            .prepare_cached("SELECT id, name, team FROM users WHERE id = ?1")
+            .map_err(db_error)?;
+        q.query_row(params![id], |row| {
+            Ok(User {
+                id: row.get(0)?,
+                name: row.get(1)?,
+                team: row.get(2)?,
             })
-            .map_err(|e| e.to_string())
+        })
+        .optional()
+        .map_err(db_error)
+    }
+
+    async fn team_members(&self, team: i64) -> Result<Vec<i64>, UsersError> {
+        println!("  ran team_members({team})");
+        let db = self.db.lock();
+        let mut q = db
+            .prepare_cached("SELECT id FROM users WHERE team = ?1 ORDER BY id")
+            .map_err(db_error)?;
+        let ids = q
+            .query_map(params![team], |row| row.get(0))
+            .map_err(db_error)?;
+        ids.collect::<Result<_, _>>().map_err(db_error)
     }
 }
 
-impl Users {
+impl SqliteUsers {
     fn open() -> anyhow::Result<Self> {
         let db = Connection::open_in_memory()?;
         db.execute_batch(
@@ -90,20 +91,17 @@ async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let rpc_addr = args.next().unwrap_or_else(|| "127.0.0.1:7878".to_owned());
     let http_addr = args.next().unwrap_or_else(|| "127.0.0.1:7879".to_owned());
-    let users = Users::open()?;
+    let users = SqliteUsers::open()?;
 
-    // The one line that exposes a compute method; the rest is serving it.
-    let remote =
-        RemoteServer::new().expose("Users.user", users.clone(), |u, (id,): (i64,)| async move {
-            u.user_computed(id).await
-        });
+    // The one line that exposes every method of `Users`; the rest is serving it.
+    let remote = RemoteServer::new().expose_service(UsersServer::new(users.clone()));
     let endpoint = Endpoint::builder().service(remote.service()).build();
     let rpc = tokio::net::TcpListener::bind(&rpc_addr).await?;
     tokio::spawn(async move { endpoint.serve_tcp(rpc).await });
     let app = axum::Router::new().nest("/api", remote.gateway());
     let http = tokio::net::TcpListener::bind(&http_addr).await?;
     tokio::spawn(async move { axum::serve(http, app).await });
-    println!("serving Users.user on {rpc_addr} (rpc) and http://{http_addr}/api (http)");
+    println!("serving Users on {rpc_addr} (rpc) and http://{http_addr}/api (http)");
 
     let names = ["Ada", "Ada Lovelace", "Countess of Lovelace"];
     for round in 1usize.. {

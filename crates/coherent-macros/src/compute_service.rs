@@ -1,27 +1,50 @@
-//! `#[compute_service]`: rewrites each `#[compute]` method of an impl block into a memoized
-//! front (hit path inline, slow path through the method's table), keeps the original body in a
-//! hidden method, and adds `<name>_computed` and `invalidate_<name>`.
+//! `#[compute_service]`, on three kinds of item:
+//!
+//! - an inherent `impl` block: rewrites each `#[compute]` method into a memoized front (hit
+//!   path inline, slow path through the method's table), keeps the original body in a hidden
+//!   method, and adds `<name>_computed` and `invalidate_<name>`;
+//! - a trait: the definition of a compute service. Each `async fn` becomes a method
+//!   returning a `Send` future, with `<name>_computed` and `invalidate_<name>` beside it;
+//!   where the `remote` feature of `coherent` is on, `<Trait>Client` (a stub implementing
+//!   the trait with replicas) and `<Trait>Server` (its exposure to remote clients) come with it;
+//! - an `impl Trait for Type` of such a trait: every method is memoized as in an inherent
+//!   block, the hidden parts going to an inherent block of their own.
 
 use proc_macro2::{Span, TokenStream};
-use quote::{format_ident, quote};
+use quote::{format_ident, quote, quote_spanned};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
 use syn::{
-    Attribute, FnArg, GenericArgument, Ident, ImplItem, ImplItemFn, ItemImpl, LitStr, Meta, Pat,
-    Path, PathArguments, ReturnType, Token, Type,
+    Attribute, FnArg, GenericArgument, Ident, ImplItem, ImplItemFn, Item, ItemImpl, ItemTrait,
+    LitStr, Meta, Pat, Path, PathArguments, ReturnType, Token, TraitItem, Type,
 };
 
 use crate::duration;
 
 pub(crate) fn expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
     let krate = parse_crate_path(attr)?;
-    let mut imp: ItemImpl = syn::parse2(item)?;
-    if imp.trait_.is_some() {
-        return Err(syn::Error::new_spanned(
-            &imp.self_ty,
-            "#[compute_service] goes on an inherent impl block, not a trait impl",
-        ));
+    match syn::parse2::<Item>(item)? {
+        Item::Trait(t) => expand_trait(t, &krate),
+        Item::Impl(imp) if imp.trait_.is_some() => expand_trait_impl(imp, &krate, None),
+        Item::Impl(imp) => expand_inherent(imp, &krate),
+        other => Err(syn::Error::new_spanned(
+            other,
+            "#[compute_service] goes on a trait, an impl of such a trait, or an inherent impl block",
+        )),
     }
+}
+
+/// Where a memoized method goes.
+enum Mode<'a> {
+    /// An inherent block: everything in it, with the method's visibility.
+    Inherent,
+    /// A trait's impl: the front, `_computed` and `invalidate_` in it; the rest in an
+    /// inherent block.
+    TraitImpl(&'a Path),
+}
+
+fn expand_inherent(mut imp: ItemImpl, krate: &Path) -> syn::Result<TokenStream> {
     let type_name = type_label(&imp.self_ty);
     let mut generated = Vec::new();
     for item in &mut imp.items {
@@ -30,8 +53,10 @@ pub(crate) fn expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenS
             continue;
         };
         let attr = method.attrs.remove(position);
-        let options = parse_options(&attr, &krate)?;
-        generated.push(expand_method(method, &options, &type_name, &krate)?);
+        let options = parse_options(&attr, krate)?;
+        let (front, hidden) = expand_method(method, &options, &type_name, krate, &Mode::Inherent)?;
+        generated.push(front);
+        generated.push(hidden);
     }
     if generated.is_empty() {
         return Err(syn::Error::new(
@@ -46,6 +71,61 @@ pub(crate) fn expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenS
         imp.items.extend(items);
     }
     Ok(quote!(#imp))
+}
+
+/// `impl Trait for Type` of a compute service trait: every method is a compute method
+/// (`#[compute(...)]` on one sets its options). `stub_options`: the options of a generated
+/// client stub's methods, which have no attributes of their own.
+fn expand_trait_impl(
+    mut imp: ItemImpl,
+    krate: &Path,
+    stub_options: Option<&TokenStream>,
+) -> syn::Result<TokenStream> {
+    let trait_path = imp.trait_.as_ref().expect("a trait impl").1.clone();
+    let type_name = type_label(&imp.self_ty);
+    let mut fronts = Vec::new();
+    let mut hidden = Vec::new();
+    for item in &mut imp.items {
+        let ImplItem::Fn(method) = item else {
+            return Err(syn::Error::new_spanned(
+                item,
+                "an impl of a compute service trait holds only its methods",
+            ));
+        };
+        let options = match method.attrs.iter().position(is_compute_attr) {
+            Some(position) => {
+                let attr = method.attrs.remove(position);
+                parse_options(&attr, krate)?
+            }
+            None => stub_options
+                .cloned()
+                .unwrap_or_else(|| quote!(#krate::plumbing::ComputeOptions::DEFAULT)),
+        };
+        let (front, rest) = expand_method(
+            method,
+            &options,
+            &type_name,
+            krate,
+            &Mode::TraitImpl(&trait_path),
+        )?;
+        fronts.extend(front);
+        hidden.extend(rest);
+    }
+    if fronts.is_empty() {
+        return Err(syn::Error::new(
+            Span::call_site(),
+            "#[compute_service] found no method in this impl block",
+        ));
+    }
+    imp.items = fronts;
+    let (impl_generics, _, where_clause) = imp.generics.split_for_impl();
+    let self_ty = &imp.self_ty;
+    Ok(quote! {
+        #imp
+        impl #impl_generics #self_ty #where_clause {
+            #(#hidden)*
+        }
+    })
 }
 
 fn parse_crate_path(attr: TokenStream) -> syn::Result<Path> {
@@ -139,12 +219,15 @@ fn returns_result(ty: &Type) -> bool {
     }
 }
 
+/// The items replacing one compute method: those that go where the method was, and the
+/// hidden ones (which go beside them in an inherent block, apart in a trait impl).
 fn expand_method(
     method: &mut ImplItemFn,
     options: &TokenStream,
     type_name: &str,
     krate: &Path,
-) -> syn::Result<Vec<ImplItem>> {
+    mode: &Mode<'_>,
+) -> syn::Result<(Vec<ImplItem>, Vec<ImplItem>)> {
     let sig = &method.sig;
     if sig.asyncness.is_none() {
         return Err(syn::Error::new_spanned(
@@ -245,7 +328,14 @@ fn expand_method(
         "Invalidates the cached result of [`{name}`](Self::{name}) for these arguments, and \
          everything computed from it. Returns `false` if there was no such result."
     );
-    let items: Vec<ImplItem> = vec![
+    // The computed behind a call, from a recompute closure that owns a clone of the service.
+    let computed_of_service = match mode {
+        Mode::Inherent => quote!(service.#computed_name(#(#arg_names),*)),
+        Mode::TraitImpl(trait_path) => {
+            quote!(<Self as #trait_path>::#computed_name(&service, #(#arg_names),*))
+        }
+    };
+    let front: Vec<ImplItem> = vec![
         syn::parse_quote! {
             #(#attrs)*
             // Inline: a hit is a few dozen instructions, and a call (with the answer copied out
@@ -261,6 +351,22 @@ fn expand_method(
             }
         },
         syn::parse_quote! {
+            #[doc = #computed_doc]
+            #vis async fn #computed_name(&self, #args) -> #krate::Computed<#output> {
+                #table
+                    .computed(#key, |key| self.#input_fn(key), |#key| self.#body_name(#(#arg_names),*))
+                    .await
+            }
+        },
+        syn::parse_quote! {
+            #[doc = #invalidate_doc]
+            #vis fn #invalidate_name(&self, #args) -> bool {
+                #table.invalidate(&#key)
+            }
+        },
+    ];
+    let hidden: Vec<ImplItem> = vec![
+        syn::parse_quote! {
             /// The miss path, out of line and boxed: its future (the body's included) can be
             /// kilobytes, and inline it would make every call's future that large, hits too,
             /// which then pay for moving it, and the front too big to inline into its callers.
@@ -273,20 +379,6 @@ fn expand_method(
                 ::std::boxed::Box::pin(
                     #table.compute(key, |key| self.#input_fn(key), |#key| self.#body_name(#(#arg_names),*)),
                 )
-            }
-        },
-        syn::parse_quote! {
-            #[doc = #computed_doc]
-            #vis async fn #computed_name(&self, #args) -> #krate::Computed<#output> {
-                #table
-                    .computed(#key, |key| self.#input_fn(key), |#key| self.#body_name(#(#arg_names),*))
-                    .await
-            }
-        },
-        syn::parse_quote! {
-            #[doc = #invalidate_doc]
-            #vis fn #invalidate_name(&self, #args) -> bool {
-                #table.invalidate(&#key)
             }
         },
         syn::parse_quote! {
@@ -312,12 +404,330 @@ fn expand_method(
                     let service = ::core::clone::Clone::clone(&service);
                     let #key = ::core::clone::Clone::clone(&key);
                     ::std::boxed::Box::pin(async move {
-                        ::core::option::Option::Some(service.#computed_name(#(#arg_names),*).await)
+                        ::core::option::Option::Some(#computed_of_service.await)
                     })
                 })
             }
         },
         ImplItem::Fn(body),
     ];
-    Ok(items)
+    Ok((front, hidden))
+}
+
+/// One method of a compute service trait.
+struct TraitMethod {
+    name: Ident,
+    attrs: Vec<Attribute>,
+    args: Vec<(Ident, Type)>,
+    output: Type,
+}
+
+/// A trait that defines a compute service: the trait with `Send` futures and each
+/// method's `_computed` and `invalidate_`; behind `__if_remote!`, its client stub and its
+/// server-side exposure.
+fn expand_trait(mut t: ItemTrait, krate: &Path) -> syn::Result<TokenStream> {
+    if !t.generics.params.is_empty() {
+        return Err(syn::Error::new_spanned(
+            &t.generics,
+            "a compute service trait cannot be generic: its methods are named on the wire by the trait's name",
+        ));
+    }
+    let mut methods = Vec::new();
+    for item in &t.items {
+        let TraitItem::Fn(f) = item else {
+            return Err(syn::Error::new_spanned(
+                item,
+                "a compute service trait holds only `async fn` methods",
+            ));
+        };
+        methods.push(parse_trait_method(f)?);
+    }
+    if methods.is_empty() {
+        return Err(syn::Error::new_spanned(
+            &t.ident,
+            "a compute service trait needs at least one method",
+        ));
+    }
+    let trait_name = &t.ident;
+    let vis = &t.vis;
+    let computed = quote!(#krate::Computed);
+    t.items = methods
+        .iter()
+        .flat_map(|m| {
+            let TraitMethod {
+                name,
+                attrs,
+                args,
+                output,
+            } = m;
+            let computed_name = format_ident!("{}_computed", name);
+            let invalidate_name = format_ident!("invalidate_{}", name);
+            let params = args.iter().map(|(n, ty)| quote!(#n: #ty));
+            let params2 = params.clone();
+            let params3 = params.clone();
+            let computed_doc = format!(
+                "Like [`{name}`](Self::{name}), but answers with the computed behind the call."
+            );
+            let invalidate_doc = format!(
+                "Invalidates the cached result of [`{name}`](Self::{name}) for these \
+                 arguments, and everything computed from it. Returns `false` if there was no \
+                 such result."
+            );
+            let items: [TraitItem; 3] = [
+                syn::parse_quote! {
+                    #(#attrs)*
+                    fn #name(&self, #(#params),*)
+                        -> impl ::core::future::Future<Output = #output> + ::core::marker::Send;
+                },
+                syn::parse_quote! {
+                    #[doc = #computed_doc]
+                    fn #computed_name(&self, #(#params2),*)
+                        -> impl ::core::future::Future<Output = #computed<#output>> + ::core::marker::Send;
+                },
+                syn::parse_quote! {
+                    #[doc = #invalidate_doc]
+                    fn #invalidate_name(&self, #(#params3),*) -> bool;
+                },
+            ];
+            items
+        })
+        .collect();
+    let remote = expand_remote(trait_name, vis, &methods, krate)?;
+    Ok(quote! {
+        #t
+        #krate::__if_remote! {
+            #remote
+        }
+    })
+}
+
+fn parse_trait_method(f: &syn::TraitItemFn) -> syn::Result<TraitMethod> {
+    let sig = &f.sig;
+    if f.default.is_some() {
+        return Err(syn::Error::new_spanned(
+            &f.default,
+            "a compute service trait's methods have no default body: the implementation and the client stub each give theirs",
+        ));
+    }
+    if sig.asyncness.is_none() {
+        return Err(syn::Error::new_spanned(
+            sig.fn_token,
+            "a compute service trait's methods are `async fn`",
+        ));
+    }
+    if !sig.generics.params.is_empty() {
+        return Err(syn::Error::new_spanned(
+            &sig.generics,
+            "a compute method cannot be generic: its arguments are the cache key",
+        ));
+    }
+    let mut attrs = Vec::new();
+    for a in &f.attrs {
+        if is_compute_attr(a) {
+            if !matches!(a.meta, Meta::Path(_)) {
+                return Err(syn::Error::new_spanned(
+                    a,
+                    "caching options go on the implementation's methods, not the trait's",
+                ));
+            }
+        } else {
+            attrs.push(a.clone());
+        }
+    }
+    let mut inputs = sig.inputs.iter();
+    match inputs.next() {
+        Some(FnArg::Receiver(r)) if r.reference.is_some() && r.mutability.is_none() => {}
+        _ => {
+            return Err(syn::Error::new_spanned(
+                &sig.inputs,
+                "a compute method takes `&self` first",
+            ))
+        }
+    }
+    let mut args = Vec::new();
+    for input in inputs {
+        let FnArg::Typed(typed) = input else {
+            unreachable!("only the first input can be a receiver")
+        };
+        let Pat::Ident(pat) = &*typed.pat else {
+            return Err(syn::Error::new_spanned(
+                &typed.pat,
+                "a compute method's arguments must be plain names",
+            ));
+        };
+        if let Type::Reference(r) = &*typed.ty {
+            return Err(syn::Error::new_spanned(
+                r,
+                "a compute method's arguments are its cache key and must be owned (use String, Arc<str>, ... instead of references)",
+            ));
+        }
+        args.push((pat.ident.clone(), (*typed.ty).clone()));
+    }
+    let output: Type = match &sig.output {
+        ReturnType::Type(_, ty) if returns_result(ty) => (**ty).clone(),
+        other => return Err(syn::Error::new(
+            match other {
+                ReturnType::Default => sig.ident.span(),
+                ReturnType::Type(_, ty) => ty.span(),
+            },
+            "a compute service trait's methods return `Result<T, E>` with `E: From<RpcError>`: \
+                 its client stub reports a lost connection through `E` (`RpcError` itself will do)",
+        )),
+    };
+    Ok(TraitMethod {
+        name: sig.ident.clone(),
+        attrs,
+        args,
+        output,
+    })
+}
+
+/// `<Trait>Client` and `<Trait>Server`, with the `coherent-remote` paths of `krate`.
+fn expand_remote(
+    trait_name: &Ident,
+    vis: &syn::Visibility,
+    methods: &[TraitMethod],
+    krate: &Path,
+) -> syn::Result<TokenStream> {
+    let client = format_ident!("{}Client", trait_name);
+    let server = format_ident!("{}Server", trait_name);
+    let remote = quote!(#krate::__private::remote);
+    let rpc = quote!(#krate::__private::rpc);
+    let wire_names: Vec<String> = methods
+        .iter()
+        .map(|m| format!("{trait_name}.{}", m.name))
+        .collect();
+
+    // The stub: every method asks for a replica by the method's id.
+    let stub_methods = methods.iter().zip(&wire_names).map(|(m, wire)| {
+        let TraitMethod {
+            name, args, output, ..
+        } = m;
+        let names = args.iter().map(|(n, _)| n);
+        let params = args.iter().map(|(n, ty)| quote!(#n: #ty));
+        // The error points at the trait's return type when `E: From<RpcError>` is missing.
+        let lost = quote_spanned!(output.span()=> ::core::convert::From::from(error));
+        quote! {
+            // `From::from` of an `RpcError` into itself where that is the error type.
+            #[allow(clippy::useless_conversion)]
+            async fn #name(&self, #(#params),*) -> #output {
+                const ID: u32 = #rpc::method_id(#wire);
+                match self.remote.replica_by_id::<_, #output>(ID, (#(#names,)*)).await {
+                    ::core::result::Result::Ok(result) => result,
+                    ::core::result::Result::Err(error) => ::core::result::Result::Err(#lost),
+                }
+            }
+        }
+    });
+    let stub_impl: ItemImpl = syn::parse_quote! {
+        impl #trait_name for #client {
+            #(#stub_methods)*
+        }
+    };
+    // A stub's errors are mostly the connection's (or the server's, cached there and
+    // pushed when they pass): kept a second, not the default ten.
+    let stub_options = quote! {
+        #krate::plumbing::ComputeOptions::DEFAULT
+            .with_error_invalidate(::core::time::Duration::from_secs(1))
+    };
+    let stub_impl = expand_trait_impl(stub_impl, krate, Some(&stub_options))?;
+
+    let exposures = methods.iter().zip(&wire_names).map(|(m, wire)| {
+        let TraitMethod { name, args, .. } = m;
+        let computed_name = format_ident!("{}_computed", name);
+        let names: Vec<_> = args.iter().map(|(n, _)| n).collect();
+        let types = args.iter().map(|(_, ty)| ty);
+        quote! {
+            let server = server.expose(
+                #wire,
+                ::core::clone::Clone::clone(&self.0),
+                |service: S, (#(#names,)*): (#(#types,)*)| async move {
+                    <S as #trait_name>::#computed_name(&service, #(#names),*).await
+                },
+            );
+        }
+    });
+    // Two methods whose names hash to one id would be told apart by nobody: refused at
+    // compile time.
+    let mut distinct = Vec::new();
+    for (i, a) in wire_names.iter().enumerate() {
+        for b in &wire_names[i + 1..] {
+            let message = format!("methods {a} and {b} hash to the same method id: rename one");
+            distinct.push(quote! {
+                ::core::assert!(#rpc::method_id(#a) != #rpc::method_id(#b), #message);
+            });
+        }
+    }
+    let client_doc = format!(
+        "A remote [`{trait_name}`]: a stub whose methods are replicas of a server's (exposed \
+         with [`{server}`]). A call is a round trip the first time and a cache hit after that, \
+         until the server says its result changed; code that reads a replica inside a compute \
+         method or a `ComputedState` is invalidated with it."
+    );
+    let server_doc = format!(
+        "Exposes an implementation of [`{trait_name}`] to remote clients: add it to a \
+         `RemoteServer` with `RemoteServer::expose_service`. Its methods are served under \
+         `\"{trait_name}.<method>\"`."
+    );
+    Ok(quote! {
+        #[doc = #client_doc]
+        #[derive(Clone)]
+        #vis struct #client {
+            handle: #krate::ServiceHandle,
+            remote: #remote::RemoteClient,
+        }
+
+        impl #client {
+            /// A stub over `remote`, caching in the default registry.
+            #[allow(dead_code)]
+            #vis fn new(remote: #remote::RemoteClient) -> Self {
+                Self { handle: #krate::ServiceHandle::new(), remote }
+            }
+
+            /// A stub over `remote`, caching in `registry`.
+            #[allow(dead_code)]
+            #vis fn with_registry(remote: #remote::RemoteClient, registry: &#krate::Registry) -> Self {
+                Self { handle: #krate::ServiceHandle::with_registry(registry), remote }
+            }
+
+            /// The client this stub calls through.
+            #[allow(dead_code)]
+            #vis fn remote(&self) -> &#remote::RemoteClient {
+                &self.remote
+            }
+        }
+
+        impl #krate::ComputeService for #client {
+            fn compute_handle(&self) -> &#krate::ServiceHandle {
+                &self.handle
+            }
+        }
+
+        #stub_impl
+
+        #[doc = #server_doc]
+        #vis struct #server<S>(S);
+
+        impl<S> #server<S> {
+            /// Exposes `service`'s methods once added to a `RemoteServer`.
+            #[allow(dead_code)]
+            #vis fn new(service: S) -> Self {
+                Self(service)
+            }
+        }
+
+        impl<S> #remote::Expose for #server<S>
+        where
+            S: #trait_name + ::core::clone::Clone + ::core::marker::Send + ::core::marker::Sync + 'static,
+        {
+            fn expose_on(self, server: #remote::RemoteServer) -> #remote::RemoteServer {
+                #(#exposures)*
+                server
+            }
+        }
+
+        const _: () = {
+            #(#distinct)*
+        };
+    })
 }

@@ -9,7 +9,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use coherent::{compute_service, ComputeService, Registry, ServiceHandle};
+use coherent::{Registry, ServiceHandle};
+use coherent_macros::{compute_service, ComputeService};
 use coherent_rpc::{
     method_id, Backoff, Blob, Config, Endpoint, ErrorCode, Peer, Reconnecting, RpcError,
 };
@@ -336,6 +337,16 @@ impl RemoteClient {
         A: Serialize,
         T: DeserializeOwned,
     {
+        self.replica_by_id(method_id(method), args).await
+    }
+
+    /// [`replica`](Self::replica) by the method's id ([`method_id`] of its name), which
+    /// the stubs that `#[compute_service]` generates for a trait compute at compile time.
+    pub async fn replica_by_id<A, T>(&self, method: u32, args: A) -> Result<T, RpcError>
+    where
+        A: Serialize,
+        T: DeserializeOwned,
+    {
         let inner = &*self.inner;
         if inner.closed.load(Ordering::Acquire) {
             return Err(RpcError::new(
@@ -346,7 +357,6 @@ impl RemoteClient {
         let peer = inner.connection.peer().await?;
         let format = peer.format();
         let args = Blob::from(format.encode(&args)?);
-        let method = method_id(method);
         let replica = inner.next_replica.fetch_add(1, Ordering::Relaxed);
         inner.tokens.live.replicas.lock().insert(
             replica,

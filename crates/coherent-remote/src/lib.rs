@@ -27,22 +27,17 @@
 //!
 //! The runnable example is `examples/remote_server.rs` with `examples/remote_client.rs`.
 
+// The macros' generated code names `::coherent`; here that is the core (the facade
+// depends on this crate, not the other way round).
+extern crate coherent_core as coherent;
+
 mod client;
 #[cfg(feature = "persistent")]
 mod disk;
 #[cfg(feature = "http")]
 mod gateway;
-mod macros;
 mod server;
 mod wire;
 
 pub use client::{RemoteClient, RemoteClientBuilder};
-pub use server::RemoteServer;
-
-/// What the macros expand to; not a public API.
-#[doc(hidden)]
-pub mod __private {
-    pub use coherent;
-    pub use coherent_rpc::RpcError;
-    pub use paste::paste;
-}
+pub use server::{Expose, RemoteServer};

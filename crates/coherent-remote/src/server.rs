@@ -159,6 +159,20 @@ impl RemoteServer {
         self
     }
 
+    /// Exposes every method of a compute service defined by a trait: `service` is the
+    /// `<Trait>Server` that `#[compute_service]` generates for the trait, over an
+    /// implementation of it.
+    ///
+    /// With the `coherent` crate (which generates `<Trait>Server` with this crate's paths):
+    /// `RemoteServer::new().expose_service(UsersServer::new(users))`; its crate docs show a whole
+    /// server and client.
+    ///
+    /// # Panics
+    /// When one of its method names hashes to the id of a method exposed already.
+    pub fn expose_service(self, service: impl Expose) -> Self {
+        service.expose_on(self)
+    }
+
     /// How many replicas one connection may hold (default 100,000); a fetch beyond it fails
     /// with `Overloaded`. This bounds what a client can make the server keep.
     pub fn max_replicas_per_connection(mut self, n: usize) -> Self {
@@ -191,6 +205,13 @@ impl RemoteServer {
             connections: self.connections.clone(),
         })
     }
+}
+
+/// A compute service that exposes all its methods at once: what `#[compute_service]`
+/// generates for a trait (`<Trait>Server`) implements it. See [`RemoteServer::expose_service`].
+pub trait Expose {
+    /// Exposes this service's methods on `server`, each under `"<Trait>.<method>"`.
+    fn expose_on(self, server: RemoteServer) -> RemoteServer;
 }
 
 struct Host {

@@ -230,6 +230,7 @@ impl Endpoint {
     /// Accepts a connection and serves it on the calling task until it closes: the task
     /// that read the `Hello` reads on (frames sent right behind it included) instead of
     /// handing the connection to a new reader task.
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
     pub(crate) async fn serve_accepted<IO>(&self, io: IO) -> Result<(), RpcError>
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,

@@ -146,3 +146,18 @@ impl From<std::io::Error> for RpcError {
         Self::disconnected(e.to_string())
     }
 }
+
+/// As a value (a compute method's cached `Err`, say): the wire code and the message, so
+/// that `Result<T, RpcError>` can be a replicated method's result.
+impl serde::Serialize for RpcError {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        (self.code().as_u16(), self.message()).serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for RpcError {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let (code, message): (u16, String) = serde::Deserialize::deserialize(d)?;
+        Ok(Self::new(ErrorCode::from_u16(code), message))
+    }
+}

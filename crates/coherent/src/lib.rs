@@ -42,6 +42,83 @@
 //! # }
 //! ```
 //!
+//! ## One definition, in process or remote
+//!
+//! A trait marked `#[compute_service]` defines a compute service once. Implement it with
+//! `#[compute_service]` on the `impl` and the implementation is memoized; with the `remote`
+//! feature (on by default) the macro also generates `<Trait>Server`, which exposes every
+//! method to remote clients in one call, and `<Trait>Client`, a typed stub that implements
+//! the same trait with *replicas*: answered from the client's cache and invalidated by the
+//! server the moment its result changes. Code written against the trait runs unchanged on
+//! either.
+//!
+//! Every method returns `Result<T, E>` where `E: From<RpcError>`: a stub reports a lost
+//! connection through it. `RpcError` itself will do, or an error type of your own.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicU64, Ordering};
+//! use coherent::prelude::*;
+//!
+//! #[compute_service]
+//! pub trait Counter {
+//!     /// The count, times `factor`.
+//!     async fn scaled(&self, factor: u64) -> Result<u64, RpcError>;
+//! }
+//!
+//! #[derive(Clone, ComputeService)]
+//! struct Local {
+//!     handle: ServiceHandle,
+//!     count: Arc<AtomicU64>,
+//! }
+//!
+//! #[compute_service]
+//! impl Counter for Local {
+//!     async fn scaled(&self, factor: u64) -> Result<u64, RpcError> {
+//!         Ok(self.count.load(Ordering::SeqCst) * factor)
+//!     }
+//! }
+//!
+//! /// Written once against the trait: runs on the service itself or on a remote stub.
+//! async fn report(counter: &impl Counter) -> String {
+//!     match counter.scaled(10).await {
+//!         Ok(n) => format!("{n}"),
+//!         Err(e) => format!("failed: {e}"),
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), RpcError> {
+//! let local = Local { handle: ServiceHandle::new(), count: Arc::new(AtomicU64::new(4)) };
+//! assert_eq!(report(&local).await, "40");
+//!
+//! // The server: every method of `Counter` exposed in one call.
+//! let remote = RemoteServer::new().expose_service(CounterServer::new(local.clone()));
+//! let endpoint = Endpoint::builder().service(remote.service()).build();
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+//! let addr = listener.local_addr().unwrap();
+//! tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+//!
+//! // The client: the same trait, answered from replicas.
+//! let counter = CounterClient::new(RemoteClient::connect_tcp(addr).await?);
+//! assert_eq!(report(&counter).await, "40"); // a round trip
+//! assert_eq!(report(&counter).await, "40"); // a hit on the client
+//!
+//! local.count.store(5, Ordering::SeqCst);
+//! local.invalidate_scaled(10); // pushed to the client's replica
+//! let fresh = counter.scaled_computed(10).await;
+//! fresh.when_invalidated().await; // (the push may still be on its way)
+//! assert_eq!(report(&counter).await, "50");
+//! # Ok(()) }
+//! ```
+//!
+//! ## One dependency
+//!
+//! The layers are modules of this crate, each behind a feature: [`rpc`] (`rpc`: the
+//! protocol, plain RPC services with `#[rpc::service]`), [`remote`] (`remote`: replicas and
+//! the HTTP gateway with `http`, a persistent client cache with `persistent`), and the
+//! transports `tls` and `websocket`. Defaults: `remote`, `http`, `tls`. The
+//! [`prelude`] imports what a service and its clients use.
+//!
 //! See the README for a tour and ARCHITECTURE.md for how it works.
 
 pub use coherent_core::{
@@ -53,6 +130,58 @@ pub use coherent_macros::{compute_service, ComputeService};
 
 #[doc(hidden)]
 pub use coherent_core::plumbing;
+
+/// The RPC protocol: endpoints, peers, transports, and plain RPC services defined by a
+/// trait marked [`rpc::service`] (no caching: every call is a round trip). See the
+/// `coherent-rpc` crate's README.
+#[cfg(feature = "rpc")]
+pub use coherent_rpc as rpc;
+
+/// Compute services over RPC: [`RemoteServer`](remote::RemoteServer) and
+/// [`RemoteClient`](remote::RemoteClient), client replicas, the HTTP gateway. See the
+/// `coherent-remote` crate's README.
+#[cfg(feature = "remote")]
+pub use coherent_remote as remote;
+
+/// What a compute service, its server and its clients use: `use coherent::prelude::*;`.
+pub mod prelude {
+    pub use coherent_core::{
+        ComputeService, Computed, ComputedState, MutableState, Registry, ServiceHandle,
+    };
+    pub use coherent_macros::{compute_service, ComputeService};
+
+    #[cfg(feature = "rpc")]
+    pub use coherent_rpc::{Endpoint, ErrorCode, RpcError};
+
+    #[cfg(feature = "remote")]
+    pub use coherent_remote::{RemoteClient, RemoteServer};
+}
+
+/// What the macros' generated code names; not a public API.
+#[doc(hidden)]
+pub mod __private {
+    #[cfg(feature = "remote")]
+    pub use coherent_remote as remote;
+    #[cfg(feature = "rpc")]
+    pub use coherent_rpc as rpc;
+}
+
+/// Keeps its input where the `remote` feature is on: the `<Trait>Client` and
+/// `<Trait>Server` that `#[compute_service]` generates for a trait.
+#[doc(hidden)]
+#[cfg(feature = "remote")]
+#[macro_export]
+macro_rules! __if_remote {
+    ($($item:tt)*) => { $($item)* };
+}
+
+/// Drops its input: the `remote` feature is off.
+#[doc(hidden)]
+#[cfg(not(feature = "remote"))]
+#[macro_export]
+macro_rules! __if_remote {
+    ($($item:tt)*) => {};
+}
 
 /// The README's code blocks, compiled and run as doc tests.
 #[cfg(doctest)]

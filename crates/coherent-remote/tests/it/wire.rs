@@ -220,33 +220,6 @@ async fn a_client_that_stops_reading_is_cut_off_and_its_replicas_released_while_
     assert_eq!(healthy.greeting(2).await, "hello, bob again");
 }
 
-coherent_remote::replica_service! {
-    /// The typed stub of the test server's `Users`.
-    struct UsersStub = "Users" {
-        async fn name(&self, id: u64) -> Option<String>;
-    }
-}
-
-#[tokio::test]
-async fn the_stub_and_expose_macros_make_typed_replicas() {
-    let users = Users::new();
-    let server = coherent_remote::expose!(
-        coherent_remote::RemoteServer::new(),
-        users as "Users" { name(id: u64) }
-    );
-    let endpoint = Endpoint::builder().service(server.service()).build();
-    let (a, b) = tokio::io::duplex(64 * 1024);
-    tokio::spawn(async move { endpoint.accept(a).await });
-    let stub = UsersStub::new(RemoteClient::builder().connect(b).await.unwrap());
-    assert_eq!(stub.name(1).await.unwrap().as_deref(), Some("ann"));
-    let computed = stub.name_computed(1).await;
-    assert_eq!(server.replicas_held(), 1);
-    users.rename(1, "anna");
-    within("the pushed invalidation", computed.when_invalidated()).await;
-    assert_eq!(stub.name(1).await.unwrap().as_deref(), Some("anna"));
-    assert_eq!(users.runs(), 2);
-}
-
 #[tokio::test]
 async fn pushes_larger_than_the_clients_message_limit_arrive_in_several_messages() {
     let users = Users::new();

@@ -8,6 +8,7 @@ mod handles;
 mod options;
 mod postgres;
 mod race;
+mod remote;
 mod single_flight;
 mod sqlite;
 mod states;
