@@ -4,10 +4,10 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/rpc_bench.proto");
     let fds = protox::compile(["proto/rpc_bench.proto"], ["proto"])?;
-    tonic_build::configure()
+    tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
-        .bytes(["."])
+        .bytes(".")
         .compile_fds(fds)?;
     Ok(())
 }

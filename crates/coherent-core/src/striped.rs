@@ -142,7 +142,7 @@ fn thread_slot() -> usize {
     }
 
     fn free_slots() -> &'static parking_lot::Mutex<Vec<usize>> {
-        static FREE: parking_lot::Mutex<Vec<usize>> = parking_lot::const_mutex(Vec::new());
+        static FREE: parking_lot::Mutex<Vec<usize>> = parking_lot::Mutex::new(Vec::new());
         &FREE
     }
 }

@@ -31,7 +31,7 @@ pub(crate) type MutexGuard<'a, T> = loom::sync::MutexGuard<'a, T>;
 #[cfg(not(loom))]
 impl<T> Mutex<T> {
     pub(crate) const fn new(value: T) -> Self {
-        Self(parking_lot::const_mutex(value))
+        Self(parking_lot::Mutex::new(value))
     }
 
     pub(crate) fn lock(&self) -> parking_lot::MutexGuard<'_, T> {

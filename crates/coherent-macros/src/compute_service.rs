@@ -81,7 +81,7 @@ fn expand_trait_impl(
     krate: &Path,
     stub_options: Option<&TokenStream>,
 ) -> syn::Result<TokenStream> {
-    let trait_path = imp.trait_.as_ref().expect("a trait impl").1.clone();
+    let trait_path = imp.trait_.as_ref().expect("a trait impl").0.clone();
     let type_name = type_label(&imp.self_ty);
     let mut fronts = Vec::new();
     let mut hidden = Vec::new();
@@ -243,7 +243,7 @@ fn expand_method(
     }
     let mut inputs = sig.inputs.iter();
     match inputs.next() {
-        Some(FnArg::Receiver(r)) if r.reference.is_some() && r.mutability.is_none() => {}
+        Some(FnArg::Receiver(r)) if matches!(r.kind, syn::ReceiverKind::Reference(_, _, None)) => {}
         _ => {
             return Err(syn::Error::new_spanned(
                 &sig.inputs,
@@ -536,7 +536,7 @@ fn parse_trait_method(f: &syn::TraitItemFn) -> syn::Result<TraitMethod> {
     }
     let mut inputs = sig.inputs.iter();
     match inputs.next() {
-        Some(FnArg::Receiver(r)) if r.reference.is_some() && r.mutability.is_none() => {}
+        Some(FnArg::Receiver(r)) if matches!(r.kind, syn::ReceiverKind::Reference(_, _, None)) => {}
         _ => {
             return Err(syn::Error::new_spanned(
                 &sig.inputs,

@@ -93,7 +93,7 @@ fn parse_method(f: &syn::TraitItemFn) -> syn::Result<Method> {
     }
     let mut inputs = sig.inputs.iter();
     match inputs.next() {
-        Some(FnArg::Receiver(r)) if r.reference.is_some() && r.mutability.is_none() => {}
+        Some(FnArg::Receiver(r)) if matches!(r.kind, syn::ReceiverKind::Reference(_, _, None)) => {}
         _ => {
             return Err(syn::Error::new(
                 sig.span(),

@@ -735,13 +735,15 @@ impl<'de> de::Deserializer<'de> for &mut Decoder<'de> {
         if n > 4 {
             return Err(Error::BadChar);
         }
-        // As postcard: the first character of the bytes, which must be UTF-8.
-        let c = std::str::from_utf8(self.take(n)?)
+        // As postcard (1.2 and later): UTF-8 bytes that hold exactly one character. Postcard
+        // 1.1 took the first character of any UTF-8 bytes, so two byte forms decoded alike.
+        let mut chars = std::str::from_utf8(self.take(n)?)
             .map_err(|_| Error::BadChar)?
-            .chars()
-            .next()
-            .ok_or(Error::BadChar)?;
-        visitor.visit_char(c)
+            .chars();
+        match (chars.next(), chars.next()) {
+            (Some(c), None) => visitor.visit_char(c),
+            _ => Err(Error::BadChar),
+        }
     }
 
     #[inline]
@@ -1128,6 +1130,10 @@ mod tests {
 
     #[test]
     fn errors_name_what_is_wrong() {
+        // A char is UTF-8 bytes holding exactly one character, as postcard 1.2 decodes it.
+        assert_eq!(decode::<char>(&[2, b'a', b'b']), Err(Error::BadChar));
+        assert_eq!(decode::<char>(&[0]), Err(Error::BadChar));
+        assert_eq!(decode::<char>(&[2, 0xc3, 0xa9]), Ok('é'));
         assert_eq!(decode::<u32>(&[0x80]), Err(Error::End));
         assert_eq!(
             decode::<u32>(&[0xff, 0xff, 0xff, 0xff, 0x10]),

@@ -108,9 +108,9 @@ impl PayloadKind {
                 Bytes::from(text.iter().copied().cycle().take(len).collect::<Vec<u8>>())
             }
             Self::Rand => {
-                use rand::RngCore;
+                use rand::Rng;
                 let mut v = vec![0u8; len];
-                rand::thread_rng().fill_bytes(&mut v);
+                rand::rng().fill_bytes(&mut v);
                 Bytes::from(v)
             }
         }

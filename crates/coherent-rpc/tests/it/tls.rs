@@ -9,7 +9,7 @@ use coherent_rpc::tls::rustls::{
     ClientConfig, RootCertStore, ServerConfig,
 };
 use coherent_rpc::{Config, Endpoint, ErrorCode};
-use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 use tokio::net::TcpListener;
 
 use crate::support::*;
@@ -25,11 +25,12 @@ fn pki() -> Pki {
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::from_params(&ca_params, &ca_key);
     let leaf = |name: &str| {
         let key = KeyPair::generate().unwrap();
         let cert = CertificateParams::new(vec![name.to_owned()])
             .unwrap()
-            .signed_by(&key, &ca, &ca_key)
+            .signed_by(&key, &issuer)
             .unwrap();
         (
             cert.der().clone(),
