@@ -8,6 +8,7 @@
 //! cargo run -p coherent-examples --example remote_client     # in a second terminal
 //! curl 'http://127.0.0.1:7879/api/Users.user?args=%5B1%5D'   # the same value over HTTP
 //! curl -N 'http://127.0.0.1:7879/api/Users.user/events?args=%5B1%5D'
+//! curl http://127.0.0.1:7879/metrics                        # the counters, for Prometheus
 //! ```
 //!
 //! Arguments: `[rpc address] [http address]`, by default `127.0.0.1:7878 127.0.0.1:7879`.
@@ -15,6 +16,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use coherent::metrics::Observer;
 use coherent::prelude::*;
 use coherent_examples::api::{User, Users, UsersError, UsersServer};
 use parking_lot::Mutex;
@@ -97,11 +99,27 @@ async fn main() -> anyhow::Result<()> {
     let remote = RemoteServer::new().expose_service(UsersServer::new(users.clone()));
     let endpoint = Endpoint::builder().service(remote.service()).build();
     let rpc = tokio::net::TcpListener::bind(&rpc_addr).await?;
-    tokio::spawn(async move { endpoint.serve_tcp(rpc).await });
-    let app = axum::Router::new().nest("/api", remote.gateway());
+    tokio::spawn({
+        let endpoint = endpoint.clone();
+        async move { endpoint.serve_tcp(rpc).await }
+    });
+    // The counters in Prometheus' text format: the exporter renders what the observer
+    // recorded from the cache, the RPC endpoint and the replicas at each scrape.
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+    let observer = Observer::new()
+        .registry("default", Registry::global())
+        .endpoint("rpc", &endpoint)
+        .remote_server("users", &remote);
+    let scrape = move || {
+        observer.record();
+        std::future::ready(prometheus.render())
+    };
+    let app = axum::Router::new()
+        .nest("/api", remote.gateway())
+        .route("/metrics", axum::routing::get(scrape));
     let http = tokio::net::TcpListener::bind(&http_addr).await?;
     tokio::spawn(async move { axum::serve(http, app).await });
-    println!("serving Users on {rpc_addr} (rpc) and http://{http_addr}/api (http)");
+    println!("serving Users on {rpc_addr} (rpc), http://{http_addr}/api (http) and http://{http_addr}/metrics");
 
     let names = ["Ada", "Ada Lovelace", "Countess of Lovelace"];
     for round in 1usize.. {

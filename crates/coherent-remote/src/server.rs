@@ -63,6 +63,11 @@ pub(crate) type JsonFetch =
 ///     .expose("Users.name", users.clone(), |u, (id,): (u64,)| async move { u.name_computed(id).await });
 /// let endpoint = coherent_rpc::Endpoint::builder().service(remote.service()).build();
 /// ```
+///
+/// Clones share the replicas held and their counters: a clone kept for reporting
+/// ([`connections`](Self::connections), [`replicas_held`](Self::replicas_held)) sees those
+/// of every service made from the original.
+#[derive(Clone)]
 pub struct RemoteServer {
     methods: HashMap<u32, Method>,
     max_replicas: usize,

@@ -73,6 +73,7 @@ impl EndpointBuilder {
         Endpoint {
             inner: Arc::new(Inner {
                 registry: Arc::new(self.registry),
+                totals: Arc::default(),
                 config: self.config,
                 auth: self.auth,
                 token: self.token,
@@ -83,6 +84,7 @@ impl EndpointBuilder {
 
 struct Inner {
     registry: Arc<Registry>,
+    totals: Arc<peer::Totals>,
     config: Config,
     auth: Option<AuthHook>,
     token: String,
@@ -99,6 +101,11 @@ impl Endpoint {
     /// A builder with no services and the default [`Config`].
     pub fn builder() -> EndpointBuilder {
         EndpointBuilder::default()
+    }
+
+    /// Counters over every connection this endpoint made or accepted, open or closed.
+    pub fn stats(&self) -> peer::EndpointStats {
+        self.inner.totals.report()
     }
 
     fn hello(&self, token: &str) -> Hello {
@@ -176,7 +183,7 @@ impl Endpoint {
                 wr,
                 BytesMut::new(),
                 settings,
-                self.inner.registry.clone(),
+                (self.inner.registry.clone(), self.inner.totals.clone()),
                 Role::Connecting { early: Some(early) },
             ));
         }
@@ -208,7 +215,7 @@ impl Endpoint {
             wr,
             leftover,
             settings,
-            self.inner.registry.clone(),
+            (self.inner.registry.clone(), self.inner.totals.clone()),
             Role::Connecting { early: None },
         ))
     }
@@ -323,7 +330,7 @@ impl Endpoint {
             wr,
             leftover,
             self.settings(&hello),
-            self.inner.registry.clone(),
+            (self.inner.registry.clone(), self.inner.totals.clone()),
             Role::Accepting {
                 identity,
                 answer: frame(Kind::HelloAck, &ack.encode()),

@@ -58,7 +58,7 @@ pub use config::{Config, SendBuffer};
 pub use endpoint::{Endpoint, EndpointBuilder};
 pub use error::{ErrorCode, RpcError};
 pub use frame::Compression;
-pub use peer::{CallOptions, Peer, Stats};
+pub use peer::{CallOptions, EndpointStats, Peer, Stats};
 pub use reconnect::{Backoff, Reconnecting};
 pub use service::{
     item_stream, method_id, BoxFuture, CallContext, EncodeItems, Identity, ItemStream, MethodInfo,

@@ -143,6 +143,9 @@ pub use coherent_rpc as rpc;
 #[cfg(feature = "remote")]
 pub use coherent_remote as remote;
 
+#[cfg(feature = "metrics")]
+pub mod metrics;
+
 /// What a compute service, its server and its clients use: `use coherent::prelude::*;`.
 pub mod prelude {
     pub use coherent_core::{

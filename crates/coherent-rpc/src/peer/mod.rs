@@ -27,6 +27,7 @@ mod early;
 mod reader;
 mod serve;
 mod streams;
+mod totals;
 mod writer;
 
 use std::collections::HashMap;
@@ -51,6 +52,8 @@ use crate::service::{Identity, Registry};
 use crate::stream::ClientStream;
 
 pub(crate) use early::{Early, EARLY_MAX};
+pub use totals::EndpointStats;
+pub(crate) use totals::Totals;
 pub(crate) use writer::{encode, Out};
 
 use reader::read_loop;
@@ -215,9 +218,35 @@ pub(crate) struct Shared {
     ///
     /// [`Batch::capacity`]: streams::Batch::capacity
     stream_batch: AtomicUsize,
+    /// The endpoint's counters over all its connections (this one's counts join its
+    /// closed total when this is dropped).
+    totals: Arc<Totals>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.totals.close(self.id, self.stats());
+    }
 }
 
 impl Shared {
+    /// This connection's counters now.
+    fn stats(&self) -> Stats {
+        let c = &self.counters;
+        Stats {
+            calls_out: c.calls_out.load(Ordering::Relaxed),
+            calls_in: c.calls_in.load(Ordering::Relaxed),
+            errors_in: c.errors_in.load(Ordering::Relaxed),
+            bytes_out: c.bytes_out.load(Ordering::Relaxed),
+            bytes_in: c.bytes_in.load(Ordering::Relaxed),
+            in_flight_in: self.inbound.lock().len() as u64,
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.failure.get().is_some()
+    }
+
     /// What an operation on the closed connection fails with: the reason calls fail with
     /// (a refusal's `Unauthenticated`, say), set before the writer task lets go of its queue
     /// and before any caller's reply is dropped unanswered.
@@ -642,15 +671,7 @@ impl Peer {
 
     /// A snapshot of this connection's counters.
     pub fn stats(&self) -> Stats {
-        let c = &self.shared.counters;
-        Stats {
-            calls_out: c.calls_out.load(Ordering::Relaxed),
-            calls_in: c.calls_in.load(Ordering::Relaxed),
-            errors_in: c.errors_in.load(Ordering::Relaxed),
-            bytes_out: c.bytes_out.load(Ordering::Relaxed),
-            bytes_in: c.bytes_in.load(Ordering::Relaxed),
-            in_flight_in: self.shared.inbound.lock().len() as u64,
-        }
+        self.shared.stats()
     }
 
     /// Starts the reader and writer tasks of a connection whose handshake is done.
@@ -659,14 +680,15 @@ impl Peer {
         wr: W,
         leftover: BytesMut,
         settings: Settings,
-        registry: Arc<Registry>,
+        (registry, totals): (Arc<Registry>, Arc<Totals>),
         role: Role,
     ) -> Peer
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        let (peer, reader) = Self::start_writer((rd, due), wr, leftover, settings, registry, role);
+        let (peer, reader) =
+            Self::start_writer((rd, due), wr, leftover, settings, (registry, totals), role);
         tokio::spawn(reader);
         peer
     }
@@ -679,7 +701,7 @@ impl Peer {
         wr: W,
         leftover: BytesMut,
         settings: Settings,
-        registry: Arc<Registry>,
+        (registry, totals): (Arc<Registry>, Arc<Totals>),
         role: Role,
     ) -> (Peer, impl Future<Output = ()> + Send + 'static)
     where
@@ -732,7 +754,9 @@ impl Peer {
             drained: Notify::new(),
             counters: Counters::default(),
             stream_batch: AtomicUsize::new(MIN_BATCH),
+            totals,
         });
+        shared.totals.open(&shared);
         let reader = read_loop(shared.clone(), rd, due, leftover);
         let owner = owned.then(|| Arc::new(Owner(shared.clone())));
         let peer = Peer {

@@ -272,3 +272,29 @@ async fn a_handler_that_answers_or_panics_at_once_is_dropped_inside_its_calls_co
         "a handler was dropped outside its call's context: {seen:?}"
     );
 }
+
+#[tokio::test]
+async fn an_endpoint_counts_over_its_connections_closed_ones_included() {
+    let (server, _) = calc_server(Config::default());
+    let client = Endpoint::builder().build();
+    for round in 1..=3u64 {
+        let (c, _s) = pair(&server, &client).await.unwrap();
+        let calc = CalcClient::new(c.clone());
+        assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+        assert_eq!(calc.sum(3, 4).await.unwrap(), 7);
+        let live = client.stats();
+        assert_eq!(live.connections_total, round);
+        assert_eq!(live.totals.calls_out, 2 * round);
+        c.close();
+        drop((calc, c, _s));
+    }
+    // Every connection is closed and dropped: their counts stay in the totals.
+    eventually("the connections to close", || {
+        server.stats().connections_open == 0 && client.stats().connections_open == 0
+    })
+    .await;
+    let (s, c) = (server.stats(), client.stats());
+    assert_eq!((s.connections_total, c.connections_total), (3, 3));
+    assert_eq!((s.totals.calls_in, c.totals.calls_out), (6, 6));
+    assert!(c.totals.bytes_out > 0 && s.totals.bytes_in > c.totals.bytes_out);
+}

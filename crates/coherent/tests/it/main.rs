@@ -5,6 +5,7 @@ mod alloc;
 mod churn;
 mod graph;
 mod handles;
+mod observe;
 mod options;
 mod postgres;
 mod race;

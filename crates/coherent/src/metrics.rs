@@ -1,0 +1,146 @@
+//! Coherent's counters through the [`metrics`] facade, so that whatever exporter the
+//! application installs (Prometheus, StatsD, OpenTelemetry...) shows them.
+//!
+//! The counters themselves stay where they are cheap to keep (a registry counts hits on the
+//! table stripes a hit touches anyway; a connection counts in its own atomics): nothing on
+//! a call's path goes through the facade. An [`Observer`] reads them when asked —
+//! [`Observer::record`] right before an exporter renders (a scrape), or every so often with
+//! [`Observer::spawn`] — and sets the facade's counters and gauges to what it read.
+//!
+//! | metric | kind | labels | what |
+//! |---|---|---|---|
+//! | `coherent_cache_hits_total` | counter | `registry` | calls answered from a consistent cached result |
+//! | `coherent_cache_misses_total` | counter | `registry` | calls that ran the method body |
+//! | `coherent_cache_invalidations_total` | counter | `registry` | computeds invalidated, cascades included |
+//! | `coherent_cache_evictions_total` | counter | `registry` | entries removed by pruning |
+//! | `coherent_cache_entries` | gauge | `registry` | entries held now |
+//! | `coherent_rpc_connections_open` | gauge | `endpoint` | connections open now |
+//! | `coherent_rpc_connections_total` | counter | `endpoint` | connections made or accepted |
+//! | `coherent_rpc_calls_out_total` | counter | `endpoint` | calls this side made |
+//! | `coherent_rpc_calls_in_total` | counter | `endpoint` | calls the other sides made |
+//! | `coherent_rpc_errors_in_total` | counter | `endpoint` | `Error` frames received |
+//! | `coherent_rpc_bytes_out_total` | counter | `endpoint` | payload bytes written |
+//! | `coherent_rpc_bytes_in_total` | counter | `endpoint` | bytes read |
+//! | `coherent_rpc_calls_in_flight` | gauge | `endpoint` | calls from the other sides running now |
+//! | `coherent_remote_connections` | gauge | `server` | client connections holding replicas |
+//! | `coherent_remote_replicas_held` | gauge | `server` | replicas the server watches for its clients |
+//! | `coherent_remote_client_replicas` | gauge | `client` | replicas this client holds |
+//! | `coherent_remote_client_connections_total` | counter | `client` | connections made (1 plus the reconnections) |
+//!
+//! ```
+//! use coherent::metrics::Observer;
+//! use coherent::Registry;
+//!
+//! let observer = Observer::new().registry("default", Registry::global());
+//! // Before an exporter renders (e.g. in the handler of `GET /metrics`):
+//! observer.record();
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use coherent_core::Registry;
+
+type Source = Arc<dyn Fn() + Send + Sync>;
+
+/// Reads the counters of the registries, endpoints and remote servers and clients it was
+/// given, and reports them through the [`metrics`] facade (see the [module](self) docs).
+#[derive(Clone, Default)]
+pub struct Observer {
+    sources: Vec<Source>,
+}
+
+impl Observer {
+    /// An observer of nothing yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn with(mut self, source: Source) -> Self {
+        self.sources.push(source);
+        self
+    }
+
+    /// Reports `registry`'s cache counters labelled `registry = name`.
+    pub fn registry(self, name: &str, registry: &Registry) -> Self {
+        let (registry, name) = (registry.clone(), name.to_owned());
+        self.with(Arc::new(move || {
+            let m = registry.metrics();
+            let label = [("registry", name.clone())];
+            metrics::counter!("coherent_cache_hits_total", &label).absolute(m.hits);
+            metrics::counter!("coherent_cache_misses_total", &label).absolute(m.misses);
+            metrics::counter!("coherent_cache_invalidations_total", &label)
+                .absolute(m.invalidations);
+            metrics::counter!("coherent_cache_evictions_total", &label).absolute(m.evictions);
+            metrics::gauge!("coherent_cache_entries", &label).set(m.entries as f64);
+        }))
+    }
+
+    /// Reports `endpoint`'s connection and call counters labelled `endpoint = name`.
+    #[cfg(feature = "rpc")]
+    pub fn endpoint(self, name: &str, endpoint: &coherent_rpc::Endpoint) -> Self {
+        let (endpoint, name) = (endpoint.clone(), name.to_owned());
+        self.with(Arc::new(move || {
+            let s = endpoint.stats();
+            let t = s.totals;
+            let label = [("endpoint", name.clone())];
+            metrics::gauge!("coherent_rpc_connections_open", &label).set(s.connections_open as f64);
+            metrics::counter!("coherent_rpc_connections_total", &label)
+                .absolute(s.connections_total);
+            metrics::counter!("coherent_rpc_calls_out_total", &label).absolute(t.calls_out);
+            metrics::counter!("coherent_rpc_calls_in_total", &label).absolute(t.calls_in);
+            metrics::counter!("coherent_rpc_errors_in_total", &label).absolute(t.errors_in);
+            metrics::counter!("coherent_rpc_bytes_out_total", &label).absolute(t.bytes_out);
+            metrics::counter!("coherent_rpc_bytes_in_total", &label).absolute(t.bytes_in);
+            metrics::gauge!("coherent_rpc_calls_in_flight", &label).set(t.in_flight_in as f64);
+        }))
+    }
+
+    /// Reports the replicas that `server` holds for its clients, labelled `server = name`.
+    #[cfg(feature = "remote")]
+    pub fn remote_server(self, name: &str, server: &coherent_remote::RemoteServer) -> Self {
+        let (server, name) = (server.clone(), name.to_owned());
+        self.with(Arc::new(move || {
+            let label = [("server", name.clone())];
+            metrics::gauge!("coherent_remote_connections", &label).set(server.connections() as f64);
+            metrics::gauge!("coherent_remote_replicas_held", &label)
+                .set(server.replicas_held() as f64);
+        }))
+    }
+
+    /// Reports the replicas `client` holds and its connections, labelled `client = name`.
+    #[cfg(feature = "remote")]
+    pub fn remote_client(self, name: &str, client: &coherent_remote::RemoteClient) -> Self {
+        let (client, name) = (client.clone(), name.to_owned());
+        self.with(Arc::new(move || {
+            let label = [("client", name.clone())];
+            metrics::gauge!("coherent_remote_client_replicas", &label)
+                .set(client.replica_count() as f64);
+            metrics::counter!("coherent_remote_client_connections_total", &label)
+                .absolute(client.connections());
+        }))
+    }
+
+    /// Reads every source now and sets the facade's metrics to what it read.
+    pub fn record(&self) {
+        for source in self.sources.iter() {
+            source();
+        }
+    }
+
+    /// Records every `period` on a task of the current tokio runtime (for exporters that
+    /// push rather than render on request), until the handle is aborted.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime.
+    pub fn spawn(self, period: Duration) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                self.record();
+            }
+        })
+    }
+}
