@@ -2,9 +2,13 @@
 //! same run, on the same machine, and reporting ratios.
 //!
 //! ```text
-//! cargo run --release -p coherent-bench -- local [--json out.json] [--quick] [--seconds N]
+//! cargo run --release -p coherent-bench -- local [--json out.json] [--chart out.svg] [--quick] [--seconds N]
 //! ```
+//!
+//! `--chart PATH` writes an SVG of the run: a bar panel per row group, ours against each peer,
+//! every peer's bar labelled with ours' ratio to it (see `chart.rs`).
 
+mod chart;
 mod local;
 mod remote;
 mod report;
@@ -27,6 +31,10 @@ struct Cli {
     /// Write the results as JSON to this file.
     #[arg(long, global = true)]
     json: Option<PathBuf>,
+    /// Write an SVG chart to this file: a bar panel per row group (`calls.sum`, ...), ours
+    /// against each peer, each peer's bar labelled with ours ÷ it.
+    #[arg(long, global = true)]
+    chart: Option<PathBuf>,
     /// Run every case for a fraction of a second (a smoke run, for CI).
     #[arg(long, global = true)]
     quick: bool,
@@ -110,6 +118,10 @@ fn main() -> anyhow::Result<()> {
     report.print_table();
     if let Some(path) = &cli.json {
         report.write_json(path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &cli.chart {
+        chart::write(&report, path)?;
         eprintln!("wrote {}", path.display());
     }
     Ok(())

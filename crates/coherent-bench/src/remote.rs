@@ -271,11 +271,18 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     };
     report.push(row("remote.http.regular", &regular));
     report.push(row("remote.http.cached", &gateway).compared_to("remote.http.regular"));
-    report.push(row("remote.local.cached", &local));
-    report.push(row("remote.rpc.cached", &rpc).compared_to("remote.local.cached"));
+    // The chart draws the three ways of reading the service in one panel.
+    let reads = "remote.reads";
+    report.push(row("remote.local.cached", &local).in_group(reads));
+    report.push(
+        row("remote.rpc.cached", &rpc)
+            .compared_to("remote.local.cached")
+            .in_group(reads),
+    );
     report.push(
         row("remote.replica", &replicated)
             .compared_to("remote.local.cached")
+            .in_group(reads)
             .with(
                 "x_rpc_cached",
                 format!("{:.1}", replicated.0.rate() / rpc.0.rate()),
@@ -291,7 +298,8 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
                 percentile(&latencies, p),
                 "us",
             )
-            .with("samples", samples),
+            .with("samples", samples)
+            .in_group("remote.invalidation"),
         );
     }
     report.note(format!(

@@ -1,5 +1,5 @@
-//! Results of a suite: rows with stable names, a table with ratios on stdout, JSON on request,
-//! and the progress bar on stderr.
+//! Results of a suite: rows with stable names, a table with ratios on stdout, JSON and an SVG
+//! chart (`chart.rs`) on request, and the progress bar on stderr.
 
 use std::path::Path;
 
@@ -16,6 +16,9 @@ pub(crate) struct Row {
     pub(crate) extra: Map<String, Value>,
     /// The row this one is compared with in the table (`name ÷ baseline`).
     pub(crate) baseline: Option<String>,
+    /// The chart panel this row is drawn in, where its name's prefix is not it (see
+    /// [`Row::group`]).
+    group: Option<String>,
 }
 
 impl Row {
@@ -26,6 +29,7 @@ impl Row {
             unit,
             extra: Map::new(),
             baseline: None,
+            group: None,
         }
     }
 
@@ -37,6 +41,25 @@ impl Row {
     pub(crate) fn compared_to(mut self, baseline: &str) -> Self {
         self.baseline = Some(baseline.to_owned());
         self
+    }
+
+    /// Draws this row in the chart panel `group` instead of the one its name's prefix names.
+    pub(crate) fn in_group(mut self, group: &str) -> Self {
+        self.group = Some(group.to_owned());
+        self
+    }
+
+    /// The row group that the chart draws this row in (`--chart`): the one given to
+    /// [`Row::in_group`], or else the name without its last segment, which names the contender
+    /// (`calls.sum.coherent` is in `calls.sum`).
+    pub(crate) fn group(&self) -> &str {
+        match &self.group {
+            Some(group) => group,
+            None => self
+                .name
+                .rsplit_once('.')
+                .map_or(&self.name, |(prefix, _)| prefix),
+        }
     }
 }
 
@@ -54,6 +77,14 @@ impl Report {
             rows: Vec::new(),
             notes: Vec::new(),
         }
+    }
+
+    pub(crate) fn suite(&self) -> &'static str {
+        self.suite
+    }
+
+    pub(crate) fn rows(&self) -> &[Row] {
+        &self.rows
     }
 
     pub(crate) fn push(&mut self, row: Row) {
@@ -144,7 +175,8 @@ impl Report {
     }
 }
 
-fn format_value(value: f64) -> String {
+/// `2.55M`, `94.78K`, `16.09`: how the table and the chart print a value.
+pub(crate) fn format_value(value: f64) -> String {
     if value >= 1e6 {
         format!("{:.2}M", value / 1e6)
     } else if value >= 1e3 {

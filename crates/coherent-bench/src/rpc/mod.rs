@@ -442,8 +442,14 @@ async fn payloads(
             c.echo(b).await
         });
         let v = interleaved(timing, &[(1, ours), (1, theirs)]).await?;
-        report.push(Row::new(name("coherent"), v[0] * mb, "MB/s").compared_to(&name("tonic")));
-        report.push(Row::new(name("tonic"), v[1] * mb, "MB/s"));
+        // The chart draws each kind of payload in one panel, compressed or not.
+        let group = format!("payload.10mb.{}", kind.name());
+        report.push(
+            Row::new(name("coherent"), v[0] * mb, "MB/s")
+                .compared_to(&name("tonic"))
+                .in_group(&group),
+        );
+        report.push(Row::new(name("tonic"), v[1] * mb, "MB/s").in_group(&group));
         bar.inc(2);
     }
     for (compression, label) in [(Compression::Lz4, "lz4"), (Compression::Zstd, "zstd")] {
@@ -456,7 +462,8 @@ async fn payloads(
                 c.echo(b).await
             });
             let v = throughput(timing, 1, work).await? * mb;
-            report.push(Row::new(name, v, "MB/s"));
+            let group = format!("payload.10mb.{}", kind.name());
+            report.push(Row::new(name, v, "MB/s").in_group(&group));
             bar.inc(1);
         }
     }
@@ -468,7 +475,8 @@ async fn payloads(
             c.echo(b).await
         });
         let v = throughput(timing, 1, work).await? * mb;
-        report.push(Row::new(name, v, "MB/s"));
+        let group = format!("payload.10mb.{}", kind.name());
+        report.push(Row::new(name, v, "MB/s").in_group(&group));
         bar.inc(1);
     }
     Ok(())
