@@ -23,9 +23,16 @@ use syn::{
 use crate::duration;
 
 pub(crate) fn expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
-    let krate = parse_crate_path(attr)?;
-    match syn::parse2::<Item>(item)? {
-        Item::Trait(t) => expand_trait(t, &krate),
+    let Args { krate, local } = parse_args(attr)?;
+    let item = syn::parse2::<Item>(item)?;
+    if let (Some(local), Item::Impl(_)) = (&local, &item) {
+        return Err(syn::Error::new_spanned(
+            local,
+            "`local` goes on the trait: it leaves out the trait's client stub and server",
+        ));
+    }
+    match item {
+        Item::Trait(t) => expand_trait(t, &krate, local.is_some()),
         Item::Impl(imp) if imp.trait_.is_some() => expand_trait_impl(imp, &krate, None),
         Item::Impl(imp) => expand_inherent(imp, &krate),
         other => Err(syn::Error::new_spanned(
@@ -128,33 +135,41 @@ fn expand_trait_impl(
     })
 }
 
-fn parse_crate_path(attr: TokenStream) -> syn::Result<Path> {
-    if attr.is_empty() {
-        return Ok(syn::parse_quote!(::coherent));
-    }
+/// The macro's arguments: `crate = "path"` (where the generated code finds the facade) and,
+/// on a trait, `local` (no client stub or server).
+struct Args {
+    krate: Path,
+    local: Option<Path>,
+}
+
+fn parse_args(attr: TokenStream) -> syn::Result<Args> {
+    let mut args = Args {
+        krate: syn::parse_quote!(::coherent),
+        local: None,
+    };
     let metas = Punctuated::<Meta, Token![,]>::parse_terminated.parse2(attr)?;
-    let mut path = None;
     for meta in metas {
         match &meta {
             Meta::NameValue(nv) if nv.path.is_ident("crate") => {
-                let lit: LitStr = syn::parse2(quote!(#nv.value)).or_else(|_| match &nv.value {
+                let lit: LitStr = match &nv.value {
                     syn::Expr::Lit(syn::ExprLit {
                         lit: syn::Lit::Str(s),
                         ..
-                    }) => Ok(s.clone()),
-                    other => Err(syn::Error::new_spanned(other, "expected a string")),
-                })?;
-                path = Some(lit.parse::<Path>()?);
+                    }) => s.clone(),
+                    other => return Err(syn::Error::new_spanned(other, "expected a string")),
+                };
+                args.krate = lit.parse::<Path>()?;
             }
+            Meta::Path(p) if p.is_ident("local") => args.local = Some(p.clone()),
             other => {
                 return Err(syn::Error::new_spanned(
                     other,
-                    "unknown argument: the only one is `crate = \"path\"`",
+                    "unknown argument: expected `crate = \"path\"` or, on a trait, `local`",
                 ))
             }
         }
     }
-    Ok(path.unwrap_or_else(|| syn::parse_quote!(::coherent)))
+    Ok(args)
 }
 
 fn is_compute_attr(attr: &Attribute) -> bool {
@@ -232,7 +247,13 @@ fn expand_method(
     if sig.asyncness.is_none() {
         return Err(syn::Error::new_spanned(
             sig.fn_token,
-            "a #[compute] method must be `async`",
+            match mode {
+                Mode::Inherent => "a #[compute] method must be `async`",
+                Mode::TraitImpl(_) => {
+                    "every method of an impl of a compute service trait is a compute method and \
+                     must be `async`; is the trait marked #[compute_service]?"
+                }
+            },
         ));
     }
     if !sig.generics.params.is_empty() {
@@ -285,14 +306,28 @@ fn expand_method(
         .filter(|a| a.path().is_ident("doc") || a.path().is_ident("allow"))
         .cloned()
         .collect();
-    let label = format!("{type_name}::{name}");
+    // A trait impl's hidden helpers share the type's inherent namespace with those of its
+    // other traits and of its inherent compute methods: the trait's name keeps them apart.
+    let (label, scope) = match mode {
+        Mode::Inherent => (format!("{type_name}::{name}"), String::new()),
+        Mode::TraitImpl(trait_path) => {
+            let trait_name = trait_path
+                .segments
+                .last()
+                .map_or_else(String::new, |s| s.ident.to_string());
+            (
+                format!("<{type_name} as {trait_name}>::{name}"),
+                format!("{}_", trait_name.to_lowercase()),
+            )
+        }
+    };
     let computed_name = format_ident!("{}_computed", name);
     let invalidate_name = format_ident!("invalidate_{}", name);
-    let body_name = format_ident!("__coherent_body_{}", name);
-    let method_fn = format_ident!("__coherent_method_{}", name);
-    let classify_fn = format_ident!("__coherent_classify_{}", name);
-    let input_fn = format_ident!("__coherent_input_{}", name);
-    let miss_fn = format_ident!("__coherent_miss_{}", name);
+    let body_name = format_ident!("__coherent_{}body_{}", scope, name);
+    let method_fn = format_ident!("__coherent_{}method_{}", scope, name);
+    let classify_fn = format_ident!("__coherent_{}classify_{}", scope, name);
+    let input_fn = format_ident!("__coherent_{}input_{}", scope, name);
+    let miss_fn = format_ident!("__coherent_{}miss_{}", scope, name);
     let key_ty = quote!((#(#arg_types,)*));
     let key = quote!((#(#arg_names,)*));
     let args = quote!(#(#arg_names: #arg_types),*);
@@ -330,9 +365,9 @@ fn expand_method(
     );
     // The computed behind a call, from a recompute closure that owns a clone of the service.
     let computed_of_service = match mode {
-        Mode::Inherent => quote!(service.#computed_name(#(#arg_names),*)),
+        Mode::Inherent => quote!(__coherent_service.#computed_name(#(#arg_names),*)),
         Mode::TraitImpl(trait_path) => {
-            quote!(<Self as #trait_path>::#computed_name(&service, #(#arg_names),*))
+            quote!(<Self as #trait_path>::#computed_name(&__coherent_service, #(#arg_names),*))
         }
     };
     let front: Vec<ImplItem> = vec![
@@ -342,19 +377,25 @@ fn expand_method(
             // of it) would be a third of them.
             #[inline]
             #vis async fn #name(&self, #args) -> #output {
-                let table = #table;
-                let key = #key;
-                if let ::core::option::Option::Some(value) = table.try_hit(&key) {
-                    return value;
+                let __coherent_table = #table;
+                let __coherent_key = #key;
+                if let ::core::option::Option::Some(__coherent_value) =
+                    __coherent_table.try_hit(&__coherent_key)
+                {
+                    return __coherent_value;
                 }
-                self.#miss_fn(key).await
+                self.#miss_fn(__coherent_key).await
             }
         },
         syn::parse_quote! {
             #[doc = #computed_doc]
             #vis async fn #computed_name(&self, #args) -> #krate::Computed<#output> {
                 #table
-                    .computed(#key, |key| self.#input_fn(key), |#key| self.#body_name(#(#arg_names),*))
+                    .computed(
+                        #key,
+                        |__coherent_key| self.#input_fn(__coherent_key),
+                        |#key| self.#body_name(#(#arg_names),*),
+                    )
                     .await
             }
         },
@@ -374,11 +415,13 @@ fn expand_method(
             #[inline(never)]
             fn #miss_fn(
                 &self,
-                key: #key_ty,
+                __coherent_key: #key_ty,
             ) -> ::core::pin::Pin<::std::boxed::Box<impl ::core::future::Future<Output = #output> + '_>> {
-                ::std::boxed::Box::pin(
-                    #table.compute(key, |key| self.#input_fn(key), |#key| self.#body_name(#(#arg_names),*)),
-                )
+                ::std::boxed::Box::pin(#table.compute(
+                    __coherent_key,
+                    |__coherent_key| self.#input_fn(__coherent_key),
+                    |#key| self.#body_name(#(#arg_names),*),
+                ))
             }
         },
         syn::parse_quote! {
@@ -397,12 +440,12 @@ fn expand_method(
         },
         syn::parse_quote! {
             #[doc(hidden)]
-            fn #input_fn(&self, key: &#key_ty) -> #plumbing::Recompute<#output> {
-                let service = ::core::clone::Clone::clone(self);
-                let key = ::core::clone::Clone::clone(key);
+            fn #input_fn(&self, __coherent_key: &#key_ty) -> #plumbing::Recompute<#output> {
+                let __coherent_service = ::core::clone::Clone::clone(self);
+                let __coherent_key = ::core::clone::Clone::clone(__coherent_key);
                 #plumbing::recompute(move || {
-                    let service = ::core::clone::Clone::clone(&service);
-                    let #key = ::core::clone::Clone::clone(&key);
+                    let __coherent_service = ::core::clone::Clone::clone(&__coherent_service);
+                    let #key = ::core::clone::Clone::clone(&__coherent_key);
                     ::std::boxed::Box::pin(async move {
                         ::core::option::Option::Some(#computed_of_service.await)
                     })
@@ -425,7 +468,7 @@ struct TraitMethod {
 /// A trait that defines a compute service: the trait with `Send` futures and each
 /// method's `_computed` and `invalidate_`; behind `__if_remote!`, its client stub and its
 /// server-side exposure.
-fn expand_trait(mut t: ItemTrait, krate: &Path) -> syn::Result<TokenStream> {
+fn expand_trait(mut t: ItemTrait, krate: &Path, local: bool) -> syn::Result<TokenStream> {
     if !t.generics.params.is_empty() {
         return Err(syn::Error::new_spanned(
             &t.generics,
@@ -440,7 +483,7 @@ fn expand_trait(mut t: ItemTrait, krate: &Path) -> syn::Result<TokenStream> {
                 "a compute service trait holds only `async fn` methods",
             ));
         };
-        methods.push(parse_trait_method(f)?);
+        methods.push(parse_trait_method(f, local)?);
     }
     if methods.is_empty() {
         return Err(syn::Error::new_spanned(
@@ -492,6 +535,9 @@ fn expand_trait(mut t: ItemTrait, krate: &Path) -> syn::Result<TokenStream> {
             items
         })
         .collect();
+    if local {
+        return Ok(quote!(#t));
+    }
     let remote = expand_remote(trait_name, vis, &methods, krate)?;
     Ok(quote! {
         #t
@@ -501,7 +547,7 @@ fn expand_trait(mut t: ItemTrait, krate: &Path) -> syn::Result<TokenStream> {
     })
 }
 
-fn parse_trait_method(f: &syn::TraitItemFn) -> syn::Result<TraitMethod> {
+fn parse_trait_method(f: &syn::TraitItemFn, local: bool) -> syn::Result<TraitMethod> {
     let sig = &f.sig;
     if f.default.is_some() {
         return Err(syn::Error::new_spanned(
@@ -564,14 +610,16 @@ fn parse_trait_method(f: &syn::TraitItemFn) -> syn::Result<TraitMethod> {
         args.push((pat.ident.clone(), (*typed.ty).clone()));
     }
     let output: Type = match &sig.output {
-        ReturnType::Type(_, ty) if returns_result(ty) => (**ty).clone(),
+        ReturnType::Type(_, ty) if local || returns_result(ty) => (**ty).clone(),
+        ReturnType::Default if local => syn::parse_quote!(()),
         other => return Err(syn::Error::new(
             match other {
                 ReturnType::Default => sig.ident.span(),
                 ReturnType::Type(_, ty) => ty.span(),
             },
             "a compute service trait's methods return `Result<T, E>` with `E: From<RpcError>`: \
-                 its client stub reports a lost connection through `E` (`RpcError` itself will do)",
+                 its client stub reports a lost connection through `E` (`RpcError` itself will do; \
+                 `#[compute_service(local)]` makes no stub)",
         )),
     };
     Ok(TraitMethod {
@@ -606,15 +654,17 @@ fn expand_remote(
         let names = args.iter().map(|(n, _)| n);
         let params = args.iter().map(|(n, ty)| quote!(#n: #ty));
         // The error points at the trait's return type when `E: From<RpcError>` is missing.
-        let lost = quote_spanned!(output.span()=> ::core::convert::From::from(error));
+        let lost = quote_spanned!(output.span()=> ::core::convert::From::from(__coherent_error));
         quote! {
             // `From::from` of an `RpcError` into itself where that is the error type.
             #[allow(clippy::useless_conversion)]
             async fn #name(&self, #(#params),*) -> #output {
-                const ID: u32 = #rpc::method_id(#wire);
-                match self.remote.replica_by_id::<_, #output>(ID, (#(#names,)*)).await {
-                    ::core::result::Result::Ok(result) => result,
-                    ::core::result::Result::Err(error) => ::core::result::Result::Err(#lost),
+                const __COHERENT_ID: u32 = #rpc::method_id(#wire);
+                match self.remote.replica_by_id::<_, #output>(__COHERENT_ID, (#(#names,)*)).await {
+                    ::core::result::Result::Ok(__coherent_result) => __coherent_result,
+                    ::core::result::Result::Err(__coherent_error) => {
+                        ::core::result::Result::Err(#lost)
+                    }
                 }
             }
         }
@@ -638,11 +688,11 @@ fn expand_remote(
         let names: Vec<_> = args.iter().map(|(n, _)| n).collect();
         let types = args.iter().map(|(_, ty)| ty);
         quote! {
-            let server = server.expose(
+            let __coherent_server = __coherent_server.expose(
                 #wire,
                 ::core::clone::Clone::clone(&self.0),
-                |service: S, (#(#names,)*): (#(#types,)*)| async move {
-                    <S as #trait_name>::#computed_name(&service, #(#names),*).await
+                |__coherent_service: __S, (#(#names,)*): (#(#types,)*)| async move {
+                    <__S as #trait_name>::#computed_name(&__coherent_service, #(#names),*).await
                 },
             );
         }
@@ -716,13 +766,13 @@ fn expand_remote(
             }
         }
 
-        impl<S> #remote::Expose for #server<S>
+        impl<__S> #remote::Expose for #server<__S>
         where
-            S: #trait_name + ::core::clone::Clone + ::core::marker::Send + ::core::marker::Sync + 'static,
+            __S: #trait_name + ::core::clone::Clone + ::core::marker::Send + ::core::marker::Sync + 'static,
         {
-            fn expose_on(self, server: #remote::RemoteServer) -> #remote::RemoteServer {
+            fn expose_on(self, __coherent_server: #remote::RemoteServer) -> #remote::RemoteServer {
                 #(#exposures)*
-                server
+                __coherent_server
             }
         }
 

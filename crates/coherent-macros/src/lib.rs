@@ -5,7 +5,12 @@
 //! - `#[derive(ComputeService)]` implements `ComputeService` for a struct holding a
 //!   `ServiceHandle`.
 //!
-//! Generated code calls only `::coherent::plumbing`, so the crate path can be changed with
+//! `#[compute_service]` on a trait defines a compute service (and, with the facade's `remote`
+//! feature, its `<Trait>Client` stub and `<Trait>Server` exposure; `#[compute_service(local)]`
+//! leaves them out); on `impl Trait for Type` it memoizes every method of such a trait.
+//!
+//! Generated code names only `::coherent` (its public types, `plumbing`, `__private` and
+//! `__if_remote!`), so the crate path can be changed with
 //! `#[compute_service(crate = "...")]`.
 
 mod compute_service;
@@ -14,7 +19,14 @@ mod duration;
 
 use proc_macro::TokenStream;
 
-/// Memoizes the `#[compute]` async methods of an `impl` block.
+/// Memoizes the `#[compute]` async methods of an `impl` block; on a trait, defines a compute
+/// service; on `impl Trait for Type` of such a trait, memoizes every method.
+///
+/// On a trait, each `async fn` returns `Result<T, E>` with `E: From<RpcError>` and the trait
+/// gets `<name>_computed` and `invalidate_<name>` beside each method; with the `remote`
+/// feature of `coherent`, `<Trait>Server<S>` (for `RemoteServer::expose_service`) and
+/// `<Trait>Client` (a stub implementing the trait with replicas) come with it, unless the
+/// trait is marked `#[compute_service(local)]`, which also lifts the `Result` rule.
 ///
 /// For a method `async fn get(&self, id: u64) -> R` it generates, next to `get` itself (now
 /// memoized): `get_computed(&self, id) -> Computed<R>`, which answers with the computed behind

@@ -123,7 +123,13 @@ impl RemoteServer {
             Arc::new(move |args: String| {
                 let (service, get) = (service.clone(), get.clone());
                 Box::pin(async move {
+                    // A method without arguments takes `()`, which JSON spells `null`; the
+                    // gateway's default (and a client's natural guess) is `[]`.
                     let args: A = serde_json::from_str(&args)
+                        .or_else(|e| match args.trim() {
+                            "[]" => serde_json::from_str("null").map_err(|_| e),
+                            _ => Err(e),
+                        })
                         .map_err(|e| Failure::BadArguments(format!("arguments: {e}")))?;
                     let computed = get(service, args).await;
                     let value = serde_json::to_string(computed.value())

@@ -97,7 +97,11 @@ where
         black_box(used);
     });
     let ours_dec = best(n, || {
-        black_box(Format::Postcard.decode::<T>(black_box(&ours_bytes)).unwrap());
+        black_box(
+            Format::Postcard
+                .decode::<T>(black_box(&ours_bytes))
+                .unwrap(),
+        );
     });
     let theirs_dec = best(n, || {
         black_box(postcard::from_bytes::<T>(black_box(&theirs_bytes)).unwrap());

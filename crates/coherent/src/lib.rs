@@ -115,8 +115,9 @@
 //!
 //! The layers are modules of this crate, each behind a feature: [`rpc`] (`rpc`: the
 //! protocol, plain RPC services with `#[rpc::service]`), [`remote`] (`remote`: replicas and
-//! the HTTP gateway with `http`, a persistent client cache with `persistent`), and the
-//! transports `tls` and `websocket`. Defaults: `remote`, `http`, `tls`. The
+//! the HTTP gateway with `http`, a persistent client cache with `persistent`), the
+//! transports `tls` and `websocket`, and [`metrics`] (`metrics`: the counters through the
+//! `metrics` facade). Defaults: `remote`, `http`, `tls`, `metrics`. The
 //! [`prelude`] imports what a service and its clients use.
 //!
 //! See the README for a tour and ARCHITECTURE.md for how it works.

@@ -9,7 +9,7 @@
 //!
 //! | metric | kind | labels | what |
 //! |---|---|---|---|
-//! | `coherent_cache_hits_total` | counter | `registry` | calls answered from a consistent cached result |
+//! | `coherent_cache_hits_total` | counter | `registry` | calls answered from a consistent cached result (summed over the live services' tables: a dropped service's hits leave the sum) |
 //! | `coherent_cache_misses_total` | counter | `registry` | calls that ran the method body |
 //! | `coherent_cache_invalidations_total` | counter | `registry` | computeds invalidated, cascades included |
 //! | `coherent_cache_evictions_total` | counter | `registry` | entries removed by pruning |
@@ -45,6 +45,9 @@ type Source = Arc<dyn Fn() + Send + Sync>;
 
 /// Reads the counters of the registries, endpoints and remote servers and clients it was
 /// given, and reports them through the [`metrics`] facade (see the [module](self) docs).
+///
+/// It holds a clone of each: a `RemoteClient` given to it stays open (and a server's
+/// exposed services stay alive) as long as the observer does.
 #[derive(Clone, Default)]
 pub struct Observer {
     sources: Vec<Source>,

@@ -108,3 +108,28 @@ async fn the_event_feed_reports_an_invalidation_then_the_new_value() {
         .expect("an invalidated event");
     assert!(invalidated < seen.find("\"bobby\"").unwrap(), "{seen}");
 }
+
+#[tokio::test]
+async fn a_method_without_arguments_is_served_with_or_without_an_empty_list() {
+    let users = Users::new();
+    let server = coherent_remote::RemoteServer::new().expose(
+        "Users.count",
+        users.clone(),
+        |u, (): ()| async move { u.count_computed().await },
+    );
+    let app = axum::Router::new().nest("/api", server.gateway());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    for path in [
+        "/api/Users.count",
+        "/api/Users.count?args=%5B%5D",
+        "/api/Users.count?args=null",
+    ] {
+        let response = get(addr, path, None).await;
+        assert_eq!(response.status(), StatusCode::OK, "{path}");
+        assert_eq!(text(response).await, "2", "{path}");
+    }
+    let response = get(addr, "/api/Users.count?args=%5B1%5D", None).await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+}

@@ -26,6 +26,12 @@ impl Users {
         self.runs.fetch_add(1, Ordering::SeqCst);
         self.names.lock().get(&id).cloned()
     }
+
+    /// How many names there are: a method without arguments.
+    #[compute]
+    pub(crate) async fn count(&self) -> usize {
+        self.names.lock().len()
+    }
 }
 
 impl Users {

@@ -369,8 +369,17 @@ pub(super) async fn route(
         }
         Kind::StreamEnd => {
             let pending = s.pending.lock().remove(&h.call_id);
-            if let Some(Pending::Stream(tx, _)) = pending {
-                let _ = tx.send(crate::stream::Event::End);
+            match pending {
+                Some(Pending::Stream(tx, _)) => {
+                    let _ = tx.send(crate::stream::Event::End);
+                }
+                // A unary call answered as a stream (the two sides disagree on the method):
+                // that call fails, saying so, and the connection goes on.
+                Some(p @ Pending::Unary(_)) => p.fail(RpcError::protocol(format!(
+                    "the other side answered call {} with a stream",
+                    h.call_id
+                ))),
+                None => {}
             }
         }
         Kind::Cancel => {

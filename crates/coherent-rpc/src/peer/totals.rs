@@ -50,8 +50,9 @@ impl Totals {
             .filter_map(Weak::upgrade)
             .collect();
         let mut totals = *self.closed.lock();
-        // Whatever closed between the two locks is counted twice at worst for this report;
-        // counts never go backwards.
+        // The upgraded connections cannot close into `closed` while held here, so none is
+        // counted twice; one whose last handle is being dropped right now may be in
+        // neither, so a sum may dip for one report (an exporter's counter keeps its maximum).
         for shared in &live {
             let s = shared.stats();
             totals.calls_out += s.calls_out;

@@ -507,3 +507,42 @@ async fn upload_frames_for_calls_that_are_not_running_are_ignored() {
     let (h, payload) = raw.next().await.expect("an answer");
     assert_eq!((h.kind, h.call_id, payload), (Kind::Ok, 2, vec![6]));
 }
+
+/// A fake server that answers the first call with `StreamEnd`, as if it were a stream, and
+/// the second with the sum `3`.
+#[tokio::test]
+async fn a_unary_call_answered_as_a_stream_fails_alone_and_the_connection_lives_on() {
+    let (a, mut b) = tokio::io::duplex(1 << 20);
+    let server = tokio::spawn(async move {
+        let (mut buf, mut got, mut calls) = (vec![0u8; 4096], Vec::new(), 0);
+        loop {
+            let n = b.read(&mut buf).await.unwrap();
+            if n == 0 {
+                return;
+            }
+            got.extend_from_slice(&buf[..n]);
+            while let Some((h, head)) = Header::decode(&got, 1 << 20).unwrap() {
+                if got.len() < head + h.len as usize {
+                    break;
+                }
+                got.drain(..head + h.len as usize);
+                let answer = match h.kind {
+                    Kind::Hello => frame_bytes(Kind::HelloAck, 0, 0, &hello().encode()),
+                    Kind::Call if calls == 0 => frame_bytes(Kind::StreamEnd, h.call_id, 0, &[]),
+                    Kind::Call => frame_bytes(Kind::Ok, h.call_id, 0, &[6]),
+                    _ => continue,
+                };
+                calls += usize::from(h.kind == Kind::Call);
+                b.write_all(&answer).await.unwrap();
+            }
+        }
+    });
+    let peer = Endpoint::builder().build().connect(a).await.unwrap();
+    let calc = CalcClient::new(peer.clone());
+    let err = calc.sum(1, 2).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Protocol, "{err}");
+    assert!(err.message().contains("with a stream"), "{err}");
+    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+    assert!(peer.close_reason().is_none());
+    server.abort();
+}

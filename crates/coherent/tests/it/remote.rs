@@ -231,3 +231,85 @@ async fn the_stub_asks_by_the_method_id_that_the_name_hashes_to() {
         remote.call("Bank.account", (1u64,)).await;
     assert_eq!(by_name.unwrap().unwrap().owner, "owner 1");
 }
+
+/// Argument names the generated code also uses, a type named `S`, and two traits (and an
+/// inherent compute method) with one method name on one type.
+pub(crate) struct S(u64);
+
+#[compute_service]
+pub(crate) trait Names {
+    async fn get(&self, table: String, service: u64, key: u64) -> Result<String, RpcError>;
+    async fn wrap(&self, s: u64) -> Result<u64, RpcError>;
+}
+
+#[compute_service]
+pub(crate) trait Others {
+    async fn get(&self, key: u64) -> Result<u64, RpcError>;
+}
+
+// Only its definition is under test.
+#[allow(dead_code)]
+#[compute_service(local)]
+pub(crate) trait LocalOnly {
+    /// Neither a `Result` nor serde types: no stub is made.
+    async fn get(&self, s: u64) -> std::time::Instant;
+}
+
+#[derive(Clone, ComputeService)]
+struct Crowded {
+    handle: ServiceHandle,
+}
+
+#[compute_service]
+impl Names for Crowded {
+    async fn get(&self, table: String, service: u64, key: u64) -> Result<String, RpcError> {
+        Ok(format!("{table}/{service}/{key}"))
+    }
+
+    async fn wrap(&self, s: u64) -> Result<u64, RpcError> {
+        Ok(S(s).0 + 1)
+    }
+}
+
+#[compute_service]
+impl Others for Crowded {
+    async fn get(&self, key: u64) -> Result<u64, RpcError> {
+        Ok(key * 2)
+    }
+}
+
+#[compute_service]
+impl Crowded {
+    #[compute]
+    async fn get(&self, key: u64) -> u64 {
+        key * 3
+    }
+}
+
+#[tokio::test]
+async fn generated_names_do_not_collide_with_the_users() {
+    let crowded = Crowded {
+        handle: ServiceHandle::new(),
+    };
+    assert_eq!(crowded.get(1).await, 3);
+    assert_eq!(Others::get(&crowded, 1).await, Ok(2));
+    assert_eq!(
+        Names::get(&crowded, "t".into(), 4, 5).await.as_deref(),
+        Ok("t/4/5")
+    );
+    let server = RemoteServer::new()
+        .expose_service(NamesServer::new(crowded.clone()))
+        .expose_service(OthersServer::new(crowded.clone()));
+    let remote = RemoteClient::connect_tcp(serve(server).await)
+        .await
+        .unwrap();
+    let names = NamesClient::new(remote.clone());
+    assert_eq!(names.get("u".into(), 6, 7).await.as_deref(), Ok("u/6/7"));
+    assert_eq!(names.wrap(9).await, Ok(10));
+    assert_eq!(OthersClient::new(remote).get(5).await, Ok(10));
+    // Invalidating one trait's `get` leaves the other's and the inherent one alone.
+    let others = Others::get_computed(&crowded, 1).await;
+    let inherent = crowded.get_computed(1).await;
+    assert!(Names::invalidate_get(&crowded, "t".into(), 4, 5));
+    assert!(others.is_consistent() && inherent.is_consistent());
+}
