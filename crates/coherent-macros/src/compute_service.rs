@@ -262,37 +262,8 @@ fn expand_method(
             "a #[compute] method cannot be generic: its arguments are the cache key",
         ));
     }
-    let mut inputs = sig.inputs.iter();
-    match inputs.next() {
-        Some(FnArg::Receiver(r)) if matches!(r.kind, syn::ReceiverKind::Reference(_, _, None)) => {}
-        _ => {
-            return Err(syn::Error::new_spanned(
-                &sig.inputs,
-                "a #[compute] method takes `&self` first",
-            ))
-        }
-    }
-    let mut arg_names = Vec::new();
-    let mut arg_types = Vec::new();
-    for input in inputs {
-        let FnArg::Typed(typed) = input else {
-            unreachable!("only the first input can be a receiver")
-        };
-        let Pat::Ident(pat) = &*typed.pat else {
-            return Err(syn::Error::new_spanned(
-                &typed.pat,
-                "a #[compute] method's arguments must be plain names",
-            ));
-        };
-        if let Type::Reference(r) = &*typed.ty {
-            return Err(syn::Error::new_spanned(
-                r,
-                "a #[compute] method's arguments are its cache key and must be owned (use String, Arc<str>, ... instead of references)",
-            ));
-        }
-        arg_names.push(pat.ident.clone());
-        arg_types.push((*typed.ty).clone());
-    }
+    let (arg_names, arg_types): (Vec<Ident>, Vec<Type>) =
+        method_args(&sig.inputs)?.into_iter().unzip();
     let output: Type = match &sig.output {
         ReturnType::Default => syn::parse_quote!(()),
         ReturnType::Type(_, ty) => (**ty).clone(),
@@ -580,35 +551,7 @@ fn parse_trait_method(f: &syn::TraitItemFn, local: bool) -> syn::Result<TraitMet
             attrs.push(a.clone());
         }
     }
-    let mut inputs = sig.inputs.iter();
-    match inputs.next() {
-        Some(FnArg::Receiver(r)) if matches!(r.kind, syn::ReceiverKind::Reference(_, _, None)) => {}
-        _ => {
-            return Err(syn::Error::new_spanned(
-                &sig.inputs,
-                "a compute method takes `&self` first",
-            ))
-        }
-    }
-    let mut args = Vec::new();
-    for input in inputs {
-        let FnArg::Typed(typed) = input else {
-            unreachable!("only the first input can be a receiver")
-        };
-        let Pat::Ident(pat) = &*typed.pat else {
-            return Err(syn::Error::new_spanned(
-                &typed.pat,
-                "a compute method's arguments must be plain names",
-            ));
-        };
-        if let Type::Reference(r) = &*typed.ty {
-            return Err(syn::Error::new_spanned(
-                r,
-                "a compute method's arguments are its cache key and must be owned (use String, Arc<str>, ... instead of references)",
-            ));
-        }
-        args.push((pat.ident.clone(), (*typed.ty).clone()));
-    }
+    let args = method_args(&sig.inputs)?;
     let output: Type = match &sig.output {
         ReturnType::Type(_, ty) if local || returns_result(ty) => (**ty).clone(),
         ReturnType::Default if local => syn::parse_quote!(()),
@@ -780,4 +723,38 @@ fn expand_remote(
             #(#distinct)*
         };
     })
+}
+
+/// A compute method's arguments after `&self`: plain names of owned types (the cache key).
+fn method_args(inputs: &Punctuated<FnArg, Token![,]>) -> syn::Result<Vec<(Ident, Type)>> {
+    let mut inputs_iter = inputs.iter();
+    match inputs_iter.next() {
+        Some(FnArg::Receiver(r)) if matches!(r.kind, syn::ReceiverKind::Reference(_, _, None)) => {}
+        _ => {
+            return Err(syn::Error::new_spanned(
+                inputs,
+                "a compute method takes `&self` first",
+            ))
+        }
+    }
+    let mut args = Vec::new();
+    for input in inputs_iter {
+        let FnArg::Typed(typed) = input else {
+            unreachable!("only the first input can be a receiver")
+        };
+        let Pat::Ident(pat) = &*typed.pat else {
+            return Err(syn::Error::new_spanned(
+                &typed.pat,
+                "a compute method's arguments must be plain names",
+            ));
+        };
+        if let Type::Reference(r) = &*typed.ty {
+            return Err(syn::Error::new_spanned(
+                r,
+                "a compute method's arguments are its cache key and must be owned (use String, Arc<str>, ... instead of references)",
+            ));
+        }
+        args.push((pat.ident.clone(), (*typed.ty).clone()));
+    }
+    Ok(args)
 }
