@@ -476,9 +476,7 @@ fn expand_trait(mut t: ItemTrait, krate: &Path, local: bool) -> syn::Result<Toke
             } = m;
             let computed_name = format_ident!("{}_computed", name);
             let invalidate_name = format_ident!("invalidate_{}", name);
-            let params = args.iter().map(|(n, ty)| quote!(#n: #ty));
-            let params2 = params.clone();
-            let params3 = params.clone();
+            let params: Vec<_> = args.iter().map(|(n, ty)| quote!(#n: #ty)).collect();
             let computed_doc = format!(
                 "Like [`{name}`](Self::{name}), but answers with the computed behind the call."
             );
@@ -495,12 +493,12 @@ fn expand_trait(mut t: ItemTrait, krate: &Path, local: bool) -> syn::Result<Toke
                 },
                 syn::parse_quote! {
                     #[doc = #computed_doc]
-                    fn #computed_name(&self, #(#params2),*)
+                    fn #computed_name(&self, #(#params),*)
                         -> impl ::core::future::Future<Output = #computed<#output>> + ::core::marker::Send;
                 },
                 syn::parse_quote! {
                     #[doc = #invalidate_doc]
-                    fn #invalidate_name(&self, #(#params3),*) -> bool;
+                    fn #invalidate_name(&self, #(#params),*) -> bool;
                 },
             ];
             items

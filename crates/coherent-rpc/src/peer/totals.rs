@@ -34,12 +34,7 @@ impl Totals {
     /// A connection's last counts, as it is dropped.
     pub(super) fn close(&self, id: u64, last: Stats) {
         self.live.lock().remove(&id);
-        let mut closed = self.closed.lock();
-        closed.calls_out += last.calls_out;
-        closed.calls_in += last.calls_in;
-        closed.errors_in += last.errors_in;
-        closed.bytes_out += last.bytes_out;
-        closed.bytes_in += last.bytes_in;
+        add_counts(&mut self.closed.lock(), &last);
     }
 
     pub(crate) fn report(&self) -> EndpointStats {
@@ -55,11 +50,7 @@ impl Totals {
         // neither, so a sum may dip for one report (an exporter's counter keeps its maximum).
         for shared in &live {
             let s = shared.stats();
-            totals.calls_out += s.calls_out;
-            totals.calls_in += s.calls_in;
-            totals.errors_in += s.errors_in;
-            totals.bytes_out += s.bytes_out;
-            totals.bytes_in += s.bytes_in;
+            add_counts(&mut totals, &s);
             totals.in_flight_in += s.in_flight_in;
         }
         EndpointStats {
@@ -68,6 +59,15 @@ impl Totals {
             totals,
         }
     }
+}
+
+/// Adds `s`'s counts to `to` (not `in_flight_in`, which is a level, not a count).
+fn add_counts(to: &mut Stats, s: &Stats) {
+    to.calls_out += s.calls_out;
+    to.calls_in += s.calls_in;
+    to.errors_in += s.errors_in;
+    to.bytes_out += s.bytes_out;
+    to.bytes_in += s.bytes_in;
 }
 
 /// An endpoint's counters: its connections, and the sums of their [`Stats`] (those of
