@@ -23,6 +23,8 @@ pub(crate) trait Prunable: Send + Sync {
     /// Removes up to `budget` evictable entries idle for at least `min_idle` ticks.
     fn evict_idle(&self, now: u32, min_idle: u32, budget: &mut usize) -> usize;
     fn hits(&self) -> u64;
+    /// Invalidates every entry (computing or consistent). Returns how many were invalidated.
+    fn invalidate_all(&self) -> usize;
 }
 
 /// Where compute results live: a capacity shared by all the tables of the services created with
@@ -139,6 +141,17 @@ impl Registry {
     pub fn prune(&self) -> usize {
         let _guard = self.inner.prune_lock.lock();
         self.prune_locked()
+    }
+
+    /// Invalidates every result of every table of this registry, and whatever depends on
+    /// them (in other registries too); results being computed now are flagged and will not be
+    /// cached. Every later call recomputes. For a cache that can no longer tell which of its
+    /// entries are current: a host that lost track of the writes made elsewhere.
+    /// Returns how many entries were invalidated (not counting dependants reached by cascade).
+    pub fn invalidate_all(&self) -> usize {
+        let n = self.live_tables().iter().map(|t| t.invalidate_all()).sum();
+        tracing::debug!(target: "coherent::invalidate", n, "invalidated every entry");
+        n
     }
 
     pub(crate) fn register_table(&self, table: Weak<dyn Prunable>) {

@@ -304,6 +304,15 @@ where
     fn hits(&self) -> u64 {
         self.map.hits()
     }
+
+    fn invalidate_all(&self) -> usize {
+        // Cloned out first: the cascades must not run under the table lock.
+        let all: Vec<Arc<ComputedInner<T>>> = {
+            let map = self.map.read();
+            map.iter().map(|e| e.computed.clone()).collect()
+        };
+        all.iter().filter(|c| node::invalidate(&***c)).count()
+    }
 }
 
 impl<K, T> Drop for Table<K, T> {

@@ -255,3 +255,29 @@ async fn compute_futures_are_send_and_run_on_spawned_tasks() {
     });
     assert_eq!(task.await.unwrap(), "a+a=4");
 }
+
+#[tokio::test]
+async fn invalidate_all_invalidates_every_entry_of_the_registry_and_nothing_elsewhere() {
+    let log = Log::default();
+    let registry = Registry::new();
+    let other = Registry::new();
+    let store = Store::new(&registry, &log);
+    let elsewhere = Store::new(&other, &log);
+    store.set("a", 1);
+    store.set("b", 2);
+    elsewhere.set("a", 7);
+    assert_eq!(store.sum(s("a"), s("b")).await, 3);
+    let held = store.get_computed(s("a")).await;
+    assert_eq!(elsewhere.get(s("a")).await, 7);
+    log.take();
+
+    // The store's values change without invalidation: only a full flush can catch up.
+    store.data.lock().insert(s("a"), 10);
+    assert!(registry.invalidate_all() > 0);
+    assert_eq!(registry.invalidate_all(), 0, "nothing left to invalidate");
+    assert_eq!(held.state(), ConsistencyState::Invalidated);
+    assert_eq!(store.sum(s("a"), s("b")).await, 12);
+    assert_eq!(elsewhere.get(s("a")).await, 7);
+    assert_eq!(log.take_sorted(), ["get(a)", "get(b)", "sum(a,b)"]);
+    assert_eq!(Registry::new().invalidate_all(), 0);
+}
