@@ -130,7 +130,8 @@ impl ReplicaSink for Sink {
 /// hits, and the server's invalidation reaches it (and whatever depends on it) as soon as
 /// the server's result changes. [`call`](Self::call) is a plain round trip.
 ///
-/// The client reconnects after a disconnect (with the builder's backoff) and then
+/// The client reconnects after a disconnect (with the builder's backoff; to another host,
+/// if it was given several: [`connect_tcp_any`](Self::connect_tcp_any)) and then
 /// revalidates every replica it holds: it sends the hash of each value, the server answers
 /// which ones changed meanwhile, and those are invalidated. Until then the replicas answer
 /// with the values they have. When reconnecting fails for good, or after
@@ -142,6 +143,8 @@ pub struct RemoteClient {
 
 struct Inner {
     connection: Reconnecting,
+    /// The addresses it connects to over TCP; `None` for other transports.
+    hosts: Option<Arc<Hosts>>,
     host: ReplicaHostClient<Reconnecting>,
     tokens: Tokens,
     next_replica: AtomicU64,
@@ -197,14 +200,64 @@ impl RemoteClientBuilder {
 
     /// Connects over TCP, and reconnects to the same address.
     pub async fn connect_tcp(self, addr: SocketAddr) -> Result<RemoteClient, RpcError> {
-        self.connect_with(move |endpoint| async move { endpoint.connect_tcp(addr).await })
-            .await
+        self.connect_tcp_any([addr]).await
+    }
+
+    /// Connects over TCP to the first of `addrs` that answers, and fails over among them:
+    /// hosts that serve the same compute services over the same data.
+    ///
+    /// Each connection attempt tries every address once, in turn, starting with the one
+    /// last connected to (so a brief blip returns to the same host) and going on at once to
+    /// the next when one fails. The builder's [`backoff`](Self::backoff) spaces these
+    /// rounds, not the addresses within one: a dead host costs one refused connect before
+    /// the next address is tried, not a backoff sequence, and `max_attempts` counts rounds.
+    /// (A host that drops packets instead of refusing costs up to the config's
+    /// `handshake_timeout`.) The first connection is made the same way, starting with the
+    /// first address.
+    ///
+    /// After a failover the replicas are revalidated against the new host, exactly as
+    /// after a reconnect: those whose values differ there are invalidated, the others are
+    /// kept and watched by the new host. [`RemoteClient::connected_to`] says which address
+    /// the client is on; a failover is logged (`tracing`, level info).
+    ///
+    /// # Errors
+    /// `Disconnected` when `addrs` is empty, or when no address answered within the
+    /// backoff's attempts (the message lists each address's failure); `Unauthenticated`
+    /// when a host refused the credentials and none accepted them.
+    pub async fn connect_tcp_any(
+        self,
+        addrs: impl IntoIterator<Item = SocketAddr>,
+    ) -> Result<RemoteClient, RpcError> {
+        let hosts = Arc::new(Hosts::new(addrs.into_iter().collect())?);
+        let to = hosts.clone();
+        self.connect_through(
+            move |endpoint| {
+                let hosts = to.clone();
+                async move { hosts.connect(&endpoint).await }
+            },
+            Some(hosts),
+        )
+        .await
     }
 
     /// Connects with `connect`, called again for every reconnection, with the endpoint to
     /// connect through (it serves the client's end of the protocol): any transport, e.g.
     /// `|e| async move { e.connect_unix(path).await }` or a WebSocket.
     pub async fn connect_with<F, Fut>(self, connect: F) -> Result<RemoteClient, RpcError>
+    where
+        F: Fn(Endpoint) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Peer, RpcError>> + Send + 'static,
+    {
+        self.connect_through(connect, None).await
+    }
+
+    /// [`connect_with`](Self::connect_with), with the TCP addresses `connect` goes through
+    /// when it is [`Hosts::connect`].
+    async fn connect_through<F, Fut>(
+        self,
+        connect: F,
+        hosts: Option<Arc<Hosts>>,
+    ) -> Result<RemoteClient, RpcError>
     where
         F: Fn(Endpoint) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Peer, RpcError>> + Send + 'static,
@@ -227,6 +280,7 @@ impl RemoteClientBuilder {
         let connection = Reconnecting::new(move || connect(endpoint.clone()), backoff);
         RemoteClient::start(
             connection,
+            hosts,
             tokens,
             #[cfg(feature = "persistent")]
             from_disk,
@@ -297,8 +351,17 @@ impl RemoteClient {
         Self::builder().connect_tcp(addr).await
     }
 
+    /// Connects over TCP to the first of `addrs` that answers, with default options, and
+    /// fails over among them (see [`RemoteClientBuilder::connect_tcp_any`]).
+    pub async fn connect_tcp_any(
+        addrs: impl IntoIterator<Item = SocketAddr>,
+    ) -> Result<Self, RpcError> {
+        Self::builder().connect_tcp_any(addrs).await
+    }
+
     async fn start(
         connection: Reconnecting,
+        hosts: Option<Arc<Hosts>>,
         tokens: Tokens,
         #[cfg(feature = "persistent")] from_disk: std::collections::HashSet<(u32, Blob)>,
     ) -> Result<Self, RpcError> {
@@ -307,6 +370,7 @@ impl RemoteClient {
             inner: Arc::new(Inner {
                 host: ReplicaHostClient::new(connection.clone()),
                 connection,
+                hosts,
                 tokens,
                 next_replica: AtomicU64::new(1),
                 closed: AtomicBool::new(false),
@@ -496,6 +560,15 @@ impl RemoteClient {
         self.inner.connection.current()
     }
 
+    /// The address of the open connection, if there is one now and the client connects
+    /// over TCP ([`connect_tcp`](Self::connect_tcp) or
+    /// [`connect_tcp_any`](Self::connect_tcp_any)); `None` for other transports.
+    pub fn connected_to(&self) -> Option<SocketAddr> {
+        let hosts = self.inner.hosts.as_ref()?;
+        let peer = self.connection()?;
+        hosts.address_of(&peer)
+    }
+
     /// How many connections were made so far (1 plus the reconnections).
     pub fn connections(&self) -> u64 {
         self.inner.connection.connections()
@@ -525,6 +598,80 @@ impl Drop for Inner {
     fn drop(&mut self) {
         // Lets the release task see that the client is gone.
         self.tokens.live.wake.notify_one();
+    }
+}
+
+/// The addresses of a client connected over TCP, and the one it was last connected to.
+struct Hosts {
+    addrs: Vec<SocketAddr>,
+    /// The index in `addrs` of the last connection made, where the next attempt starts,
+    /// and that connection's `Peer::id` (`None` before the first).
+    last: Mutex<(usize, Option<u64>)>,
+}
+
+impl Hosts {
+    fn new(addrs: Vec<SocketAddr>) -> Result<Self, RpcError> {
+        if addrs.is_empty() {
+            return Err(RpcError::new(
+                ErrorCode::Disconnected,
+                "no address to connect to: connect_tcp_any was given an empty list",
+            ));
+        }
+        Ok(Self {
+            addrs,
+            last: Mutex::new((0, None)),
+        })
+    }
+
+    /// One connection attempt: every address once, in turn, from the last good one.
+    async fn connect(&self, endpoint: &Endpoint) -> Result<Peer, RpcError> {
+        let (start, _) = *self.last.lock();
+        let n = self.addrs.len();
+        let mut failures = Vec::new();
+        for i in (start..start + n).map(|i| i % n) {
+            let addr = self.addrs[i];
+            match endpoint.connect_tcp(addr).await {
+                Ok(peer) => {
+                    let mut last = self.last.lock();
+                    if last.1.is_some() && last.0 != i {
+                        tracing::info!(from = %self.addrs[last.0], to = %addr, "failed over");
+                    }
+                    *last = (i, Some(peer.id()));
+                    return Ok(peer);
+                }
+                Err(e) => {
+                    tracing::debug!(%addr, %e, "connect failed");
+                    failures.push((addr, e));
+                }
+            }
+        }
+        if let [(_, e)] = failures.as_slice() {
+            // One address: its error as it is.
+            return Err(e.clone());
+        }
+        // Wrong credentials are not worth retrying, as with one address.
+        let code = if failures
+            .iter()
+            .any(|(_, e)| e.code() == ErrorCode::Unauthenticated)
+        {
+            ErrorCode::Unauthenticated
+        } else {
+            ErrorCode::Disconnected
+        };
+        let each: Vec<String> = failures
+            .iter()
+            .map(|(addr, e)| format!("{addr}: {e}"))
+            .collect();
+        Err(RpcError::new(
+            code,
+            format!("no address answered ({})", each.join("; ")),
+        ))
+    }
+
+    /// The address of `peer`, if it is the last connection made.
+    fn address_of(&self, peer: &Peer) -> Option<SocketAddr> {
+        let (i, id) = *self.last.lock();
+        (id == Some(peer.id())).then(|| self.addrs[i])
     }
 }
 
