@@ -44,6 +44,16 @@ impl Users {
         }
     }
 
+    /// Another instance over the same names, with a cache of its own: what a second server
+    /// over the same database runs. Its writes invalidate its own cache only.
+    pub(crate) fn sharing_data(&self) -> Self {
+        Self {
+            handle: ServiceHandle::new(),
+            names: self.names.clone(),
+            runs: Arc::default(),
+        }
+    }
+
     /// A write, and the invalidation that goes with it.
     pub(crate) fn rename(&self, id: u64, name: &str) {
         self.names.lock().insert(id, name.to_owned());
