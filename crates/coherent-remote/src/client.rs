@@ -555,6 +555,13 @@ impl RemoteClient {
         format.decode_bytes(value.into_bytes())
     }
 
+    /// The client's connection as a caller for other RPC services the server serves on
+    /// the same endpoint (e.g. `coherent_ops::CommandClient`): their calls share the
+    /// connection, its reconnection and its failover.
+    pub fn caller(&self) -> Reconnecting {
+        self.inner.connection.clone()
+    }
+
     /// The open connection, if there is one now.
     pub fn connection(&self) -> Option<Peer> {
         self.inner.connection.current()

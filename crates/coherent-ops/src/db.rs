@@ -1,0 +1,610 @@
+//! The database the commands write to, and the operation log in it: the pipeline's
+//! transaction, the log's tables, appending, reading after a horizon, heartbeats, trimming.
+//!
+//! ## Positions and horizons
+//!
+//! A host reads the log in rounds. Each round reads every operation at or after its
+//! *horizon* and then moves the horizon to a point before which nothing can appear any more:
+//!
+//! - PostgreSQL: an operation's position is the id of the transaction that wrote it
+//!   (`pg_current_xact_id()`), and the new horizon is the `xmin` of the snapshot the round
+//!   read with: every transaction below it had finished when the round read, so each of its
+//!   operations either was read by this round or never will exist. Sequence ids would not
+//!   do: they are taken in insert order, not commit order, and a reader that moved past id
+//!   11 while 10 was still uncommitted would skip 10 for good.
+//! - SQLite: one writer at a time holds the database from `BEGIN IMMEDIATE` to `COMMIT`, so
+//!   ids are taken in commit order; the position is the id, the new horizon one past the
+//!   last id read.
+//!
+//! Operations at or after the horizon may be read again in the next round; the host keeps
+//! the ids it applied there, so that none is applied twice.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::command::{Command, DynHandler};
+use crate::error::{CommandError, ErrorKind};
+
+/// Microseconds since the Unix epoch, by the wall clock.
+pub(crate) fn now_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+/// Rows read per round at most.
+const READ_LIMIT: i64 = 1_000;
+
+/// Where commands write, and where the operation log lives: one SQLite file shared by the
+/// processes of one machine, or one PostgreSQL database (and schema) shared by every host.
+/// Cloning is cheap and shares the connections.
+#[derive(Clone)]
+pub struct Database {
+    pub(crate) inner: Arc<Engine>,
+}
+
+pub(crate) enum Engine {
+    Sqlite(Sqlite),
+    Postgres(Postgres),
+}
+
+pub(crate) struct Sqlite {
+    path: PathBuf,
+    /// Commands run one at a time per process (SQLite has one writer at a time anyway).
+    writer: tokio::sync::Mutex<Connection>,
+    /// Log reads, heartbeats and trimming.
+    reader: parking_lot::Mutex<Connection>,
+}
+
+pub(crate) struct Postgres {
+    pub(crate) pool: deadpool_postgres::Pool,
+    pub(crate) config: tokio_postgres::Config,
+    schema: String,
+    /// The `LISTEN`/`NOTIFY` channel: one per schema, so that clusters in other schemas of
+    /// the same database never hear each other.
+    pub(crate) channel: String,
+}
+
+/// One operation as the log holds it.
+#[derive(Debug, Clone)]
+pub(crate) struct Logged {
+    pub(crate) id: i64,
+    pub(crate) position: u64,
+    pub(crate) host: String,
+    pub(crate) logged_at: i64,
+    pub(crate) kind: String,
+    pub(crate) command: String,
+    pub(crate) output: String,
+}
+
+fn sqlite_open(path: &Path) -> Result<Connection, CommandError> {
+    let c = Connection::open(path)?;
+    c.execute_batch(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA busy_timeout = 10000;",
+    )?;
+    Ok(c)
+}
+
+const SQLITE_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS coherent_operations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    host TEXT NOT NULL,
+    logged_at INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    command TEXT NOT NULL,
+    output TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS coherent_hosts (
+    host TEXT PRIMARY KEY,
+    horizon INTEGER NOT NULL,
+    seen_at INTEGER NOT NULL
+);";
+
+const PG_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS coherent_operations (
+    id BIGSERIAL PRIMARY KEY,
+    xid xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    host TEXT NOT NULL,
+    logged_at BIGINT NOT NULL,
+    kind TEXT NOT NULL,
+    command TEXT NOT NULL,
+    output TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS coherent_operations_xid ON coherent_operations (xid);
+CREATE TABLE IF NOT EXISTS coherent_hosts (
+    host TEXT PRIMARY KEY,
+    horizon BIGINT NOT NULL,
+    seen_at BIGINT NOT NULL
+);";
+
+/// An arbitrary constant: the advisory lock that makes concurrent schema creation safe.
+const SCHEMA_LOCK: i64 = 0x636f_6865_7265_6e74;
+
+impl Database {
+    /// A SQLite file (created if missing), in WAL mode so that readers in every process
+    /// sharing it see each commit at once. The log's tables are created if missing.
+    pub fn sqlite(path: impl AsRef<Path>) -> Result<Self, CommandError> {
+        let path = path.as_ref().to_owned();
+        let writer = sqlite_open(&path)?;
+        writer.execute_batch(SQLITE_SCHEMA)?;
+        let reader = sqlite_open(&path)?;
+        Ok(Self {
+            inner: Arc::new(Engine::Sqlite(Sqlite {
+                path,
+                writer: tokio::sync::Mutex::new(writer),
+                reader: parking_lot::Mutex::new(reader),
+            })),
+        })
+    }
+
+    /// PostgreSQL at `url` (e.g. `postgres://postgres@127.0.0.1:5432/test`), schema
+    /// `public`. The log's tables are created if missing.
+    pub async fn postgres(url: &str) -> Result<Self, CommandError> {
+        Self::postgres_in_schema(url, "public").await
+    }
+
+    /// PostgreSQL at `url`, every connection working in `schema` (created if missing): one
+    /// database can hold several independent clusters, e.g. one per test.
+    pub async fn postgres_in_schema(url: &str, schema: &str) -> Result<Self, CommandError> {
+        if schema.is_empty()
+            || !schema
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            return Err(CommandError::new(
+                ErrorKind::Database,
+                format!("schema name {schema:?}: use letters, digits and '_'"),
+            ));
+        }
+        let mut config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| CommandError::new(ErrorKind::Database, format!("{url}: {e}")))?;
+        {
+            let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+            let driver = tokio::spawn(connection);
+            client
+                .batch_execute(&format!(
+                    "SELECT pg_advisory_lock({SCHEMA_LOCK}); CREATE SCHEMA IF NOT EXISTS {schema}; \
+                     SET search_path TO {schema}; {PG_SCHEMA} SELECT pg_advisory_unlock({SCHEMA_LOCK});"
+                ))
+                .await?;
+            drop(client);
+            let _ = driver.await;
+        }
+        config.options(format!("-c search_path={schema}"));
+        let manager = deadpool_postgres::Manager::from_config(
+            config.clone(),
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+            },
+        );
+        let pool = deadpool_postgres::Pool::builder(manager)
+            .max_size(16)
+            .build()
+            .map_err(|e| CommandError::new(ErrorKind::Database, e.to_string()))?;
+        let dbname = config.get_dbname().unwrap_or("postgres");
+        let channel = format!("coherent_ops.{dbname}.{schema}");
+        // Channel names are identifiers: 63 bytes at most.
+        let channel = channel.chars().take(63).collect();
+        Ok(Self {
+            inner: Arc::new(Engine::Postgres(Postgres {
+                pool,
+                config,
+                schema: schema.to_owned(),
+                channel,
+            })),
+        })
+    }
+
+    /// The PostgreSQL pool the commands use (with the schema set): read through it too.
+    /// `None` for SQLite.
+    pub fn postgres_pool(&self) -> Option<&deadpool_postgres::Pool> {
+        match &*self.inner {
+            Engine::Postgres(pg) => Some(&pg.pool),
+            Engine::Sqlite(_) => None,
+        }
+    }
+
+    /// The SQLite file. `None` for PostgreSQL.
+    pub fn sqlite_path(&self) -> Option<&Path> {
+        match &*self.inner {
+            Engine::Sqlite(s) => Some(&s.path),
+            Engine::Postgres(_) => None,
+        }
+    }
+
+    /// A name for the log, the same on every host that shares it: the NATS subject is
+    /// derived from it.
+    pub(crate) fn log_name(&self) -> String {
+        let raw = match &*self.inner {
+            Engine::Sqlite(s) => std::fs::canonicalize(&s.path)
+                .unwrap_or_else(|_| s.path.clone())
+                .display()
+                .to_string(),
+            Engine::Postgres(pg) => format!(
+                "{}.{}.{}",
+                pg.config.get_dbname().unwrap_or("postgres"),
+                pg.config.get_user().unwrap_or(""),
+                pg.schema
+            ),
+        };
+        raw.chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect()
+    }
+
+    /// Runs `handler` on `command` in a transaction and appends the operation (`row`) in
+    /// the same transaction; `before_commit` sees the operation's id and position just
+    /// before the commit.
+    pub(crate) async fn transact<C: Command>(
+        &self,
+        handler: &dyn DynHandler<C>,
+        command: &C,
+        row: impl FnOnce(&C::Output) -> Result<Append, CommandError> + Send,
+        before_commit: impl FnOnce(i64, u64) + Send,
+    ) -> Result<(C::Output, i64, u64), CommandError> {
+        match &*self.inner {
+            Engine::Sqlite(s) => {
+                let mut conn = s.writer.lock().await;
+                conn.execute_batch("BEGIN IMMEDIATE")?;
+                let result = async {
+                    let mut tx = Tx {
+                        inner: TxInner::Sqlite(&mut conn),
+                    };
+                    let output = handler.execute(command, &mut tx).await?;
+                    let row = row(&output)?;
+                    let id: i64 = conn.query_row(
+                        "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+                         VALUES (?1, ?2, ?3, ?4, ?5) RETURNING id",
+                        params![row.host, now_micros(), row.kind, row.command, row.output],
+                        |r| r.get(0),
+                    )?;
+                    Ok::<_, CommandError>((output, id))
+                }
+                .await;
+                let result = match result {
+                    Ok((output, id)) => {
+                        let position = u64::try_from(id).unwrap_or(0);
+                        before_commit(id, position);
+                        conn.execute_batch("COMMIT")
+                            .map(|()| (output, id, position))
+                            .map_err(CommandError::from)
+                    }
+                    Err(e) => Err(e),
+                };
+                if result.is_err() && !conn.is_autocommit() {
+                    let _ = conn.execute_batch("ROLLBACK");
+                }
+                result
+            }
+            Engine::Postgres(pg) => {
+                let mut client = pg.pool.get().await?;
+                let transaction = client.transaction().await?;
+                let mut tx = Tx {
+                    inner: TxInner::Postgres(&transaction),
+                };
+                // An error drops the transaction, which rolls it back.
+                let output = handler.execute(command, &mut tx).await?;
+                let row = row(&output)?;
+                let insert = transaction
+                    .prepare_cached(
+                        "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+                         VALUES ($1, $2, $3, $4, $5) RETURNING id, xid::text",
+                    )
+                    .await?;
+                let r = transaction
+                    .query_one(
+                        &insert,
+                        &[
+                            &row.host,
+                            &now_micros(),
+                            &row.kind,
+                            &row.command,
+                            &row.output,
+                        ],
+                    )
+                    .await?;
+                let id: i64 = r.get(0);
+                let position = parse_xid(r.get(1))?;
+                before_commit(id, position);
+                transaction.commit().await?;
+                Ok((output, id, position))
+            }
+        }
+    }
+
+    /// The horizon a host starts from: nothing before it concerns a host whose cache is
+    /// empty now.
+    pub(crate) async fn current_horizon(&self) -> Result<u64, CommandError> {
+        match &*self.inner {
+            Engine::Sqlite(s) => {
+                let c = s.reader.lock();
+                let max: Option<i64> =
+                    c.query_row("SELECT max(id) FROM coherent_operations", [], |r| r.get(0))?;
+                Ok(u64::try_from(max.unwrap_or(0)).unwrap_or(0) + 1)
+            }
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                let row = client
+                    .query_one("SELECT pg_snapshot_xmin(pg_current_snapshot())::text", &[])
+                    .await?;
+                parse_xid(row.get(0))
+            }
+        }
+    }
+
+    /// Every operation at or after `horizon` (at most a batch), and the next horizon.
+    pub(crate) async fn read_after(
+        &self,
+        horizon: u64,
+    ) -> Result<(Vec<Logged>, u64), CommandError> {
+        match &*self.inner {
+            Engine::Sqlite(s) => {
+                let c = s.reader.lock();
+                let mut q = c.prepare_cached(
+                    "SELECT id, host, logged_at, kind, command, output FROM coherent_operations \
+                     WHERE id >= ?1 ORDER BY id LIMIT ?2",
+                )?;
+                let rows = q
+                    .query_map(
+                        params![i64::try_from(horizon).unwrap_or(i64::MAX), READ_LIMIT],
+                        |r| {
+                            let id: i64 = r.get(0)?;
+                            Ok(Logged {
+                                id,
+                                position: u64::try_from(id).unwrap_or(0),
+                                host: r.get(1)?,
+                                logged_at: r.get(2)?,
+                                kind: r.get(3)?,
+                                command: r.get(4)?,
+                                output: r.get(5)?,
+                            })
+                        },
+                    )?
+                    .collect::<Result<Vec<_>, _>>()?;
+                let next = rows.last().map_or(horizon, |r| r.position + 1);
+                Ok((rows, next))
+            }
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                // One statement, one snapshot: the rows and the snapshot's xmin agree. The
+                // outer join answers the xmin even when there is no row.
+                let q = client
+                    .prepare_cached(
+                        "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, o.id, o.xid::text, \
+                                o.host, o.logged_at, o.kind, o.command, o.output \
+                         FROM (SELECT 1) AS one LEFT JOIN \
+                              (SELECT * FROM coherent_operations WHERE xid >= $1::text::xid8 \
+                               ORDER BY xid, id LIMIT $2) AS o ON true",
+                    )
+                    .await?;
+                let rows = client
+                    .query(&q, &[&horizon.to_string(), &READ_LIMIT])
+                    .await?;
+                let xmin = match rows.first() {
+                    Some(r) => parse_xid(r.get(0))?,
+                    None => horizon,
+                };
+                let mut out = Vec::with_capacity(rows.len());
+                for r in &rows {
+                    let Some(id) = r.get::<_, Option<i64>>(1) else {
+                        continue;
+                    };
+                    out.push(Logged {
+                        id,
+                        position: parse_xid(r.get(2))?,
+                        host: r.get(3),
+                        logged_at: r.get(4),
+                        kind: r.get(5),
+                        command: r.get(6),
+                        output: r.get(7),
+                    });
+                }
+                // A full batch may have left rows out: the next round starts at the last
+                // position read (its rows are read again and skipped).
+                let next = if out.len() as i64 >= READ_LIMIT {
+                    out.last().map_or(horizon, |r| r.position)
+                } else {
+                    xmin
+                };
+                Ok((out, next.max(horizon)))
+            }
+        }
+    }
+
+    /// Records that `host` is alive and has applied everything before `horizon`.
+    pub(crate) async fn heartbeat(&self, host: &str, horizon: u64) -> Result<(), CommandError> {
+        let horizon = i64::try_from(horizon).unwrap_or(i64::MAX);
+        const UPSERT: &str = "INSERT INTO coherent_hosts (host, horizon, seen_at) VALUES ($1, $2, $3) \
+             ON CONFLICT (host) DO UPDATE SET horizon = excluded.horizon, seen_at = excluded.seen_at";
+        match &*self.inner {
+            Engine::Sqlite(s) => {
+                s.reader
+                    .lock()
+                    .prepare_cached(&UPSERT.replace('$', "?"))?
+                    .execute(params![host, horizon, now_micros()])?;
+            }
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                let q = client.prepare_cached(UPSERT).await?;
+                client
+                    .execute(&q, &[&host, &horizon, &now_micros()])
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets `host` (it stopped): it no longer holds trimming back.
+    pub(crate) async fn leave(&self, host: &str) -> Result<(), CommandError> {
+        match &*self.inner {
+            Engine::Sqlite(s) => {
+                s.reader
+                    .lock()
+                    .execute("DELETE FROM coherent_hosts WHERE host = ?1", params![host])?;
+            }
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                client
+                    .execute("DELETE FROM coherent_hosts WHERE host = $1", &[&host])
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes the operations older than `retention` that every live host has passed, and
+    /// the hosts not seen for `host_expiry`. Returns how many operations were deleted.
+    pub(crate) async fn trim(
+        &self,
+        retention: Duration,
+        host_expiry: Duration,
+    ) -> Result<u64, CommandError> {
+        let now = now_micros();
+        let cutoff = now.saturating_sub(micros(retention));
+        let alive_after = now.saturating_sub(micros(host_expiry));
+        match &*self.inner {
+            Engine::Sqlite(s) => {
+                let c = s.reader.lock();
+                c.execute(
+                    "DELETE FROM coherent_hosts WHERE seen_at < ?1",
+                    params![alive_after],
+                )?;
+                let n = c.execute(
+                    "DELETE FROM coherent_operations WHERE logged_at < ?1 \
+                     AND id < (SELECT min(horizon) FROM coherent_hosts)",
+                    params![cutoff],
+                )?;
+                Ok(n as u64)
+            }
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                client
+                    .execute(
+                        "DELETE FROM coherent_hosts WHERE seen_at < $1",
+                        &[&alive_after],
+                    )
+                    .await?;
+                Ok(client
+                    .execute(
+                        "DELETE FROM coherent_operations WHERE logged_at < $1 \
+                         AND xid < (SELECT min(horizon) FROM coherent_hosts)::text::xid8",
+                        &[&cutoff],
+                    )
+                    .await?)
+            }
+        }
+    }
+
+    /// How many operations the log holds now.
+    pub async fn log_len(&self) -> Result<u64, CommandError> {
+        match &*self.inner {
+            Engine::Sqlite(s) => {
+                let n: i64 = s.reader.lock().query_row(
+                    "SELECT count(*) FROM coherent_operations",
+                    [],
+                    |r| r.get(0),
+                )?;
+                Ok(u64::try_from(n).unwrap_or(0))
+            }
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                let n: i64 = client
+                    .query_one("SELECT count(*) FROM coherent_operations", &[])
+                    .await?
+                    .get(0);
+                Ok(u64::try_from(n).unwrap_or(0))
+            }
+        }
+    }
+
+    /// Whether an operation with this id is in the log (it committed).
+    pub async fn is_logged(&self, id: i64) -> Result<bool, CommandError> {
+        match &*self.inner {
+            Engine::Sqlite(s) => Ok(s
+                .reader
+                .lock()
+                .query_row(
+                    "SELECT 1 FROM coherent_operations WHERE id = ?1",
+                    params![id],
+                    |_| Ok(()),
+                )
+                .optional()?
+                .is_some()),
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                Ok(client
+                    .query_opt("SELECT 1 FROM coherent_operations WHERE id = $1", &[&id])
+                    .await?
+                    .is_some())
+            }
+        }
+    }
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+fn parse_xid(text: &str) -> Result<u64, CommandError> {
+    text.parse()
+        .map_err(|e| CommandError::new(ErrorKind::Database, format!("xid {text:?}: {e}")))
+}
+
+/// The operation row a command appends.
+pub(crate) struct Append {
+    pub(crate) host: String,
+    pub(crate) kind: &'static str,
+    pub(crate) command: String,
+    pub(crate) output: String,
+}
+
+/// The transaction a command's handler writes in. The pipeline opened it and commits it,
+/// with the command's operation, when the handler returns `Ok`; it rolls back otherwise.
+pub struct Tx<'a> {
+    inner: TxInner<'a>,
+}
+
+enum TxInner<'a> {
+    Sqlite(&'a mut Connection),
+    Postgres(&'a deadpool_postgres::Transaction<'a>),
+}
+
+impl<'a> Tx<'a> {
+    /// The SQLite connection, inside `BEGIN IMMEDIATE`; `None` on PostgreSQL.
+    pub fn sqlite(&self) -> Option<&Connection> {
+        match &self.inner {
+            TxInner::Sqlite(c) => Some(c),
+            TxInner::Postgres(_) => None,
+        }
+    }
+
+    /// The PostgreSQL transaction (with `prepare_cached`); `None` on SQLite.
+    pub fn postgres(&self) -> Option<&deadpool_postgres::Transaction<'a>> {
+        match &self.inner {
+            TxInner::Postgres(t) => Some(t),
+            TxInner::Sqlite(_) => None,
+        }
+    }
+
+    /// The SQLite connection, or an error that says the handler needs SQLite.
+    pub fn require_sqlite(&self) -> Result<&Connection, CommandError> {
+        self.sqlite().ok_or_else(|| wrong("SQLite"))
+    }
+
+    /// The PostgreSQL transaction, or an error that says the handler needs PostgreSQL.
+    pub fn require_postgres(&self) -> Result<&deadpool_postgres::Transaction<'a>, CommandError> {
+        self.postgres().ok_or_else(|| wrong("PostgreSQL"))
+    }
+}
+
+fn wrong(needed: &str) -> CommandError {
+    CommandError::new(
+        ErrorKind::WrongDatabase,
+        format!("this handler writes to {needed}, and the host's database is another"),
+    )
+}

@@ -1,0 +1,103 @@
+//! What a command answers when it does not succeed.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Why a command failed. It travels to remote callers as it is, so it carries a kind a
+/// program can match on and a message a person can read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandError {
+    kind: ErrorKind,
+    message: String,
+}
+
+/// The kinds of [`CommandError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The handler refused the command (a rule of the application): nothing was written.
+    Rejected,
+    /// The handler found nothing to act on: nothing was written.
+    NotFound,
+    /// The database failed. When the failure struck the commit itself the outcome is
+    /// unknown: the command may have been applied (its operation is then in the log, and
+    /// every host replays it).
+    Database,
+    /// No handler is registered for the command's name on the host that got it.
+    UnknownCommand,
+    /// The command, or its output, does not encode or decode.
+    BadCommand,
+    /// The host could not be reached (a remote caller's connection failed).
+    Unavailable,
+    /// The handler is written for another database than the host's.
+    WrongDatabase,
+}
+
+impl CommandError {
+    /// An error of `kind` with `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The handler refuses the command.
+    pub fn rejected(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Rejected, message)
+    }
+
+    /// The handler found nothing to act on.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::NotFound, message)
+    }
+
+    /// The kind, for a program.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The message, for a person.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for CommandError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.message)
+    }
+}
+
+impl std::error::Error for CommandError {}
+
+impl From<rusqlite::Error> for CommandError {
+    fn from(e: rusqlite::Error) -> Self {
+        Self::new(ErrorKind::Database, format!("sqlite: {e}"))
+    }
+}
+
+impl From<tokio_postgres::Error> for CommandError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        Self::new(ErrorKind::Database, format!("postgres: {e}"))
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for CommandError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        Self::new(ErrorKind::Database, format!("postgres pool: {e}"))
+    }
+}
+
+impl From<coherent_rpc::RpcError> for CommandError {
+    fn from(e: coherent_rpc::RpcError) -> Self {
+        Self::new(ErrorKind::Unavailable, e.to_string())
+    }
+}
+
+impl From<serde_json::Error> for CommandError {
+    fn from(e: serde_json::Error) -> Self {
+        Self::new(ErrorKind::BadCommand, e.to_string())
+    }
+}

@@ -1,0 +1,620 @@
+//! A host of the cluster: runs commands through the pipeline, and replays the operations
+//! of every other host.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use coherent_core::Registry;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{broadcast, watch, Notify};
+
+use crate::command::{Command, Handler, Handlers};
+use crate::db::{now_micros, Append, Database, Engine, Logged};
+use crate::error::CommandError;
+use crate::notify::{self, Notifier, Publisher};
+
+/// How an operation reached the host that applied it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Via {
+    /// The host ran the command itself.
+    Local,
+    /// A notification (PostgreSQL `NOTIFY` or NATS) carried it.
+    Notification,
+    /// A read of the log found it (a catch-up, a poll, or a notification too large to carry
+    /// the operation).
+    Log,
+}
+
+/// An operation this host has applied: its invalidation has run here, and reached this
+/// host's dependants and the replicas its clients hold.
+#[derive(Debug, Clone)]
+pub struct Applied {
+    /// The operation's id in the log.
+    pub id: i64,
+    /// The host that ran the command.
+    pub host: Arc<str>,
+    /// The command's name.
+    pub kind: Arc<str>,
+    /// When the command's transaction committed on its host (µs since the epoch, wall
+    /// clock), when the notification said; otherwise when the operation was appended,
+    /// just before the commit.
+    pub committed_at: i64,
+    /// When this host finished applying it (µs since the epoch, wall clock).
+    pub applied_at: i64,
+    /// How it arrived.
+    pub via: Via,
+}
+
+/// Counters of a host, from its start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostStats {
+    /// Commands run here that committed.
+    pub commands: u64,
+    /// Commands run here that failed (rolled back, or their outcome unknown).
+    pub command_errors: u64,
+    /// Operations of other hosts applied from a notification.
+    pub applied_notified: u64,
+    /// Operations of other hosts applied from a read of the log.
+    pub applied_from_log: u64,
+    /// Operations that arrived again (by the log after a notification, say) and were skipped.
+    pub duplicates: u64,
+    /// Operations whose command no handler here knows (their invalidation cannot run here).
+    pub unknown: u64,
+    /// Operations whose logged command or output did not decode.
+    pub undecodable: u64,
+    /// Reads of the log.
+    pub rounds: u64,
+    /// Reads of the log that failed.
+    pub round_errors: u64,
+    /// Times this host invalidated its whole cache because it may have missed operations.
+    pub flushes: u64,
+    /// Operations this host deleted from the log.
+    pub trimmed: u64,
+    /// Everything before this position is applied (see the crate's docs).
+    pub horizon: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    commands: AtomicU64,
+    command_errors: AtomicU64,
+    applied_notified: AtomicU64,
+    applied_from_log: AtomicU64,
+    duplicates: AtomicU64,
+    unknown: AtomicU64,
+    undecodable: AtomicU64,
+    rounds: AtomicU64,
+    round_errors: AtomicU64,
+    flushes: AtomicU64,
+    trimmed: AtomicU64,
+}
+
+/// What a notification carries: the whole operation when it fits, so that the hosts that
+/// hear it apply it without reading the log.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Notice {
+    pub(crate) id: i64,
+    pub(crate) position: u64,
+    pub(crate) host: String,
+    pub(crate) committed_at: i64,
+    /// Absent when the operation is too large for the notifier: read the log.
+    pub(crate) op: Option<NoticeOp>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct NoticeOp {
+    pub(crate) kind: String,
+    pub(crate) command: String,
+    pub(crate) output: String,
+}
+
+/// Settings of a [`Host`]; see [`Host::builder`].
+pub struct HostBuilder {
+    db: Database,
+    id: Option<String>,
+    notifier: Option<Notifier>,
+    poll: Option<Duration>,
+    retention: Duration,
+    host_expiry: Duration,
+    registries: Vec<Registry>,
+    handlers: Handlers,
+}
+
+impl HostBuilder {
+    /// This host's id in the log (unique in the cluster; by default the machine's name,
+    /// the process id and a random suffix: a restarted process is a new host).
+    pub fn id(mut self, id: impl Into<String>) -> Self {
+        self.id = Some(id.into());
+        self
+    }
+
+    /// How other hosts' operations reach this one. Default: [`Notifier::Postgres`] on
+    /// PostgreSQL, [`Notifier::Poll`] on SQLite.
+    pub fn notifier(mut self, notifier: Notifier) -> Self {
+        self.notifier = Some(notifier);
+        self
+    }
+
+    /// How often the log is read when no notification came (it covers a notifier that
+    /// went silent without failing). Default: 500 ms with a notifier, 10 ms with
+    /// [`Notifier::Poll`]. While the notifier is down the log is read at least every 50 ms.
+    pub fn poll_interval(mut self, every: Duration) -> Self {
+        self.poll = Some(every);
+        self
+    }
+
+    /// Operations older than this are deleted once every live host has passed them.
+    /// Default: one hour.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// A host not seen for this long is taken for dead: it no longer holds trimming back,
+    /// and a host that finds itself silent this long (paused, cut off) invalidates its
+    /// whole cache, since the log may have been trimmed past it. Default: five minutes.
+    pub fn host_expiry(mut self, expiry: Duration) -> Self {
+        self.host_expiry = expiry;
+        self
+    }
+
+    /// A registry of this host's compute services: invalidated as a whole when the host
+    /// may have missed operations (its notifier dropped). Default: the global registry;
+    /// calling this replaces the default, and may be called for each registry.
+    pub fn registry(mut self, registry: &Registry) -> Self {
+        self.registries.push(registry.clone());
+        self
+    }
+
+    /// Registers `handler` for the command `C`.
+    ///
+    /// # Panics
+    /// When another handler is registered under `C::NAME`.
+    pub fn command<C: Command>(mut self, handler: impl Handler<C>) -> Self {
+        self.handlers.insert::<C, _>(handler);
+        self
+    }
+
+    /// Starts the host: its notifier, and the task that reads the log. Call in a tokio
+    /// runtime.
+    pub async fn start(self) -> Result<Host, CommandError> {
+        let notifier = self.notifier.unwrap_or(match &*self.db.inner {
+            Engine::Postgres(_) => Notifier::Postgres,
+            Engine::Sqlite(_) => Notifier::Poll,
+        });
+        let poll = self.poll.unwrap_or(match notifier {
+            Notifier::Poll => Duration::from_millis(10),
+            _ => Duration::from_millis(500),
+        });
+        let id = self.id.unwrap_or_else(default_id);
+        let registries = if self.registries.is_empty() {
+            vec![Registry::global().clone()]
+        } else {
+            self.registries
+        };
+        let horizon = self.db.current_horizon().await?;
+        let (applied_tx, _) = broadcast::channel(4096);
+        let inner = Arc::new(Inner {
+            id: id.clone(),
+            db: self.db,
+            handlers: self.handlers,
+            state: Mutex::new(State {
+                horizon,
+                applied: HashMap::new(),
+            }),
+            round: tokio::sync::Mutex::new(()),
+            wake: Notify::new(),
+            registries,
+            counters: Counters::default(),
+            applied_tx,
+            publisher: Mutex::new(Publisher::None),
+            notifier_down: AtomicBool::new(!matches!(notifier, Notifier::Poll)),
+            poll,
+            retention: self.retention,
+            host_expiry: self.host_expiry,
+            stop: watch::Sender::new(false),
+        });
+        inner.db.heartbeat(&id, horizon).await?;
+        let host = Host { inner };
+        notify::start(&host, notifier).await?;
+        tokio::spawn(read_loop(
+            Arc::downgrade(&host.inner),
+            host.inner.stop.subscribe(),
+        ));
+        tracing::info!(host = %id, horizon, "coherent-ops host started");
+        Ok(host)
+    }
+}
+
+fn default_id() -> String {
+    let name = std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "host".to_owned());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!("{name}-{}-{nanos:08x}", std::process::id())
+}
+
+/// A host of a cluster of processes that share one database: it runs commands through the
+/// pipeline (the handler's writes and the operation in one transaction, then the
+/// invalidation here) and applies every other host's operations (their invalidation, here),
+/// woken by its [`Notifier`] and reading the log, which is the truth.
+///
+/// Cloning is cheap and shares the host. The host stops when the last clone is dropped, or
+/// at [`stop`](Self::stop).
+#[derive(Clone)]
+pub struct Host {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    id: String,
+    pub(crate) db: Database,
+    handlers: Handlers,
+    state: Mutex<State>,
+    /// One read of the log at a time.
+    round: tokio::sync::Mutex<()>,
+    pub(crate) wake: Notify,
+    registries: Vec<Registry>,
+    counters: Counters,
+    applied_tx: broadcast::Sender<Applied>,
+    pub(crate) publisher: Mutex<Publisher>,
+    notifier_down: AtomicBool,
+    poll: Duration,
+    retention: Duration,
+    host_expiry: Duration,
+    /// `true` once stopped; dropped with the host: either ends its tasks.
+    pub(crate) stop: watch::Sender<bool>,
+}
+
+struct State {
+    /// Every operation before it is applied (or predates this host).
+    horizon: u64,
+    /// Operations at or after the horizon that are applied (or being applied), by id,
+    /// with their position.
+    applied: HashMap<i64, u64>,
+}
+
+impl Host {
+    /// A host over `db`; add handlers with [`HostBuilder::command`], then
+    /// [`start`](HostBuilder::start) it.
+    pub fn builder(db: Database) -> HostBuilder {
+        HostBuilder {
+            db,
+            id: None,
+            notifier: None,
+            poll: None,
+            retention: Duration::from_secs(3600),
+            host_expiry: Duration::from_secs(300),
+            registries: Vec::new(),
+            handlers: Handlers::default(),
+        }
+    }
+
+    /// This host's id.
+    pub fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    /// The database.
+    pub fn database(&self) -> &Database {
+        &self.inner.db
+    }
+
+    /// Runs `command` through the pipeline: its handler's writes and the operation commit in
+    /// one transaction; then the handler's invalidation runs here, before this returns, and
+    /// the notifier tells the other hosts. An error rolls back: nothing is written, nothing
+    /// logged (except when the commit itself failed, whose outcome is unknown: then the
+    /// invalidation runs here anyway, and the other hosts replay the operation if it is in
+    /// the log).
+    pub async fn run<C: Command>(&self, command: C) -> Result<C::Output, CommandError> {
+        let inner = &*self.inner;
+        let handler = inner.handlers.typed::<C>()?;
+        let command_json = serde_json::to_string(&command)?;
+        let mut output_json = String::new();
+        let mut claimed = None;
+        let result = inner
+            .db
+            .transact(
+                &*handler,
+                &command,
+                |output| {
+                    output_json = serde_json::to_string(output)?;
+                    Ok(Append {
+                        host: inner.id.clone(),
+                        kind: C::NAME,
+                        command: command_json.clone(),
+                        output: output_json.clone(),
+                    })
+                },
+                |id, position| {
+                    // Claimed before the commit: a read of the log that sees the operation
+                    // (after the commit) finds it applied, and leaves it to this call.
+                    inner.state.lock().applied.insert(id, position);
+                    claimed = Some((id, position));
+                },
+            )
+            .await;
+        match result {
+            Ok((output, id, position)) => {
+                handler.invalidate(&command, &output);
+                let committed_at = now_micros();
+                inner.counters.commands.fetch_add(1, Ordering::Relaxed);
+                let _ = inner.applied_tx.send(Applied {
+                    id,
+                    host: inner.id.as_str().into(),
+                    kind: C::NAME.into(),
+                    committed_at,
+                    applied_at: now_micros(),
+                    via: Via::Local,
+                });
+                let notice = Notice {
+                    id,
+                    position,
+                    host: inner.id.clone(),
+                    committed_at,
+                    op: Some(NoticeOp {
+                        kind: C::NAME.to_owned(),
+                        command: command_json,
+                        output: output_json,
+                    }),
+                };
+                inner.publisher.lock().publish(&inner.db, notice);
+                Ok(output)
+            }
+            Err(e) => {
+                inner
+                    .counters
+                    .command_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                if claimed.is_some() {
+                    // The commit failed: it may have happened. Invalidate to be safe.
+                    if let Ok(output) = serde_json::from_str::<C::Output>(&output_json) {
+                        handler.invalidate(&command, &output);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs a command given by name and as JSON (what remote callers send); answers the
+    /// output as JSON.
+    pub async fn run_json(&self, kind: &str, command: String) -> Result<String, CommandError> {
+        let run = &self.inner.handlers.get(kind)?.run_json;
+        run(self.clone(), command).await
+    }
+
+    /// Reads the log now and applies what is new; returns when done. Hosts do this on
+    /// their own (after each notification without the operation, every poll interval,
+    /// and after their notifier reconnects); call it to be sure that everything committed
+    /// before the call is applied here when it returns.
+    pub async fn catch_up(&self) -> Result<(), CommandError> {
+        self.inner.round().await
+    }
+
+    /// The operations this host applies from now on, as they are applied (its own
+    /// included). A receiver that falls behind by more than 4,096 loses the oldest.
+    pub fn subscribe(&self) -> broadcast::Receiver<Applied> {
+        self.inner.applied_tx.subscribe()
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> HostStats {
+        let c = &self.inner.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        HostStats {
+            commands: r(&c.commands),
+            command_errors: r(&c.command_errors),
+            applied_notified: r(&c.applied_notified),
+            applied_from_log: r(&c.applied_from_log),
+            duplicates: r(&c.duplicates),
+            unknown: r(&c.unknown),
+            undecodable: r(&c.undecodable),
+            rounds: r(&c.rounds),
+            round_errors: r(&c.round_errors),
+            flushes: r(&c.flushes),
+            trimmed: r(&c.trimmed),
+            horizon: self.inner.state.lock().horizon,
+        }
+    }
+
+    /// Whether the notifier is connected now (always `true` for [`Notifier::Poll`]).
+    pub fn notifier_connected(&self) -> bool {
+        !self.inner.notifier_down.load(Ordering::Acquire)
+    }
+
+    /// Deletes the operations older than the retention that every live host has passed
+    /// (hosts do it on their own every minute or so). Returns how many were deleted.
+    pub async fn trim(&self) -> Result<u64, CommandError> {
+        self.inner.trim().await
+    }
+
+    /// Stops the host: its tasks end and its row leaves the hosts table (it no longer
+    /// holds trimming back).
+    pub async fn stop(&self) {
+        self.inner.stop.send_replace(true);
+        if let Err(e) = self.inner.db.leave(&self.inner.id).await {
+            tracing::warn!(host = %self.inner.id, %e, "could not leave the hosts table");
+        }
+    }
+}
+
+impl Inner {
+    /// Applies another host's operation unless it is applied already.
+    pub(crate) fn apply(&self, op: &Logged, committed_at: i64, via: Via) {
+        {
+            let mut state = self.state.lock();
+            // Behind the horizon: a read of the log applied it (or it predates this host).
+            if op.position < state.horizon || state.applied.insert(op.id, op.position).is_some() {
+                drop(state);
+                self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+        match self.handlers.get(&op.kind) {
+            Ok(registered) => {
+                if let Err(e) = (registered.replay)(&op.command, &op.output) {
+                    self.counters.undecodable.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(op = op.id, kind = op.kind, %e, "operation not applied");
+                    return;
+                }
+            }
+            Err(_) => {
+                self.counters.unknown.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    op = op.id,
+                    kind = op.kind,
+                    "no handler for this operation's command here"
+                );
+                return;
+            }
+        }
+        match via {
+            Via::Notification => &self.counters.applied_notified,
+            _ => &self.counters.applied_from_log,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        let _ = self.applied_tx.send(Applied {
+            id: op.id,
+            host: op.host.as_str().into(),
+            kind: op.kind.as_str().into(),
+            committed_at,
+            applied_at: now_micros(),
+            via,
+        });
+    }
+
+    pub(crate) fn apply_notice(&self, notice: Notice) {
+        if notice.host == self.id {
+            return;
+        }
+        match notice.op {
+            Some(op) => self.apply(
+                &Logged {
+                    id: notice.id,
+                    position: notice.position,
+                    host: notice.host,
+                    logged_at: notice.committed_at,
+                    kind: op.kind,
+                    command: op.command,
+                    output: op.output,
+                },
+                notice.committed_at,
+                Via::Notification,
+            ),
+            None => self.wake.notify_one(),
+        }
+    }
+
+    /// Reads the log from the horizon until a read comes back short.
+    async fn round(&self) -> Result<(), CommandError> {
+        let _one_at_a_time = self.round.lock().await;
+        loop {
+            let horizon = self.state.lock().horizon;
+            self.counters.rounds.fetch_add(1, Ordering::Relaxed);
+            let (rows, next) = match self.db.read_after(horizon).await {
+                Ok(read) => read,
+                Err(e) => {
+                    self.counters.round_errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(e);
+                }
+            };
+            let full = rows.len() >= 1000;
+            for op in &rows {
+                if op.host == self.id {
+                    // Ours: applied when it ran (and claimed before its commit).
+                    let state = self.state.lock();
+                    if state.applied.contains_key(&op.id) || op.position < state.horizon {
+                        continue;
+                    }
+                }
+                self.apply(op, op.logged_at, Via::Log);
+            }
+            {
+                let mut state = self.state.lock();
+                if next > state.horizon {
+                    state.horizon = next;
+                    state.applied.retain(|_, p| *p >= next);
+                }
+            }
+            if !full {
+                return Ok(());
+            }
+        }
+    }
+
+    /// The notifier may have dropped operations: until the log has been read again, no
+    /// entry of this host's cache can be trusted, so every one is invalidated (the next
+    /// reads recompute from the database), and the log is read at once.
+    pub(crate) fn notifier_lost(&self, why: &str) {
+        self.notifier_down.store(true, Ordering::Release);
+        self.flush(why);
+        self.wake.notify_one();
+    }
+
+    pub(crate) fn notifier_up(&self) {
+        self.notifier_down.store(false, Ordering::Release);
+        // What was committed while it was down: read it now that notifications flow.
+        self.wake.notify_one();
+    }
+
+    fn flush(&self, why: &str) {
+        let n: usize = self.registries.iter().map(Registry::invalidate_all).sum();
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(host = %self.id, invalidated = n, why, "cache flushed");
+    }
+
+    async fn trim(&self) -> Result<u64, CommandError> {
+        let n = self.db.trim(self.retention, self.host_expiry).await?;
+        self.counters.trimmed.fetch_add(n, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// Reads the log when woken, and at least every poll interval; heartbeats and trims now
+/// and then. Ends when the host is dropped or stopped.
+async fn read_loop(host: Weak<Inner>, mut stop: watch::Receiver<bool>) {
+    let mut last_ok = Instant::now();
+    let mut last_heartbeat = Instant::now();
+    let mut last_trim = Instant::now();
+    loop {
+        let Some(inner) = host.upgrade() else { return };
+        let every = if inner.notifier_down.load(Ordering::Acquire) {
+            inner.poll.min(Duration::from_millis(50))
+        } else {
+            inner.poll
+        };
+        tokio::select! {
+            () = inner.wake.notified() => {}
+            () = tokio::time::sleep(every) => {}
+            _ = stop.wait_for(|&s| s) => return,
+        }
+        if last_ok.elapsed() > inner.host_expiry {
+            inner.flush("this host read no log for longer than the host expiry");
+        }
+        match inner.round().await {
+            Ok(()) => last_ok = Instant::now(),
+            Err(e) => tracing::warn!(host = %inner.id, %e, "reading the operation log failed"),
+        }
+        let horizon = inner.state.lock().horizon;
+        if last_heartbeat.elapsed() >= Duration::from_secs(1).min(inner.host_expiry / 4) {
+            match inner.db.heartbeat(&inner.id, horizon).await {
+                Ok(()) => last_heartbeat = Instant::now(),
+                Err(e) => tracing::warn!(host = %inner.id, %e, "heartbeat failed"),
+            }
+        }
+        if last_trim.elapsed() >= Duration::from_secs(60).min(inner.retention) {
+            last_trim = Instant::now();
+            if let Err(e) = inner.trim().await {
+                tracing::warn!(host = %inner.id, %e, "trimming the log failed");
+            }
+        }
+    }
+}

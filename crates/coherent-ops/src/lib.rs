@@ -1,0 +1,42 @@
+//! Coherent across hosts: commands, an operation log, and invalidation replayed on every
+//! host of a cluster that shares one database.
+//!
+//! A **command** ([`Command`]) is a write as a serde value; its [`Handler`] does the writes
+//! in a transaction the pipeline opens ([`Tx`]) and names, in one place, the compute
+//! results the command changes ([`Handler::invalidate`]). [`Host::run`] runs a command:
+//!
+//! 1. the handler's writes and an *operation* (the command, its output, this host's id,
+//!    the time) commit in one transaction: an operation exists exactly when its writes do;
+//! 2. the handler's invalidation runs on this host, before `run` returns (cascading to its
+//!    dependants and to the replicas its clients hold);
+//! 3. the [`Notifier`] tells the other hosts, which run the same invalidation.
+//!
+//! The log is the truth; notifications only wake hosts up. A host reads the log after its
+//! notifier reconnects and every poll interval, so a lost notification costs latency, never
+//! correctness; and when it may have missed operations (its notifier dropped), it
+//! invalidates its whole cache before it reads the log, so that until it has caught up it
+//! answers from the database, not from entries that may be stale. Nothing is applied twice
+//! (each host keeps the ids it applied beyond its horizon), nothing is skipped (see the
+//! ordering argument in `db.rs` and ARCHITECTURE.md). Old operations are trimmed once every
+//! live host has passed them.
+//!
+//! Remote clients send commands over Coherent RPC ([`CommandsServer`], [`CommandClient`]);
+//! the answer returns after the invalidation ran on the host that ran the command.
+//!
+//! Databases: SQLite (a file shared by the processes of one machine, the embedded default)
+//! and PostgreSQL. Notifiers: PostgreSQL `LISTEN`/`NOTIFY`, NATS (feature `nats`), or
+//! polling.
+
+mod command;
+mod db;
+mod error;
+mod host;
+mod notify;
+mod rpc;
+
+pub use command::{Command, Handler};
+pub use db::{Database, Tx};
+pub use error::{CommandError, ErrorKind};
+pub use host::{Applied, Host, HostBuilder, HostStats, Via};
+pub use notify::Notifier;
+pub use rpc::{CommandClient, Commands, CommandsServer};

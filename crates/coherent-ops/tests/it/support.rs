@@ -1,0 +1,222 @@
+//! The service the tests run on every host: `items(id, value)` with a compute method per
+//! item and one over two items (a diamond when both are the same), and the commands that
+//! write it.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use coherent::prelude::*;
+use coherent_ops::{Command, CommandError, Database, Handler, Host, Tx};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+/// `DATABASE_URL`, or `None` (and a line saying the test skipped).
+pub(crate) fn database_url() -> Option<String> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) => Some(url),
+        Err(_) => {
+            eprintln!("skipped: DATABASE_URL is not set");
+            None
+        }
+    }
+}
+
+/// A schema name no other test uses.
+pub(crate) fn fresh_schema(test: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("t_{test}_{}_{nanos}", std::process::id())
+}
+
+/// Where the service reads.
+#[derive(Clone)]
+pub(crate) enum Reader {
+    Sqlite(Arc<Mutex<rusqlite::Connection>>),
+    Postgres(deadpool_postgres::Pool),
+}
+
+impl Reader {
+    pub(crate) fn for_db(db: &Database) -> Self {
+        match (db.sqlite_path(), db.postgres_pool()) {
+            (Some(path), _) => Reader::Sqlite(Arc::new(Mutex::new(open_sqlite(path)))),
+            (None, Some(pool)) => Reader::Postgres(pool.clone()),
+            (None, None) => unreachable!(),
+        }
+    }
+}
+
+pub(crate) fn open_sqlite(path: &Path) -> rusqlite::Connection {
+    let c = rusqlite::Connection::open(path).unwrap();
+    c.execute_batch("PRAGMA journal_mode = WAL; PRAGMA busy_timeout = 10000;")
+        .unwrap();
+    c
+}
+
+/// Creates the `items` table with `n` items of value 0.
+pub(crate) async fn create_items(db: &Database, n: i64) {
+    match (db.sqlite_path(), db.postgres_pool()) {
+        (Some(path), _) => {
+            let c = open_sqlite(path);
+            c.execute_batch(
+                "CREATE TABLE IF NOT EXISTS items (id INTEGER PRIMARY KEY, value INTEGER NOT NULL)",
+            )
+            .unwrap();
+            for id in 1..=n {
+                c.execute(
+                    "INSERT OR IGNORE INTO items VALUES (?1, 0)",
+                    rusqlite::params![id],
+                )
+                .unwrap();
+            }
+        }
+        (None, Some(pool)) => {
+            let c = pool.get().await.unwrap();
+            c.batch_execute(
+                "CREATE TABLE IF NOT EXISTS items (id BIGINT PRIMARY KEY, value BIGINT NOT NULL)",
+            )
+            .await
+            .unwrap();
+            for id in 1..=n {
+                c.execute(
+                    "INSERT INTO items VALUES ($1, 0) ON CONFLICT DO NOTHING",
+                    &[&id],
+                )
+                .await
+                .unwrap();
+            }
+        }
+        (None, None) => unreachable!(),
+    }
+}
+
+#[derive(Clone, ComputeService)]
+pub(crate) struct Items {
+    pub(crate) handle: ServiceHandle,
+    pub(crate) reader: Reader,
+}
+
+#[compute_service]
+impl Items {
+    #[compute]
+    pub(crate) async fn value(&self, id: i64) -> Result<i64, String> {
+        match &self.reader {
+            Reader::Sqlite(c) => c
+                .lock()
+                .query_row(
+                    "SELECT value FROM items WHERE id = ?1",
+                    rusqlite::params![id],
+                    |r| r.get(0),
+                )
+                .map_err(|e| e.to_string()),
+            Reader::Postgres(pool) => {
+                let c = pool.get().await.map_err(|e| e.to_string())?;
+                let row = c
+                    .query_one("SELECT value FROM items WHERE id = $1", &[&id])
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(row.get(0))
+            }
+        }
+    }
+
+    /// A diamond over `value`: `pair(a, a)` reads one item twice.
+    #[compute]
+    pub(crate) async fn pair(&self, a: i64, b: i64) -> Result<i64, String> {
+        Ok(self.value(a).await? * 1000 + self.value(b).await?)
+    }
+}
+
+/// Sets an item's value; answers the previous one.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct SetValue {
+    pub(crate) id: i64,
+    pub(crate) value: i64,
+}
+
+impl Command for SetValue {
+    const NAME: &'static str = "test.set_value";
+    type Output = i64;
+}
+
+/// Always fails after writing: nothing may be committed or logged.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct FailAfterWrite {
+    pub(crate) id: i64,
+}
+
+impl Command for FailAfterWrite {
+    const NAME: &'static str = "test.fail_after_write";
+    type Output = ();
+}
+
+impl Handler<SetValue> for Items {
+    async fn execute(&self, c: &SetValue, tx: &mut Tx<'_>) -> Result<i64, CommandError> {
+        if let Some(conn) = tx.sqlite() {
+            let old: i64 = conn.query_row(
+                "SELECT value FROM items WHERE id = ?1",
+                rusqlite::params![c.id],
+                |r| r.get(0),
+            )?;
+            conn.execute(
+                "UPDATE items SET value = ?2 WHERE id = ?1",
+                rusqlite::params![c.id, c.value],
+            )?;
+            return Ok(old);
+        }
+        let t = tx.require_postgres()?;
+        let row = t
+            .query_opt("SELECT value FROM items WHERE id = $1 FOR UPDATE", &[&c.id])
+            .await?
+            .ok_or_else(|| CommandError::not_found(format!("item {}", c.id)))?;
+        t.execute(
+            "UPDATE items SET value = $2 WHERE id = $1",
+            &[&c.id, &c.value],
+        )
+        .await?;
+        Ok(row.get(0))
+    }
+
+    fn invalidate(&self, c: &SetValue, _old: &i64) {
+        self.invalidate_value(c.id);
+    }
+}
+
+impl Handler<FailAfterWrite> for Items {
+    async fn execute(&self, c: &FailAfterWrite, tx: &mut Tx<'_>) -> Result<(), CommandError> {
+        if let Some(conn) = tx.sqlite() {
+            conn.execute(
+                "UPDATE items SET value = -1 WHERE id = ?1",
+                rusqlite::params![c.id],
+            )?;
+        } else {
+            tx.require_postgres()?
+                .execute("UPDATE items SET value = -1 WHERE id = $1", &[&c.id])
+                .await?;
+        }
+        Err(CommandError::rejected("refused after writing"))
+    }
+
+    fn invalidate(&self, c: &FailAfterWrite, _: &()) {
+        self.invalidate_value(c.id);
+    }
+}
+
+/// A host with the `Items` service over `db`, its own registry (its own cache).
+pub(crate) async fn host(
+    db: &Database,
+    configure: impl FnOnce(coherent_ops::HostBuilder) -> coherent_ops::HostBuilder,
+) -> (Host, Items) {
+    let registry = Registry::new();
+    let items = Items {
+        handle: ServiceHandle::with_registry(&registry),
+        reader: Reader::for_db(db),
+    };
+    let builder = Host::builder(db.clone())
+        .registry(&registry)
+        .command::<SetValue>(items.clone())
+        .command::<FailAfterWrite>(items.clone());
+    let host = configure(builder).start().await.unwrap();
+    (host, items)
+}
