@@ -116,7 +116,9 @@
 //! The layers are modules of this crate, each behind a feature: [`rpc`] (`rpc`: the
 //! protocol, plain RPC services with `#[rpc::service]`), [`remote`] (`remote`: replicas and
 //! the HTTP gateway with `http`, a persistent client cache with `persistent`), the
-//! transports `tls` and `websocket`, and [`metrics`] (`metrics`: the counters through the
+//! transports `tls` and `websocket`, `ops` (commands, the operation log and
+//! invalidation across the hosts of a cluster, with `nats` for the NATS notifier), and
+//! [`metrics`] (`metrics`: the counters through the
 //! `metrics` facade). Defaults: `remote`, `http`, `tls`, `metrics`. The
 //! [`prelude`] imports what a service and its clients use.
 //!
@@ -144,6 +146,12 @@ pub use coherent_rpc as rpc;
 #[cfg(feature = "remote")]
 pub use coherent_remote as remote;
 
+/// Coherent across hosts: commands through a pipeline, an operation log in the shared
+/// database (SQLite or PostgreSQL), and every host replaying the invalidations, woken by
+/// PostgreSQL `LISTEN`/`NOTIFY` or NATS. See the `coherent-ops` crate's README.
+#[cfg(feature = "ops")]
+pub use coherent_ops as ops;
+
 #[cfg(feature = "metrics")]
 pub mod metrics;
 
@@ -159,6 +167,9 @@ pub mod prelude {
 
     #[cfg(feature = "remote")]
     pub use coherent_remote::{RemoteClient, RemoteServer};
+
+    #[cfg(feature = "ops")]
+    pub use coherent_ops::{Command, CommandError, Database, Handler, Host, Tx};
 }
 
 /// What the macros' generated code names; not a public API.
