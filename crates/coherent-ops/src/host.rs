@@ -206,7 +206,7 @@ impl HostBuilder {
                 applied: HashMap::new(),
             }),
             round: tokio::sync::Mutex::new(()),
-            wake: Notify::new(),
+            wake: Arc::new(Notify::new()),
             registries,
             counters: Counters::default(),
             applied_tx,
@@ -222,6 +222,7 @@ impl HostBuilder {
         notify::start(&host, notifier).await?;
         tokio::spawn(read_loop(
             Arc::downgrade(&host.inner),
+            host.inner.wake.clone(),
             host.inner.stop.subscribe(),
         ));
         tracing::info!(host = %id, horizon, "coherent-ops host started");
@@ -260,7 +261,8 @@ pub(crate) struct Inner {
     state: Mutex<State>,
     /// One read of the log at a time.
     round: tokio::sync::Mutex<()>,
-    pub(crate) wake: Notify,
+    /// Wakes the log reader (held apart, so that the reader waits without holding the host).
+    pub(crate) wake: Arc<Notify>,
     registries: Vec<Registry>,
     counters: Counters,
     applied_tx: broadcast::Sender<Applied>,
@@ -580,22 +582,26 @@ impl Inner {
 
 /// Reads the log when woken, and at least every poll interval; heartbeats and trims now
 /// and then. Ends when the host is dropped or stopped.
-async fn read_loop(host: Weak<Inner>, mut stop: watch::Receiver<bool>) {
+async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiver<bool>) {
     let mut last_ok = Instant::now();
     let mut last_heartbeat = Instant::now();
     let mut last_trim = Instant::now();
     loop {
-        let Some(inner) = host.upgrade() else { return };
-        let every = if inner.notifier_down.load(Ordering::Acquire) {
-            inner.poll.min(Duration::from_millis(50))
-        } else {
-            inner.poll
+        let every = {
+            let Some(inner) = host.upgrade() else { return };
+            if inner.notifier_down.load(Ordering::Acquire) {
+                inner.poll.min(Duration::from_millis(50))
+            } else {
+                inner.poll
+            }
         };
+        // Waits without holding the host, so that dropping its last handle ends this task.
         tokio::select! {
-            () = inner.wake.notified() => {}
+            () = wake.notified() => {}
             () = tokio::time::sleep(every) => {}
             _ = stop.wait_for(|&s| s) => return,
         }
+        let Some(inner) = host.upgrade() else { return };
         if last_ok.elapsed() > inner.host_expiry {
             inner.flush("this host read no log for longer than the host expiry");
         }

@@ -31,6 +31,9 @@ async fn write_on_a_reaches_b(db: Database, notifier: Option<Notifier>) -> Via {
     };
     let (a, items_a) = host(&db, pick).await;
     let (b, items_b) = host(&db, pick).await;
+    // Until B listens, A's operation would reach B through the log (correct, but not what
+    // this test is about).
+    wait_until(|| b.notifier_connected()).await;
     assert_eq!(items_b.pair(3, 3).await, Ok(0));
     let pair_b = items_b.pair_computed(3, 3).await;
     let value_a = items_a.value_computed(3).await;
@@ -135,4 +138,146 @@ async fn postgres_a_failing_handler_rolls_back() {
         return;
     };
     a_failing_handler_writes_nothing_and_logs_nothing(db).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_client_runs_commands_and_its_replica_hears_of_them() {
+    use coherent::prelude::*;
+    use coherent_ops::{CommandClient, CommandsServer};
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let (a, items) = host(&db, |b| b).await;
+    let remote = RemoteServer::new().expose(
+        "Items.value",
+        items.clone(),
+        |s, (id,): (i64,)| async move { s.value_computed(id).await },
+    );
+    let endpoint = Endpoint::builder()
+        .service(remote.service())
+        .service(CommandsServer::new(a.clone()))
+        .build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+
+    let client = RemoteClient::connect_tcp(addr).await.unwrap();
+    let commands = CommandClient::new(client.caller());
+    let replica: Result<i64, String> = client.replica("Items.value", (5i64,)).await.unwrap();
+    assert_eq!(replica, Ok(0));
+
+    // The answer is the handler's output (the previous value).
+    assert_eq!(commands.run(&SetValue { id: 5, value: 9 }).await, Ok(0));
+    assert_eq!(commands.run(&SetValue { id: 5, value: 10 }).await, Ok(9));
+    let value: Result<i64, String> = client.call("Items.value", (5i64,)).await.unwrap();
+    assert_eq!(value, Ok(10));
+
+    // Errors travel as they are.
+    let err = commands.run(&FailAfterWrite { id: 5 }).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Rejected);
+    assert_eq!(err.message(), "refused after writing");
+    let err = commands
+        .run(&SetValue { id: 99, value: 1 })
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Database, "{err}");
+    assert_eq!(a.stats().commands, 2);
+    a.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_terminated_listener_flushes_the_cache_and_catches_up_from_the_log() {
+    let Some(db) = postgres_db("listener").await else {
+        return;
+    };
+    let (a, _items_a) = host(&db, |b| b).await;
+    let (b, items_b) = host(&db, |b| b).await;
+    wait_until(|| b.notifier_connected()).await;
+    assert_eq!(items_b.value(1).await, Ok(0));
+    assert_eq!(items_b.value(2).await, Ok(0));
+    let cached_2 = items_b.value_computed(2).await;
+
+    let pool = db.postgres_pool().unwrap().get().await.unwrap();
+    let killed = pool
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&format!("coherent-listener:{}", b.id())],
+        )
+        .await
+        .unwrap();
+    assert_eq!(killed, 1);
+    // Whatever B cached is no longer trusted: item 2 did not change, yet it is recomputed.
+    wait_until(|| b.stats().flushes >= 1).await;
+    assert_eq!(cached_2.state(), ConsistencyState::Invalidated);
+
+    // Writes while B's listener may still be down reach B through the log or, once it is
+    // back, through notifications: either way B ends with the last value.
+    for value in 1..=20 {
+        a.run(SetValue { id: 1, value }).await.unwrap();
+    }
+    wait_until(|| b.notifier_connected()).await;
+    b.catch_up().await.unwrap();
+    assert_eq!(items_b.value(1).await, Ok(20));
+    let s = b.stats();
+    assert_eq!(s.applied_notified + s.applied_from_log, 20, "{s:?}");
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_started_later_reads_current_values_and_applies_only_later_operations() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let (a, _) = host(&db, |b| b).await;
+    for value in 1..=5 {
+        a.run(SetValue { id: 6, value }).await.unwrap();
+    }
+    let (late, items) = host(&db, |b| b).await;
+    assert_eq!(items.value(6).await, Ok(5));
+    a.run(SetValue { id: 6, value: 6 }).await.unwrap();
+    late.catch_up().await.unwrap();
+    assert_eq!(items.value(6).await, Ok(6));
+    let s = late.stats();
+    assert_eq!(s.applied_notified + s.applied_from_log, 1, "{s:?}");
+    a.stop().await;
+    late.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_is_trimmed_once_every_live_host_has_passed_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let short = |b: coherent_ops::HostBuilder| b.retention(Duration::from_millis(1));
+    let (a, _) = host(&db, short).await;
+    let (b, _) = host(&db, short).await;
+    for value in 1..=10 {
+        a.run(SetValue { id: 7, value }).await.unwrap();
+    }
+    assert_eq!(db.log_len().await.unwrap(), 10);
+    // Both hosts pass the operations (and record it); then a trim deletes them.
+    wait_until_async(|| async {
+        a.catch_up().await.unwrap();
+        b.catch_up().await.unwrap();
+        a.trim().await.unwrap();
+        db.log_len().await.unwrap() == 0
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+}
+
+async fn wait_until(mut done: impl FnMut() -> bool) {
+    wait_until_async(|| std::future::ready(done())).await;
+}
+
+/// Polls `done` until it holds; fails after a minute (a guard, not a timing assertion).
+async fn wait_until_async<F: std::future::Future<Output = bool>>(mut done: impl FnMut() -> F) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !done().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "condition not reached in a minute"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
