@@ -16,6 +16,14 @@ use crate::db::{now_micros, Append, Database, Engine, Logged};
 use crate::error::CommandError;
 use crate::notify::{self, Notifier, Publisher};
 
+/// A notice further ahead of the horizon than this is not believed (no cluster commits two
+/// billion transactions between two reads of its log).
+const MAX_AHEAD: u64 = 1 << 31;
+
+/// At most this many operations ahead of the horizon are remembered as applied; past it,
+/// notices only wake the log reader.
+const MAX_APPLIED: usize = 1 << 20;
+
 /// How an operation reached the host that applied it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Via {
@@ -65,6 +73,9 @@ pub struct HostStats {
     pub unknown: u64,
     /// Operations whose logged command or output did not decode.
     pub undecodable: u64,
+    /// Notifications that did not decode, or claimed an implausible position: each only
+    /// woke the log reader.
+    pub implausible: u64,
     /// Reads of the log.
     pub rounds: u64,
     /// Reads of the log that failed.
@@ -86,6 +97,7 @@ struct Counters {
     duplicates: AtomicU64,
     unknown: AtomicU64,
     undecodable: AtomicU64,
+    implausible: AtomicU64,
     rounds: AtomicU64,
     round_errors: AtomicU64,
     flushes: AtomicU64,
@@ -419,12 +431,21 @@ impl Host {
             duplicates: r(&c.duplicates),
             unknown: r(&c.unknown),
             undecodable: r(&c.undecodable),
+            implausible: r(&c.implausible),
             rounds: r(&c.rounds),
             round_errors: r(&c.round_errors),
             flushes: r(&c.flushes),
             trimmed: r(&c.trimmed),
             horizon: self.inner.state.lock().horizon,
         }
+    }
+
+    /// Where this host's notifications travel: the NATS subject or the PostgreSQL channel
+    /// (`None` when it polls). Every host of a log uses the same one; whoever can publish
+    /// there can wake the hosts (notifications are only wake-ups: the log decides what is
+    /// applied), so keep it as private as the database.
+    pub fn notification_channel(&self) -> Option<String> {
+        self.inner.publisher.lock().channel(&self.inner.db)
     }
 
     /// Whether the notifier is connected now (always `true` for [`Notifier::Poll`]).
@@ -453,8 +474,23 @@ impl Inner {
     pub(crate) fn apply(&self, op: &Logged, committed_at: i64, via: Via) {
         {
             let mut state = self.state.lock();
+            if via == Via::Notification
+                && (op.position > state.horizon.saturating_add(MAX_AHEAD)
+                    || state.applied.len() >= MAX_APPLIED)
+            {
+                // Not a plausible operation (or a flood of them): notifications are only
+                // wake-ups, the log decides.
+                drop(state);
+                self.counters.implausible.fetch_add(1, Ordering::Relaxed);
+                self.wake.notify_one();
+                return;
+            }
             // Behind the horizon: a read of the log applied it (or it predates this host).
-            if op.position < state.horizon || state.applied.insert(op.id, op.position).is_some() {
+            // Ahead of it, the same id at the same position is the same operation (a
+            // notice's id at another position was not, and the log's version wins).
+            let seen = op.position < state.horizon
+                || state.applied.insert(op.id, op.position) == Some(op.position);
+            if seen {
                 drop(state);
                 self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
                 return;
@@ -491,6 +527,13 @@ impl Inner {
             applied_at: now_micros(),
             via,
         });
+    }
+
+    /// A notification that did not decode: count it, and read the log.
+    pub(crate) fn bad_notice(&self, e: &dyn std::fmt::Display) {
+        self.counters.implausible.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(%e, "an undecodable notification: reading the log");
+        self.wake.notify_one();
     }
 
     pub(crate) fn apply_notice(&self, notice: Notice) {
@@ -533,7 +576,9 @@ impl Inner {
                 if op.host == self.id {
                     // Ours: applied when it ran (and claimed before its commit).
                     let state = self.state.lock();
-                    if state.applied.contains_key(&op.id) || op.position < state.horizon {
+                    if state.applied.get(&op.id) == Some(&op.position)
+                        || op.position < state.horizon
+                    {
                         continue;
                     }
                 }

@@ -41,6 +41,15 @@ pub(crate) enum Publisher {
 const PG_PAYLOAD_MAX: usize = 7_900;
 
 impl Publisher {
+    pub(crate) fn channel(&self, db: &Database) -> Option<String> {
+        match (self, &*db.inner) {
+            (Publisher::Postgres, Engine::Postgres(pg)) => Some(pg.channel.clone()),
+            #[cfg(feature = "nats")]
+            (Publisher::Nats(_, subject), _) => Some(subject.clone()),
+            _ => None,
+        }
+    }
+
     /// Announces `notice` (in the background: the command's caller does not wait).
     pub(crate) fn publish(&self, db: &Database, mut notice: Notice) {
         match self {
@@ -159,10 +168,7 @@ async fn nats_listen(
         let Some(inner) = host.upgrade() else { return };
         match serde_json::from_slice::<Notice>(&message.payload) {
             Ok(notice) => inner.apply_notice(notice),
-            Err(e) => {
-                tracing::warn!(%e, "an undecodable notification: reading the log");
-                inner.wake.notify_one();
-            }
+            Err(e) => inner.bad_notice(&e),
         }
     }
 }
@@ -247,10 +253,7 @@ async fn pg_listen_once(
         };
         match serde_json::from_str::<Notice>(&payload) {
             Ok(notice) => inner.apply_notice(notice),
-            Err(e) => {
-                tracing::warn!(%e, "an undecodable notification: reading the log");
-                inner.wake.notify_one();
-            }
+            Err(e) => inner.bad_notice(&e),
         }
     }
     drop(client);

@@ -281,3 +281,59 @@ async fn wait_until_async<F: std::future::Future<Output = bool>>(mut done: impl 
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_notifications_only_wake_the_log_reader() {
+    let Some(url) = nats_url() else { return };
+    let Some(db) = postgres_db("hostile").await else {
+        return;
+    };
+    let nats = |b: coherent_ops::HostBuilder| b.notifier(Notifier::Nats(url.clone()));
+    let (a, _) = host(&db, nats).await;
+    let (b, items_b) = host(&db, nats).await;
+    wait_until(|| b.notifier_connected()).await;
+    assert_eq!(items_b.value(8).await, Ok(0));
+    let subject = b.notification_channel().unwrap();
+    assert_eq!(a.notification_channel(), Some(subject.clone()));
+
+    let publisher = async_nats::connect(url.as_str()).await.unwrap();
+    let next_id: i64 = db
+        .postgres_pool()
+        .unwrap()
+        .get()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT coalesce(max(id), 0) + 1 FROM coherent_operations",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let horizon = b.stats().horizon;
+    let hostile = [
+        b"not json".to_vec(),
+        vec![0xff; 100_000],
+        br#"{"id":1,"position":18446744073709551615,"host":"x","committed_at":0,"op":{"kind":"test.set_value","command":"{}","output":"0"}}"#.to_vec(),
+        format!(r#"{{"id":{next_id},"position":{},"host":"x","committed_at":0,"op":{{"kind":"test.set_value","command":"{{}}","output":"0"}}}}"#, horizon + 3).into_bytes(),
+        br#"{"id":-5,"position":0,"host":"x","committed_at":0,"op":{"kind":"nope","command":"","output":""}}"#.to_vec(),
+    ];
+    for payload in hostile {
+        publisher
+            .publish(subject.clone(), payload.into())
+            .await
+            .unwrap();
+    }
+    publisher.flush().await.unwrap();
+    wait_until(|| b.stats().implausible >= 3).await;
+
+    // The operation whose id a notice claimed at another position is still applied.
+    a.run(SetValue { id: 8, value: 42 }).await.unwrap();
+    b.catch_up().await.unwrap();
+    assert_eq!(items_b.value(8).await, Ok(42));
+    let s = b.stats();
+    assert!(s.undecodable >= 1, "{s:?}");
+    assert!(b.notifier_connected());
+    a.stop().await;
+    b.stop().await;
+}
