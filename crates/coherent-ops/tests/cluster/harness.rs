@@ -114,6 +114,12 @@ impl HostConfig {
         self
     }
 
+    /// Where it serves RPC (default `127.0.0.1:0`).
+    pub(crate) fn bind(mut self, addr: &str) -> Self {
+        self.env.push(("CL_BIND", addr.to_owned()));
+        self
+    }
+
     pub(crate) fn retention_ms(mut self, ms: u64) -> Self {
         self.env.push(("CL_RETENTION_MS", ms.to_string()));
         self

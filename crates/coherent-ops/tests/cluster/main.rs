@@ -19,6 +19,7 @@
 
 mod faults;
 mod harness;
+mod netns;
 mod node;
 
 #[allow(dead_code)]

@@ -166,7 +166,8 @@ pub(crate) async fn host_main() -> i32 {
         .service(remote.service())
         .service(CommandsServer::new(host.clone()))
         .build();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let bind = env("CL_BIND").unwrap_or_else(|| "127.0.0.1:0".to_owned());
+    let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { endpoint.serve_tcp(listener).await });
     say(&format!("ready {} {addr}", host.id()));
