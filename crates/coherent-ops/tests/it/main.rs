@@ -1,6 +1,6 @@
 //! coherent-ops tests. In-process: several hosts in one process (each with its own
 //! registry, so each its own cache) over SQLite files and PostgreSQL schemas. The tests
-//! that need real processes and faults are in `cluster.rs`.
+//! that need real processes and faults are in `tests/cluster/`.
 
 mod inproc;
 mod support;
