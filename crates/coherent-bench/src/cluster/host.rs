@@ -138,7 +138,8 @@ pub(crate) struct HostArgs {
 }
 
 impl HostArgs {
-    pub(crate) fn new(
+    /// The command line of a host with these settings.
+    pub(crate) fn command_line(
         schema: &str,
         notifier: &str,
         mode: &str,
@@ -289,23 +290,25 @@ pub(crate) fn main(args: HostArgs) -> anyhow::Result<()> {
         }
     });
     // Two runtimes: the readers (the load: busy loops over hits that never wait) on
-    // `cores()` workers at nice 10, and the host's service side (the coherent-ops host and
-    // its notifier, the RPC endpoint) on one thread of its own at the normal priority,
-    // which sleeps in epoll until a notification or a call comes. Sharing the readers'
-    // workers at the same priority, a notification waited for time slices on these
-    // oversubscribed cores (three hosts' busy workers, PostgreSQL's backends and the
-    // parent on the same cores), at every hop (the NOTIFY's backend, the listeners'
-    // backends, the host): a p99 of 12-15 ms from commit to applied, an artefact of readers
-    // that never wait (a service's request handlers wait on I/O), not of the pipeline.
-    // Readers still get every cycle nothing else wants.
+    // `cores()` workers under SCHED_IDLE, and the host's service side (the coherent-ops host
+    // and its notifier, the RPC endpoint) on one thread of its own at the normal policy,
+    // which sleeps in epoll until a notification or a call comes. With readers at the
+    // normal policy, every hop of a notification (the NOTIFY's backend, the listeners'
+    // backends, the host's thread) waited for a time slice on these oversubscribed cores
+    // (three hosts' busy workers, PostgreSQL and the parent on 2 cores): a p99 of 12-15 ms
+    // from commit to applied under readers (at nice 10: 3-4 ms, and still a tail past
+    // 10 ms), an artefact of readers that never wait (a service's request handlers wait on
+    // I/O), not of the pipeline. Under SCHED_IDLE the readers get every cycle nothing else
+    // wants, and anything else that wakes up preempts them at once.
     let readers = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cores())
         .thread_name("readers")
         .on_thread_start(|| {
-            // SAFETY: setpriority has no memory effects; on Linux, PRIO_PROCESS with 0 sets
-            // the calling thread's nice value only.
+            let param = libc::sched_param { sched_priority: 0 };
+            // SAFETY: `param` is a valid sched_param that outlives the call; on Linux, pid 0
+            // is the calling thread. A failure leaves the thread at the normal policy.
             unsafe {
-                libc::setpriority(libc::PRIO_PROCESS, 0, READERS_NICE);
+                libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
             }
         })
         .enable_all()
@@ -329,9 +332,6 @@ pub(crate) fn main(args: HostArgs) -> anyhow::Result<()> {
         anyhow::Ok(())
     })
 }
-
-/// The readers' threads' nice value (see `main`).
-const READERS_NICE: libc::c_int = 10;
 
 /// Readers' connections per host (direct and ttl; cached misses use it too).
 const READ_POOL: usize = 8;

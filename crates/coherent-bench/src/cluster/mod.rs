@@ -58,7 +58,7 @@ use coherent_ops::{CommandClient, Database, Host, Notifier};
 use coherent_rpc::{service, Endpoint, Peer};
 use serde::{Deserialize, Serialize};
 
-use crate::local::store::{create_users, Store};
+use crate::local::store::{create_users, now_micros, to_i64, Store, PG_UPDATE};
 use crate::local::Ids;
 use crate::report::{percentile, progress, Report, Row};
 use crate::Timing;
@@ -137,7 +137,7 @@ impl Cluster {
         for _ in 0..HOSTS {
             let child = std::process::Command::new(&exe)
                 .arg("cluster-host")
-                .args(HostArgs::new(
+                .args(HostArgs::command_line(
                     &settings.schema,
                     notifier,
                     mode,
@@ -346,10 +346,10 @@ async fn writes_rows(settings: &Settings, timing: Timing) -> anyhow::Result<(Row
     let mut config: tokio_postgres::Config = settings.url.parse()?;
     config.options(format!("-c search_path={}", settings.schema));
     let pool = db.postgres_pool().expect("PostgreSQL").clone();
-    let store = Arc::new(Store::Postgres(pool, Box::new(config)));
+    let store = Arc::new(Store::Postgres(pool.clone(), Box::new(config)));
     // Versions far above the mutator's: nothing reads after this phase.
     let version = Arc::new(AtomicU64::new(1 << 20));
-    let (mut commands, mut plain) = (0f64, 0f64);
+    let (mut commands, mut plain, mut plain_tx) = (0f64, 0f64, 0f64);
     for round in 0..=timing.runs {
         let duration = if round == 0 {
             timing.warmup
@@ -381,9 +381,32 @@ async fn writes_rows(settings: &Settings, timing: Timing) -> anyhow::Result<(Row
             }
         })
         .await?;
+        // The same UPDATE in a transaction of its own (BEGIN, UPDATE, COMMIT): how much of
+        // the pipeline's cost is round trips, for the notes.
+        let t = write_for(duration, &version, {
+            let pool = pool.clone();
+            move |id, version| {
+                let pool = pool.clone();
+                async move {
+                    let mut client = pool.get().await?;
+                    let tx = client.transaction().await?;
+                    let update = tx.prepare_cached(PG_UPDATE).await?;
+                    let name = format!("User {id} v{version}");
+                    tx.execute(
+                        &update,
+                        &[&to_i64(id), &to_i64(version), &name, &now_micros()],
+                    )
+                    .await?;
+                    tx.commit().await?;
+                    anyhow::Ok(())
+                }
+            }
+        })
+        .await?;
         if round > 0 {
             commands = commands.max(c);
             plain = plain.max(p);
+            plain_tx = plain_tx.max(t);
         }
     }
     host.stop().await;
@@ -394,6 +417,7 @@ async fn writes_rows(settings: &Settings, timing: Timing) -> anyhow::Result<(Row
             .with("writers", WRITERS),
         Row::new("cluster.plain_writes", plain, "ops/s")
             .in_group("cluster.writes")
+            .with("in_a_transaction_ops_per_s", plain_tx.round())
             .with("writers", WRITERS),
     ))
 }
@@ -510,6 +534,10 @@ async fn suite(settings: &Settings, timing: Timing, report: &mut Report) -> anyh
     let mut under: Vec<f64> = under_readers.samples_us.iter().map(|&s| s as f64).collect();
     under.sort_by(f64::total_cmp);
     let p99_under = percentile(&under, 0.99);
+    let cached = cached
+        .with("propagation_p99_us", p99_under)
+        .with("propagation_max_us", under.last().copied().unwrap_or(0.0))
+        .with("via_log", under_readers.via_log);
     let pg = [pg50, pg99.with("p99_under_readers_us", p99_under)];
     drop(cluster);
     bar.inc(1);
