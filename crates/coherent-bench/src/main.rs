@@ -2,13 +2,14 @@
 //! same run, on the same machine, and reporting ratios.
 //!
 //! ```text
-//! cargo run --release -p coherent-bench -- local [--json out.json] [--chart out.svg] [--quick] [--seconds N]
+//! cargo run --release -p coherent-bench -- local|rpc|remote|cluster [--json out.json] [--chart out.svg] [--quick] [--seconds N]
 //! ```
 //!
 //! `--chart PATH` writes an SVG of the run: a bar panel per row group, ours against each peer,
 //! every peer's bar labelled with ours' ratio to it (see `chart.rs`).
 
 mod chart;
+mod cluster;
 mod local;
 mod remote;
 mod report;
@@ -58,6 +59,13 @@ enum Suite {
     /// Compute services over the wire: client replicas against in-process, RPC round-trip
     /// and (later) HTTP reads of the same service, with writes invalidating.
     Remote,
+    /// Three hosts (child processes) over one PostgreSQL, commands through coherent-ops:
+    /// cached readers against direct queries and a 1 s TTL cache, stale reads counted;
+    /// commands against plain writes; propagation over LISTEN/NOTIFY and NATS.
+    Cluster,
+    /// A host of the `cluster` suite (the suite starts these as child processes).
+    #[command(hide = true)]
+    ClusterHost(cluster::HostArgs),
     /// A fixed number of single-reader `local` calls on one contender, untimed: for counting
     /// instructions per call under callgrind (see BENCHMARKS.md).
     #[command(hide = true)]
@@ -114,6 +122,8 @@ fn main() -> anyhow::Result<()> {
         Suite::Local => local::run(timing)?,
         Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Remote => remote::run(timing)?,
+        Suite::Cluster => cluster::run(timing)?,
+        Suite::ClusterHost(args) => return cluster::host::main(args.clone()),
     };
     report.print_table();
     if let Some(path) = &cli.json {

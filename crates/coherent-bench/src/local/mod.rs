@@ -24,17 +24,17 @@ use store::{Store, StoreError, User, USERS};
 /// Calls between two checks of the stop flag (and, with many readers, a yield). A yield costs
 /// the reader's task a trip through the scheduler, several hits' worth: at 64 the yields were a
 /// visible part of the readers+mutator rows, which measure reads, not the scheduler.
-const BATCH: u32 = 256;
+pub(crate) const BATCH: u32 = 256;
 pub(crate) const READERS_PER_CORE: usize = 20;
 const MUTATOR_PERIOD: Duration = Duration::from_millis(10);
 
 /// A cheap deterministic generator of user ids.
 #[derive(Clone, Copy)]
-struct Ids(u64);
+pub(crate) struct Ids(pub(crate) u64);
 
 impl Ids {
     #[inline]
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         // xorshift64*
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;

@@ -34,7 +34,7 @@ fn store_error(e: impl std::fmt::Display) -> StoreError {
     e.to_string().into()
 }
 
-fn now_micros() -> i64 {
+pub(crate) fn now_micros() -> i64 {
     let micros = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
@@ -77,7 +77,7 @@ fn postgres_pool(
         .build()?)
 }
 
-fn to_i64(n: u64) -> i64 {
+pub(crate) fn to_i64(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
@@ -87,7 +87,8 @@ fn to_u64(n: i64) -> u64 {
 
 const PG_SELECT: &str =
     "SELECT id, version, name, created_at, modified_at FROM users WHERE id = $1";
-const PG_UPDATE: &str = "UPDATE users SET version = $2, name = $3, modified_at = $4 WHERE id = $1";
+pub(crate) const PG_UPDATE: &str =
+    "UPDATE users SET version = $2, name = $3, modified_at = $4 WHERE id = $1";
 const SQLITE_SELECT: &str =
     "SELECT id, version, name, created_at, modified_at FROM users WHERE id = ?1";
 const SQLITE_UPDATE: &str =
@@ -153,33 +154,21 @@ impl Store {
             Ok(Ok(client)) => client,
             _ => return Ok(None),
         };
-        client
-            .batch_execute(
-                "DROP TABLE IF EXISTS users;
-                 CREATE TABLE users (id BIGINT PRIMARY KEY, version BIGINT NOT NULL, name TEXT NOT NULL,
-                                     created_at BIGINT NOT NULL, modified_at BIGINT NOT NULL);",
-            )
-            .await?;
-        let insert = client
-            .prepare("INSERT INTO users VALUES ($1, $2, $3, $4, $5)")
-            .await?;
-        for id in 1..=USERS {
-            let u = seed_user(id);
-            client
-                .execute(
-                    &insert,
-                    &[
-                        &to_i64(u.id),
-                        &to_i64(u.version),
-                        &u.name.as_str(),
-                        &u.created_at,
-                        &u.modified_at,
-                    ],
-                )
-                .await?;
-        }
+        create_users(&client).await?;
         drop(client);
         Ok(Some(Store::Postgres(pool, Box::new(config))))
+    }
+
+    /// PostgreSQL through `config` (which may set a `search_path`), a pool of `size`
+    /// connections; no table is made.
+    pub(crate) fn postgres_with(
+        config: tokio_postgres::Config,
+        size: usize,
+    ) -> anyhow::Result<Self> {
+        Ok(Store::Postgres(
+            postgres_pool(config.clone(), size)?,
+            Box::new(config),
+        ))
     }
 
     /// The direct repository method: one query per call.
@@ -251,4 +240,35 @@ impl Store {
             }
         }
     }
+}
+
+/// Creates the `users` table (dropping an old one) with 1,000 users at version 0, in the
+/// client's current schema.
+pub(crate) async fn create_users(client: &tokio_postgres::Client) -> anyhow::Result<()> {
+    client
+        .batch_execute(
+            "DROP TABLE IF EXISTS users;
+             CREATE TABLE users (id BIGINT PRIMARY KEY, version BIGINT NOT NULL, name TEXT NOT NULL,
+                                 created_at BIGINT NOT NULL, modified_at BIGINT NOT NULL);",
+        )
+        .await?;
+    let insert = client
+        .prepare("INSERT INTO users VALUES ($1, $2, $3, $4, $5)")
+        .await?;
+    for id in 1..=USERS {
+        let u = seed_user(id);
+        client
+            .execute(
+                &insert,
+                &[
+                    &to_i64(u.id),
+                    &to_i64(u.version),
+                    &u.name.as_str(),
+                    &u.created_at,
+                    &u.modified_at,
+                ],
+            )
+            .await?;
+    }
+    Ok(())
 }
