@@ -167,8 +167,11 @@ impl Database {
             let driver = tokio::spawn(connection);
             client
                 .batch_execute(&format!(
-                    "SELECT pg_advisory_lock({SCHEMA_LOCK}); CREATE SCHEMA IF NOT EXISTS {schema}; \
-                     SET search_path TO {schema}; {PG_SCHEMA} SELECT pg_advisory_unlock({SCHEMA_LOCK});"
+                    // The lock is the transaction's: hosts starting together create the
+                    // tables once, the others wait for that commit and find them.
+                    "BEGIN; SELECT pg_advisory_xact_lock({SCHEMA_LOCK}); \
+                     CREATE SCHEMA IF NOT EXISTS {schema}; SET LOCAL search_path TO {schema}; \
+                     {PG_SCHEMA} COMMIT;"
                 ))
                 .await?;
             drop(client);
@@ -238,19 +241,22 @@ impl Database {
     }
 
     /// Runs `handler` on `command` in a transaction and appends the operation (`row`) in
-    /// the same transaction; `before_commit` sees the operation's id and position just
-    /// before the commit.
+    /// the same transaction, then commits. On PostgreSQL with `notify` (the channel), the
+    /// `NOTIFY` goes in the same message as the commit: the operation's row, the commit and
+    /// the notification cost one round trip. On failure, says whether the commit was
+    /// attempted (then the outcome is unknown).
     pub(crate) async fn transact<C: Command>(
         &self,
         handler: &dyn DynHandler<C>,
         command: &C,
         row: impl FnOnce(&C::Output) -> Result<Append, CommandError> + Send,
-        before_commit: impl FnOnce(i64, u64) + Send,
-    ) -> Result<(C::Output, i64, u64), CommandError> {
+        notify: Option<&str>,
+    ) -> Result<(C::Output, i64, u64), (CommandError, bool)> {
         match &*self.inner {
             Engine::Sqlite(s) => {
                 let mut conn = s.writer.lock().await;
-                conn.execute_batch("BEGIN IMMEDIATE")?;
+                conn.execute_batch("BEGIN IMMEDIATE")
+                    .map_err(|e| (e.into(), false))?;
                 let result = async {
                     let mut tx = Tx {
                         inner: TxInner::Sqlite(&mut conn),
@@ -267,14 +273,11 @@ impl Database {
                 }
                 .await;
                 let result = match result {
-                    Ok((output, id)) => {
-                        let position = u64::try_from(id).unwrap_or(0);
-                        before_commit(id, position);
-                        conn.execute_batch("COMMIT")
-                            .map(|()| (output, id, position))
-                            .map_err(CommandError::from)
-                    }
-                    Err(e) => Err(e),
+                    Ok((output, id)) => conn
+                        .execute_batch("COMMIT")
+                        .map(|()| (output, id, u64::try_from(id).unwrap_or(0)))
+                        .map_err(|e| (e.into(), true)),
+                    Err(e) => Err((e, false)),
                 };
                 if result.is_err() && !conn.is_autocommit() {
                     let _ = conn.execute_batch("ROLLBACK");
@@ -282,36 +285,61 @@ impl Database {
                 result
             }
             Engine::Postgres(pg) => {
-                let mut client = pg.pool.get().await?;
-                let transaction = client.transaction().await?;
-                let mut tx = Tx {
-                    inner: TxInner::Postgres(&transaction),
+                let client = pg.pool.get().await.map_err(|e| (e.into(), false))?;
+                let mut guard = PgTransaction {
+                    client: Some(client),
+                    open: false,
                 };
-                // An error drops the transaction, which rolls it back.
-                let output = handler.execute(command, &mut tx).await?;
-                let row = row(&output)?;
-                let insert = transaction
-                    .prepare_cached(
-                        "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
-                         VALUES ($1, $2, $3, $4, $5) RETURNING id, xid::text",
-                    )
-                    .await?;
-                let r = transaction
-                    .query_one(
-                        &insert,
-                        &[
-                            &row.host,
-                            &now_micros(),
-                            &row.kind,
-                            &row.command,
-                            &row.output,
-                        ],
-                    )
-                    .await?;
-                let id: i64 = r.get(0);
-                let position = parse_xid(r.get(1))?;
-                before_commit(id, position);
-                transaction.commit().await?;
+                guard
+                    .client()
+                    .batch_execute("BEGIN")
+                    .await
+                    .map_err(|e| (e.into(), false))?;
+                guard.open = true;
+                let before_commit = async {
+                    let mut tx = Tx {
+                        inner: TxInner::Postgres(guard.client()),
+                    };
+                    let output = handler.execute(command, &mut tx).await?;
+                    let row = row(&output)?;
+                    Ok::<_, CommandError>((output, append_sql(&row, notify)?))
+                }
+                .await;
+                let (output, sql) = match before_commit {
+                    Ok(done) => done,
+                    Err(e) => {
+                        if guard.client().batch_execute("ROLLBACK").await.is_ok() {
+                            guard.open = false;
+                        }
+                        return Err((e, false));
+                    }
+                };
+                let messages = guard
+                    .client()
+                    .simple_query(&sql)
+                    .await
+                    .map_err(|e| (e.into(), true))?;
+                guard.open = false;
+                let first = messages.iter().find_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+                    _ => None,
+                });
+                let (id, position) = first
+                    .and_then(|r| {
+                        Some((
+                            r.get(0)?.parse::<i64>().ok()?,
+                            r.get(1)?.parse::<u64>().ok()?,
+                        ))
+                    })
+                    .ok_or_else(|| {
+                        (
+                            CommandError::new(
+                                ErrorKind::Database,
+                                "the operation's id did not come back from its commit",
+                            ),
+                            true,
+                        )
+                    })?;
                 Ok((output, id, position))
             }
         }
@@ -555,6 +583,86 @@ fn parse_xid(text: &str) -> Result<u64, CommandError> {
         .map_err(|e| CommandError::new(ErrorKind::Database, format!("xid {text:?}: {e}")))
 }
 
+/// A text literal for PostgreSQL's simple query protocol: `E'...'` with `\\` and `''`, so
+/// that it means the same whatever `standard_conforming_strings` says. Text cannot hold NUL.
+fn literal(s: &str) -> Result<String, CommandError> {
+    if s.contains('\0') {
+        return Err(CommandError::new(
+            ErrorKind::BadCommand,
+            "text for the log holds a NUL character",
+        ));
+    }
+    let mut out = String::with_capacity(s.len() + 3);
+    out.push_str("E'");
+    for c in s.chars() {
+        match c {
+            '\'' => out.push_str("''"),
+            '\\' => out.push_str("\\\\"),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    Ok(out)
+}
+
+/// One message, one round trip: the operation's row (answering its id and position), the
+/// commit, and (with a channel) the notification, built from the committed row. The
+/// `NOTIFY` runs in a transaction of its own after the commit: inside the command's, it
+/// would hold PostgreSQL's notification lock through the commit's flush and serialize every
+/// notifying commit. A payload over `NOTIFY`'s limit carries the id alone.
+fn append_sql(row: &Append, notify: Option<&str>) -> Result<String, CommandError> {
+    let mut sql = format!(
+        "WITH op AS (INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+         VALUES ({}, {}, {}, {}, {}) RETURNING id, xid) SELECT id, xid::text FROM op; COMMIT;",
+        literal(&row.host)?,
+        now_micros(),
+        literal(row.kind)?,
+        literal(&row.command)?,
+        literal(&row.output)?,
+    );
+    if let Some(channel) = notify {
+        sql.push_str(&format!(
+            " SELECT pg_notify({}, CASE WHEN octet_length(n.whole) <= {PG_PAYLOAD_MAX} THEN n.whole ELSE n.bare END) \
+             FROM (SELECT json_build_object('id', o.id, 'position', o.xid::text::numeric, 'host', o.host, \
+                          'committed_at', t.now, 'op', json_build_object('kind', o.kind, 'command', o.command, 'output', o.output))::text AS whole, \
+                          json_build_object('id', o.id, 'position', o.xid::text::numeric, 'host', o.host, \
+                          'committed_at', t.now, 'op', NULL)::text AS bare \
+                   FROM coherent_operations o, \
+                        (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now) t \
+                   WHERE o.id = currval(pg_get_serial_sequence('coherent_operations', 'id'))) n;",
+            literal(channel)?
+        ));
+    }
+    Ok(sql)
+}
+
+/// `NOTIFY` payloads are limited to 8,000 bytes; larger operations are announced by id.
+pub(crate) const PG_PAYLOAD_MAX: usize = 7_900;
+
+/// A connection inside `BEGIN`. If it is dropped still open (the command's future was
+/// dropped mid-way, or a `ROLLBACK` failed), the connection is closed rather than returned
+/// to the pool: closing it rolls the transaction back.
+struct PgTransaction {
+    client: Option<deadpool_postgres::Object>,
+    open: bool,
+}
+
+impl PgTransaction {
+    fn client(&self) -> &deadpool_postgres::ClientWrapper {
+        self.client.as_ref().expect("present until dropped")
+    }
+}
+
+impl Drop for PgTransaction {
+    fn drop(&mut self) {
+        if self.open {
+            if let Some(client) = self.client.take() {
+                drop(deadpool_postgres::Object::take(client));
+            }
+        }
+    }
+}
+
 /// The operation row a command appends.
 pub(crate) struct Append {
     pub(crate) host: String,
@@ -571,7 +679,7 @@ pub struct Tx<'a> {
 
 enum TxInner<'a> {
     Sqlite(&'a mut Connection),
-    Postgres(&'a deadpool_postgres::Transaction<'a>),
+    Postgres(&'a deadpool_postgres::ClientWrapper),
 }
 
 impl<'a> Tx<'a> {
@@ -583,8 +691,9 @@ impl<'a> Tx<'a> {
         }
     }
 
-    /// The PostgreSQL transaction (with `prepare_cached`); `None` on SQLite.
-    pub fn postgres(&self) -> Option<&deadpool_postgres::Transaction<'a>> {
+    /// The PostgreSQL connection, inside `BEGIN` (with `prepare_cached`); `None` on
+    /// SQLite. The pipeline commits (or rolls back): do not end the transaction here.
+    pub fn postgres(&self) -> Option<&deadpool_postgres::ClientWrapper> {
         match &self.inner {
             TxInner::Postgres(t) => Some(t),
             TxInner::Sqlite(_) => None,
@@ -596,8 +705,8 @@ impl<'a> Tx<'a> {
         self.sqlite().ok_or_else(|| wrong("SQLite"))
     }
 
-    /// The PostgreSQL transaction, or an error that says the handler needs PostgreSQL.
-    pub fn require_postgres(&self) -> Result<&deadpool_postgres::Transaction<'a>, CommandError> {
+    /// The PostgreSQL connection, or an error that says the handler needs PostgreSQL.
+    pub fn require_postgres(&self) -> Result<&deadpool_postgres::ClientWrapper, CommandError> {
         self.postgres().ok_or_else(|| wrong("PostgreSQL"))
     }
 }

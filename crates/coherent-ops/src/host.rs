@@ -136,8 +136,9 @@ pub struct HostBuilder {
 }
 
 impl HostBuilder {
-    /// This host's id in the log (unique in the cluster; by default the machine's name,
-    /// the process id and a random suffix: a restarted process is a new host).
+    /// A name for this host; its id in the log is the name and a random suffix, so that a
+    /// restarted process is a new host (by default the name is the machine's name and the
+    /// process id).
     pub fn id(mut self, id: impl Into<String>) -> Self {
         self.id = Some(id.into());
         self
@@ -201,7 +202,11 @@ impl HostBuilder {
             Notifier::Poll => Duration::from_millis(10),
             _ => Duration::from_millis(500),
         });
-        let id = self.id.unwrap_or_else(default_id);
+        let id = format!(
+            "{}-{:08x}",
+            self.id.unwrap_or_else(default_name),
+            incarnation()
+        );
         let registries = if self.registries.is_empty() {
             vec![Registry::global().clone()]
         } else {
@@ -242,16 +247,30 @@ impl HostBuilder {
     }
 }
 
-fn default_id() -> String {
+fn default_name() -> String {
     let name = std::fs::read_to_string("/etc/hostname")
         .ok()
         .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "host".to_owned());
+    format!("{name}-{}", std::process::id())
+}
+
+/// A number that tells this start of a host from every other: the clock's nanoseconds
+/// mixed with a process-wide counter and the process id.
+fn incarnation() -> u32 {
+    static STARTS: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("{name}-{}-{nanos:08x}", std::process::id())
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut z = nanos
+        ^ (u64::from(std::process::id()) << 32)
+        ^ STARTS
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) as u32
 }
 
 /// A host of a cluster of processes that share one database: it runs commands through the
@@ -332,7 +351,7 @@ impl Host {
         let handler = inner.handlers.typed::<C>()?;
         let command_json = serde_json::to_string(&command)?;
         let mut output_json = String::new();
-        let mut claimed = None;
+        let notify = inner.publisher.lock().inline_channel(&inner.db);
         let result = inner
             .db
             .transact(
@@ -347,12 +366,7 @@ impl Host {
                         output: output_json.clone(),
                     })
                 },
-                |id, position| {
-                    // Claimed before the commit: a read of the log that sees the operation
-                    // (after the commit) finds it applied, and leaves it to this call.
-                    inner.state.lock().applied.insert(id, position);
-                    claimed = Some((id, position));
-                },
+                notify.as_deref(),
             )
             .await;
         match result {
@@ -368,27 +382,30 @@ impl Host {
                     applied_at: now_micros(),
                     via: Via::Local,
                 });
-                let notice = Notice {
-                    id,
-                    position,
-                    host: inner.id.clone(),
-                    committed_at,
-                    op: Some(NoticeOp {
-                        kind: C::NAME.to_owned(),
-                        command: command_json,
-                        output: output_json,
-                    }),
-                };
-                inner.publisher.lock().publish(&inner.db, notice);
+                if notify.is_none() {
+                    let notice = Notice {
+                        id,
+                        position,
+                        host: inner.id.clone(),
+                        committed_at,
+                        op: Some(NoticeOp {
+                            kind: C::NAME.to_owned(),
+                            command: command_json,
+                            output: output_json,
+                        }),
+                    };
+                    inner.publisher.lock().publish(&notice);
+                }
                 Ok(output)
             }
-            Err(e) => {
+            Err((e, commit_attempted)) => {
                 inner
                     .counters
                     .command_errors
                     .fetch_add(1, Ordering::Relaxed);
-                if claimed.is_some() {
-                    // The commit failed: it may have happened. Invalidate to be safe.
+                if commit_attempted {
+                    // The commit failed: it may have happened. Invalidate to be safe (the
+                    // other hosts replay it from the log if it did).
                     if let Ok(output) = serde_json::from_str::<C::Output>(&output_json) {
                         handler.invalidate(&command, &output);
                     }
@@ -574,13 +591,9 @@ impl Inner {
             let full = rows.len() >= 1000;
             for op in &rows {
                 if op.host == self.id {
-                    // Ours: applied when it ran (and claimed before its commit).
-                    let state = self.state.lock();
-                    if state.applied.get(&op.id) == Some(&op.position)
-                        || op.position < state.horizon
-                    {
-                        continue;
-                    }
+                    // Ours: `run` invalidated here right after the commit (this id is this
+                    // process's alone, so no earlier process's operation is skipped).
+                    continue;
                 }
                 self.apply(op, op.logged_at, Via::Log);
             }

@@ -37,10 +37,16 @@ pub(crate) enum Publisher {
     Nats(async_nats::Client, String),
 }
 
-/// `NOTIFY` payloads are limited to 8,000 bytes; larger operations are announced by id.
-const PG_PAYLOAD_MAX: usize = 7_900;
-
 impl Publisher {
+    /// The channel a PostgreSQL commit notifies in the same message, if this is the
+    /// PostgreSQL notifier.
+    pub(crate) fn inline_channel(&self, db: &Database) -> Option<String> {
+        match (self, &*db.inner) {
+            (Publisher::Postgres, Engine::Postgres(pg)) => Some(pg.channel.clone()),
+            _ => None,
+        }
+    }
+
     pub(crate) fn channel(&self, db: &Database) -> Option<String> {
         match (self, &*db.inner) {
             (Publisher::Postgres, Engine::Postgres(pg)) => Some(pg.channel.clone()),
@@ -51,34 +57,11 @@ impl Publisher {
     }
 
     /// Announces `notice` (in the background: the command's caller does not wait).
-    pub(crate) fn publish(&self, db: &Database, mut notice: Notice) {
+    pub(crate) fn publish(&self, notice: &Notice) {
         match self {
             Publisher::None => {}
-            Publisher::Postgres => {
-                let Engine::Postgres(pg) = &*db.inner else {
-                    return;
-                };
-                let mut payload = serde_json::to_string(&notice).unwrap_or_default();
-                if payload.len() > PG_PAYLOAD_MAX {
-                    notice.op = None;
-                    payload = serde_json::to_string(&notice).unwrap_or_default();
-                }
-                let pool = pg.pool.clone();
-                let channel = pg.channel.clone();
-                tokio::spawn(async move {
-                    let result = async {
-                        let client = pool.get().await?;
-                        let q = client.prepare_cached("SELECT pg_notify($1, $2)").await?;
-                        client.execute(&q, &[&channel, &payload]).await?;
-                        Ok::<_, CommandError>(())
-                    }
-                    .await;
-                    if let Err(e) = result {
-                        // The others read the log at their next poll.
-                        tracing::warn!(%e, "NOTIFY failed");
-                    }
-                });
-            }
+            // Sent with the commit (`Database::transact`).
+            Publisher::Postgres => {}
             #[cfg(feature = "nats")]
             Publisher::Nats(client, subject) => {
                 let payload = serde_json::to_vec(&notice).unwrap_or_default();
@@ -214,14 +197,23 @@ async fn pg_listen_once(
     channel: &str,
 ) -> Result<(), CommandError> {
     let (client, mut connection) = config.connect(tokio_postgres::NoTls).await?;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    // Dropped when the connection ends: `rx` then wakes the loop below.
+    let (ended, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let listener = host.clone();
+    // Notifications are applied right here, in the task that reads the connection: no
+    // hop through another task on the way from the socket to the invalidation.
     let driver = tokio::spawn(async move {
+        let _ended = ended;
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(message) = messages.next().await {
             match message {
                 Ok(tokio_postgres::AsyncMessage::Notification(n)) => {
-                    if tx.send(n.payload().to_owned()).is_err() {
+                    let Some(inner) = listener.upgrade() else {
                         return;
+                    };
+                    match serde_json::from_str::<Notice>(n.payload()) {
+                        Ok(notice) => inner.apply_notice(notice),
+                        Err(e) => inner.bad_notice(&e),
                     }
                 }
                 Ok(_) => {}
@@ -242,19 +234,9 @@ async fn pg_listen_once(
         };
         inner.notifier_up();
     }
-    loop {
-        let payload = tokio::select! {
-            p = rx.recv() => p,
-            _ = stop.wait_for(|&s| s) => None,
-        };
-        let Some(payload) = payload else { break };
-        let Some(inner) = host.upgrade() else {
-            return Ok(());
-        };
-        match serde_json::from_str::<Notice>(&payload) {
-            Ok(notice) => inner.apply_notice(notice),
-            Err(e) => inner.bad_notice(&e),
-        }
+    tokio::select! {
+        _ = rx.recv() => {}
+        _ = stop.wait_for(|&s| s) => {}
     }
     drop(client);
     driver.abort();

@@ -206,11 +206,13 @@ async fn postgres_nats_stopped_and_restarted() {
 }
 
 /// 4. A is killed (SIGKILL) after its command committed and before its local invalidation
-///    (so it never notified anyone): B still replays the operation, from the log.
+///    (so it never notified anyone): B still replays the operation, from the log. A
+///    publishes nothing (`poll`): with the PostgreSQL notifier the notice leaves with the
+///    commit itself, so it is a notifier that publishes after the commit (NATS) or none
+///    that leaves the log as the only way.
 async fn a_host_killed_between_commit_and_invalidation(store: Store) {
-    let config = store.host();
-    let mut a = config.spawn().await;
-    let mut b = config.spawn().await;
+    let mut a = store.host().notifier("poll").spawn().await;
+    let mut b = store.host().spawn().await;
     assert_eq!(b.read(5).await, 0);
     a.cmd("hang_next").await;
     a.cmd_expect("set 5 42", "committed, not invalidated").await;
