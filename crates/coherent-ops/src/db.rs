@@ -241,16 +241,14 @@ impl Database {
     }
 
     /// Runs `handler` on `command` in a transaction and appends the operation (`row`) in
-    /// the same transaction, then commits. On PostgreSQL with `notify` (the channel), the
-    /// `NOTIFY` goes in the same message as the commit: the operation's row, the commit and
-    /// the notification cost one round trip. On failure, says whether the commit was
+    /// the same transaction, then commits. On PostgreSQL the operation's row and the commit
+    /// go in one message (one round trip). On failure, says whether the commit was
     /// attempted (then the outcome is unknown).
     pub(crate) async fn transact<C: Command>(
         &self,
         handler: &dyn DynHandler<C>,
         command: &C,
         row: impl FnOnce(&C::Output) -> Result<Append, CommandError> + Send,
-        notify: Option<&str>,
     ) -> Result<(C::Output, i64, u64), (CommandError, bool)> {
         match &*self.inner {
             Engine::Sqlite(s) => {
@@ -290,32 +288,44 @@ impl Database {
                     client: Some(client),
                     open: false,
                 };
-                guard
-                    .client()
-                    .batch_execute("BEGIN")
-                    .await
-                    .map_err(|e| (e.into(), false))?;
+                let client: &deadpool_postgres::ClientWrapper =
+                    guard.client.as_ref().expect("present until dropped");
+                // The first poll writes `BEGIN` to the connection (tokio-postgres sends a
+                // request when its future is first polled); the handler's statements
+                // follow it on the same connection, in order, without waiting for its
+                // answer: one round trip fewer. `BEGIN` cannot fail while the statements
+                // after it succeed (only a broken or aborted connection fails it, and
+                // those fail them too); if it fails anyway, the connection is closed.
+                let mut begin = std::pin::pin!(client.batch_execute("BEGIN"));
+                let begun = match futures::poll!(begin.as_mut()) {
+                    std::task::Poll::Ready(r) => Some(r),
+                    std::task::Poll::Pending => None,
+                };
                 guard.open = true;
                 let before_commit = async {
                     let mut tx = Tx {
-                        inner: TxInner::Postgres(guard.client()),
+                        inner: TxInner::Postgres(client),
                     };
                     let output = handler.execute(command, &mut tx).await?;
                     let row = row(&output)?;
-                    Ok::<_, CommandError>((output, append_sql(&row, notify)?))
+                    Ok::<_, CommandError>((output, append_sql(&row)?))
                 }
                 .await;
+                let begun = match begun {
+                    Some(r) => r,
+                    None => begin.await,
+                };
+                begun.map_err(|e| (e.into(), false))?;
                 let (output, sql) = match before_commit {
                     Ok(done) => done,
                     Err(e) => {
-                        if guard.client().batch_execute("ROLLBACK").await.is_ok() {
+                        if client.batch_execute("ROLLBACK").await.is_ok() {
                             guard.open = false;
                         }
                         return Err((e, false));
                     }
                 };
-                let messages = guard
-                    .client()
+                let messages = client
                     .simple_query(&sql)
                     .await
                     .map_err(|e| (e.into(), true))?;
@@ -605,13 +615,10 @@ fn literal(s: &str) -> Result<String, CommandError> {
     Ok(out)
 }
 
-/// One message, one round trip: the operation's row (answering its id and position), the
-/// commit, and (with a channel) the notification, built from the committed row. The
-/// `NOTIFY` runs in a transaction of its own after the commit: inside the command's, it
-/// would hold PostgreSQL's notification lock through the commit's flush and serialize every
-/// notifying commit. A payload over `NOTIFY`'s limit carries the id alone.
-fn append_sql(row: &Append, notify: Option<&str>) -> Result<String, CommandError> {
-    let mut sql = format!(
+/// One message, one round trip: the operation's row (answering its id and position) and
+/// the commit.
+fn append_sql(row: &Append) -> Result<String, CommandError> {
+    Ok(format!(
         "WITH op AS (INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
          VALUES ({}, {}, {}, {}, {}) RETURNING id, xid) SELECT id, xid::text FROM op; COMMIT;",
         literal(&row.host)?,
@@ -619,19 +626,18 @@ fn append_sql(row: &Append, notify: Option<&str>) -> Result<String, CommandError
         literal(row.kind)?,
         literal(&row.command)?,
         literal(&row.output)?,
-    );
-    if let Some(channel) = notify {
-        sql.push_str(&format!(
-            " SELECT pg_notify({}, CASE WHEN octet_length(n.whole) <= {PG_PAYLOAD_MAX} THEN n.whole ELSE n.bare END) \
-             FROM (SELECT json_build_object('id', o.id, 'position', o.xid::text::numeric, 'host', o.host, \
-                          'committed_at', t.now, 'op', json_build_object('kind', o.kind, 'command', o.command, 'output', o.output))::text AS whole, \
-                          json_build_object('id', o.id, 'position', o.xid::text::numeric, 'host', o.host, \
-                          'committed_at', t.now, 'op', NULL)::text AS bare \
-                   FROM coherent_operations o, \
-                        (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now) t \
-                   WHERE o.id = currval(pg_get_serial_sequence('coherent_operations', 'id'))) n;",
-            literal(channel)?
-        ));
+    ))
+}
+
+/// `pg_notify` calls for a batch of payloads, in one statement: one transaction.
+pub(crate) fn notify_sql(channel: &str, payloads: &[String]) -> Result<String, CommandError> {
+    let channel = literal(channel)?;
+    let mut sql = String::from("SELECT ");
+    for (i, p) in payloads.iter().enumerate() {
+        if i > 0 {
+            sql.push_str(", ");
+        }
+        sql.push_str(&format!("pg_notify({channel}, {})", literal(p)?));
     }
     Ok(sql)
 }
@@ -645,12 +651,6 @@ pub(crate) const PG_PAYLOAD_MAX: usize = 7_900;
 struct PgTransaction {
     client: Option<deadpool_postgres::Object>,
     open: bool,
-}
-
-impl PgTransaction {
-    fn client(&self) -> &deadpool_postgres::ClientWrapper {
-        self.client.as_ref().expect("present until dropped")
-    }
 }
 
 impl Drop for PgTransaction {

@@ -351,23 +351,17 @@ impl Host {
         let handler = inner.handlers.typed::<C>()?;
         let command_json = serde_json::to_string(&command)?;
         let mut output_json = String::new();
-        let notify = inner.publisher.lock().inline_channel(&inner.db);
         let result = inner
             .db
-            .transact(
-                &*handler,
-                &command,
-                |output| {
-                    output_json = serde_json::to_string(output)?;
-                    Ok(Append {
-                        host: inner.id.clone(),
-                        kind: C::NAME,
-                        command: command_json.clone(),
-                        output: output_json.clone(),
-                    })
-                },
-                notify.as_deref(),
-            )
+            .transact(&*handler, &command, |output| {
+                output_json = serde_json::to_string(output)?;
+                Ok(Append {
+                    host: inner.id.clone(),
+                    kind: C::NAME,
+                    command: command_json.clone(),
+                    output: output_json.clone(),
+                })
+            })
             .await;
         match result {
             Ok((output, id, position)) => {
@@ -382,20 +376,18 @@ impl Host {
                     applied_at: now_micros(),
                     via: Via::Local,
                 });
-                if notify.is_none() {
-                    let notice = Notice {
-                        id,
-                        position,
-                        host: inner.id.clone(),
-                        committed_at,
-                        op: Some(NoticeOp {
-                            kind: C::NAME.to_owned(),
-                            command: command_json,
-                            output: output_json,
-                        }),
-                    };
-                    inner.publisher.lock().publish(&notice);
-                }
+                let notice = Notice {
+                    id,
+                    position,
+                    host: inner.id.clone(),
+                    committed_at,
+                    op: Some(NoticeOp {
+                        kind: C::NAME.to_owned(),
+                        command: command_json,
+                        output: output_json,
+                    }),
+                };
+                inner.publisher.lock().publish(notice);
                 Ok(output)
             }
             Err((e, commit_attempted)) => {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::sync::watch;
 
-use crate::db::{Database, Engine};
+use crate::db::{Database, Engine, PG_PAYLOAD_MAX};
 use crate::error::{CommandError, ErrorKind};
 use crate::host::{Host, Inner, Notice};
 
@@ -32,24 +32,16 @@ pub enum Notifier {
 /// Where a host publishes the operations it commits.
 pub(crate) enum Publisher {
     None,
-    Postgres,
+    /// The queue of the task that sends `NOTIFY`s (see `pg_notify_batches`).
+    Postgres(tokio::sync::mpsc::UnboundedSender<String>),
     #[cfg(feature = "nats")]
     Nats(async_nats::Client, String),
 }
 
 impl Publisher {
-    /// The channel a PostgreSQL commit notifies in the same message, if this is the
-    /// PostgreSQL notifier.
-    pub(crate) fn inline_channel(&self, db: &Database) -> Option<String> {
-        match (self, &*db.inner) {
-            (Publisher::Postgres, Engine::Postgres(pg)) => Some(pg.channel.clone()),
-            _ => None,
-        }
-    }
-
     pub(crate) fn channel(&self, db: &Database) -> Option<String> {
         match (self, &*db.inner) {
-            (Publisher::Postgres, Engine::Postgres(pg)) => Some(pg.channel.clone()),
+            (Publisher::Postgres(_), Engine::Postgres(pg)) => Some(pg.channel.clone()),
             #[cfg(feature = "nats")]
             (Publisher::Nats(_, subject), _) => Some(subject.clone()),
             _ => None,
@@ -57,11 +49,17 @@ impl Publisher {
     }
 
     /// Announces `notice` (in the background: the command's caller does not wait).
-    pub(crate) fn publish(&self, notice: &Notice) {
+    pub(crate) fn publish(&self, mut notice: Notice) {
         match self {
             Publisher::None => {}
-            // Sent with the commit (`Database::transact`).
-            Publisher::Postgres => {}
+            Publisher::Postgres(queue) => {
+                let mut payload = serde_json::to_string(&notice).unwrap_or_default();
+                if payload.len() > PG_PAYLOAD_MAX {
+                    notice.op = None;
+                    payload = serde_json::to_string(&notice).unwrap_or_default();
+                }
+                let _ = queue.send(payload);
+            }
             #[cfg(feature = "nats")]
             Publisher::Nats(client, subject) => {
                 let payload = serde_json::to_vec(&notice).unwrap_or_default();
@@ -91,7 +89,13 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             let mut config = pg.config.clone();
             config.application_name(format!("coherent-listener:{}", host.id()));
             let channel = pg.channel.clone();
-            *inner.publisher.lock() = Publisher::Postgres;
+            let (queue, payloads) = tokio::sync::mpsc::unbounded_channel();
+            tokio::spawn(pg_notify_batches(
+                pg.pool.clone(),
+                channel.clone(),
+                payloads,
+            ));
+            *inner.publisher.lock() = Publisher::Postgres(queue);
             tokio::spawn(pg_listen(
                 std::sync::Arc::downgrade(inner),
                 inner.stop.subscribe(),
@@ -153,6 +157,34 @@ async fn nats_listen(
             Ok(notice) => inner.apply_notice(notice),
             Err(e) => inner.bad_notice(&e),
         }
+    }
+}
+
+/// Sends the host's notifications, in batches: one `SELECT pg_notify(..), pg_notify(..)`
+/// for whatever queued while the previous one ran. A notifying transaction takes
+/// PostgreSQL's notification lock through its commit (and its flush: the queue records
+/// its transaction id), so notifying transactions commit one at a time; one per command
+/// would cap commands at one flush each, one per batch costs a flush per batch. The
+/// commands do not wait for it (the log is the truth: a lost `NOTIFY` costs a poll).
+/// Ends when the host is dropped.
+async fn pg_notify_batches(
+    pool: deadpool_postgres::Pool,
+    channel: String,
+    mut payloads: tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    const BATCH: usize = 64;
+    let mut batch = Vec::with_capacity(BATCH);
+    while payloads.recv_many(&mut batch, BATCH).await > 0 {
+        let result = async {
+            let sql = crate::db::notify_sql(&channel, &batch)?;
+            pool.get().await?.batch_execute(&sql).await?;
+            Ok::<_, CommandError>(())
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(%e, n = batch.len(), "NOTIFY failed: the other hosts read the log at their next poll");
+        }
+        batch.clear();
     }
 }
 
