@@ -24,6 +24,19 @@ const MAX_AHEAD: u64 = 1 << 31;
 /// notices only wake the log reader.
 const MAX_APPLIED: usize = 1 << 20;
 
+/// FNV-1a over what an operation does: two records of one id that differ in it are not the
+/// same operation.
+fn content_hash(op: &Logged) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in [&op.kind, &op.command, &op.output] {
+        for &b in part.as_bytes().iter().chain(&[0xff]) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// How an operation reached the host that applied it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Via {
@@ -311,7 +324,7 @@ struct State {
     horizon: u64,
     /// Operations at or after the horizon that are applied (or being applied), by id,
     /// with their position.
-    applied: HashMap<i64, u64>,
+    applied: HashMap<i64, (u64, u64)>,
 }
 
 impl Host {
@@ -495,10 +508,12 @@ impl Inner {
                 return;
             }
             // Behind the horizon: a read of the log applied it (or it predates this host).
-            // Ahead of it, the same id at the same position is the same operation (a
-            // notice's id at another position was not, and the log's version wins).
-            let seen = op.position < state.horizon
-                || state.applied.insert(op.id, op.position) == Some(op.position);
+            // Ahead of it, the same id at the same position with the same content is the
+            // same operation; a notice that claimed the id with anything else was not,
+            // and the log's version is applied.
+            let mark = (op.position, content_hash(op));
+            let seen =
+                op.position < state.horizon || state.applied.insert(op.id, mark) == Some(mark);
             if seen {
                 drop(state);
                 self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
@@ -593,7 +608,7 @@ impl Inner {
                 let mut state = self.state.lock();
                 if next > state.horizon {
                     state.horizon = next;
-                    state.applied.retain(|_, p| *p >= next);
+                    state.applied.retain(|_, (p, _)| *p >= next);
                 }
             }
             if !full {

@@ -2,7 +2,7 @@
 //! host B, which runs in a child process (this example started again). No setup:
 //!
 //! ```sh
-//! cargo run -p coherent-examples --example cluster
+//! cargo run -p coherent-ops --example cluster
 //! ```
 //!
 //! On PostgreSQL the same code runs with `Database::postgres(url)` (and `LISTEN`/`NOTIFY`
@@ -14,8 +14,8 @@ use std::process::{Command as Process, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use coherent::ops::{Command, CommandError, Database, Handler, Host, Tx};
 use coherent::prelude::*;
+use coherent_ops::{Command, CommandError, Database, Handler, Host, Tx};
 use parking_lot::Mutex;
 use rusqlite::{params, Connection};
 use serde::{Deserialize, Serialize};
@@ -84,24 +84,22 @@ async fn start_host(path: &Path) -> anyhow::Result<(Host, Names)> {
     Ok((host, names))
 }
 
-/// Host B: prints user 1's name whenever it applies an operation, until its stdin closes.
+/// Host B: prints user 1's name whenever it applies an operation, until it is killed.
 async fn host_b(path: &Path) -> anyhow::Result<()> {
     let (host, names) = start_host(path).await?;
     let mut applied = host.subscribe();
     println!("B: user 1 is {:?}", names.name(1).await);
     loop {
-        tokio::select! {
-            op = applied.recv() => {
-                let op = op?;
-                println!(
-                    "B: applied operation {} of {} ({:?}, {} µs after its commit); user 1 is now {:?}",
-                    op.id, op.host, op.via, op.applied_at - op.committed_at, names.name(1).await
-                );
-            }
-            _ = tokio::signal::ctrl_c() => break,
-        }
+        let op = applied.recv().await?;
+        println!(
+            "B: applied operation {} of {} ({:?}, {} µs after its commit); user 1 is now {:?}",
+            op.id,
+            op.host,
+            op.via,
+            op.applied_at - op.committed_at,
+            names.name(1).await
+        );
     }
-    Ok(())
 }
 
 #[tokio::main]
