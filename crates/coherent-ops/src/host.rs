@@ -24,17 +24,11 @@ const MAX_AHEAD: u64 = 1 << 31;
 /// notices only wake the log reader.
 const MAX_APPLIED: usize = 1 << 20;
 
-/// FNV-1a over what an operation does: two records of one id that differ in it are not the
+/// A hash of what an operation does: two records of one id that differ in it are not the
 /// same operation.
 fn content_hash(op: &Logged) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for part in [&op.kind, &op.command, &op.output] {
-        for &b in part.as_bytes().iter().chain(&[0xff]) {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    BuildHasherDefault::<DefaultHasher>::default().hash_one((&op.kind, &op.command, &op.output))
 }
 
 /// How an operation reached the host that applied it.
@@ -269,21 +263,9 @@ fn default_name() -> String {
     format!("{name}-{}", std::process::id())
 }
 
-/// A number that tells this start of a host from every other: the clock's nanoseconds
-/// mixed with a process-wide counter and the process id.
+/// A random number that tells this start of a host from every other.
 fn incarnation() -> u32 {
-    static STARTS: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    let mut z = nanos
-        ^ (u64::from(std::process::id()) << 32)
-        ^ STARTS
-            .fetch_add(1, Ordering::Relaxed)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    (z ^ (z >> 31)) as u32
+    rand::random()
 }
 
 /// A host of a cluster of processes that share one database: it runs commands through the

@@ -7,25 +7,9 @@ use std::time::Duration;
 use coherent::prelude::*;
 use coherent_ops::CommandClient;
 use coherent_remote::RemoteClient;
-use coherent_rpc::RpcError;
 
-use crate::harness::{within, HostProc, Nats, Store, GUARD};
+use crate::harness::{within, HostProc, Mirror, Nats, Store, GUARD};
 use crate::support::SetValue;
-
-/// A client-side compute service: a replica of a host's `Items.value`.
-#[derive(Clone, ComputeService)]
-struct Mirror {
-    handle: ServiceHandle,
-    remote: RemoteClient,
-}
-
-#[compute_service]
-impl Mirror {
-    #[compute]
-    async fn value(&self, id: i64) -> Result<Result<i64, String>, RpcError> {
-        self.remote.replica("Items.value", (id,)).await
-    }
-}
 
 /// 1. A write on A (sent by a remote client over RPC) invalidates B's computed, the
 ///    diamond `pair(3, 3)` above it, and the replica a client of B holds.
@@ -206,13 +190,12 @@ async fn postgres_nats_stopped_and_restarted() {
 }
 
 /// 4. A is killed (SIGKILL) after its command committed and before its local invalidation
-///    (so it never notified anyone): B still replays the operation, from the log. A
-///    publishes nothing (`poll`): with the PostgreSQL notifier the notice leaves with the
-///    commit itself, so it is a notifier that publishes after the commit (NATS) or none
-///    that leaves the log as the only way.
+///    (so it never notified anyone: notices leave after it): B still replays the
+///    operation, from the log.
 async fn a_host_killed_between_commit_and_invalidation(store: Store) {
-    let mut a = store.host().notifier("poll").spawn().await;
-    let mut b = store.host().spawn().await;
+    let config = store.host();
+    let mut a = config.spawn().await;
+    let mut b = config.spawn().await;
     assert_eq!(b.read(5).await, 0);
     a.cmd("hang_next").await;
     a.cmd_expect("set 5 42", "committed, not invalidated").await;

@@ -7,12 +7,30 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
+use coherent::prelude::*;
 use coherent_ops::Database;
+use coherent_remote::RemoteClient;
+use coherent_rpc::RpcError;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 use crate::node::HOST_MODE;
 use crate::support::{create_items, database_url, fresh_schema};
+
+/// A client-side compute service: a replica of a host's `Items.value`.
+#[derive(Clone, ComputeService)]
+pub(crate) struct Mirror {
+    pub(crate) handle: ServiceHandle,
+    pub(crate) remote: RemoteClient,
+}
+
+#[compute_service]
+impl Mirror {
+    #[compute]
+    pub(crate) async fn value(&self, id: i64) -> Result<Result<i64, String>, RpcError> {
+        self.remote.replica("Items.value", (id,)).await
+    }
+}
 
 /// A failure guard for waits that must end: long, never a measurement.
 pub(crate) const GUARD: Duration = Duration::from_secs(90);

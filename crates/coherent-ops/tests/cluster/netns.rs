@@ -5,7 +5,6 @@
 //! stay in the test's namespace, where PostgreSQL listens (on 127.0.0.1 only, which a
 //! namespace cannot reach without forwarding). The client's socket is made inside the
 //! namespace by a thread that enters it (`setns`); the socket stays there. Where the
-//! kernel has no `netem` qdisc the link is not impaired, and the test prints that. Where the
 //! kernel has no `netem` qdisc the link is not impaired, and the test prints that.
 
 use std::net::SocketAddr;
@@ -17,24 +16,9 @@ use std::time::Duration;
 use coherent::prelude::*;
 use coherent_ops::CommandClient;
 use coherent_remote::RemoteClient;
-use coherent_rpc::RpcError;
 
-use crate::harness::{within, Store};
+use crate::harness::{within, Mirror, Store};
 use crate::support::SetValue;
-
-#[derive(Clone, ComputeService)]
-struct Mirror {
-    handle: ServiceHandle,
-    remote: RemoteClient,
-}
-
-#[compute_service]
-impl Mirror {
-    #[compute]
-    async fn value(&self, id: i64) -> Result<Result<i64, String>, RpcError> {
-        self.remote.replica("Items.value", (id,)).await
-    }
-}
 
 fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip")
