@@ -15,16 +15,15 @@
 //!   mutator's command as the plain UPDATE (no log, no notification), and drop the user from
 //!   their own cache after it (a team's cache forgets its own host's writes); the other
 //!   hosts' copies live out their TTL;
-//! - `cluster.commands`: commands/s through `Host::run` (BEGIN, the UPDATE, then one
-//!   message with the INSERT of the operation, COMMIT and the NOTIFY; the local
-//!   invalidation) against
+//! - `cluster.commands`: commands/s through `Host::run` (BEGIN with the UPDATE, then one
+//!   message with the INSERT of the operation and COMMIT; the local invalidation; the
+//!   NOTIFY queued for the host's batching task) against
 //!   `cluster.plain_writes`, the same UPDATE on its own (autocommit): both in the parent, from
 //!   the same number of concurrent tasks (`WRITERS`), through the same pool (the host's);
 //! - `cluster.propagation_p50_us.<pg|nats>`, `..._p99_us.<pg|nats>`: from the commit on one
 //!   host to the invalidation applied on another (`Applied::applied_at - committed_at`,
-//!   both wall clocks of this machine; `committed_at` is taken right after the commit: by
-//!   PostgreSQL in the message that commits and notifies, or, with NATS, by the committing
-//!   host after its own invalidation), measured on three cached hosts with that
+//!   both wall clocks of this machine; `committed_at` is taken by the committing host
+//!   right after its commit and its own invalidation), measured on three cached hosts with that
 //!   notifier while only the mutator runs (readers idle). The pg rows also carry the p99
 //!   measured during the `cluster.cached.readers` phase (`p99_under_readers_us`), when
 //!   every core is busy with readers.
