@@ -310,12 +310,15 @@ async fn hostile_notifications_only_wake_the_log_reader() {
         .await
         .unwrap()
         .get(0);
+    // Positions are PostgreSQL xids, shared by every test running against the server:
+    // the forged notice claims one far enough ahead (but still plausible) that no
+    // concurrent activity moves B's horizon past it before it arrives.
     let horizon = b.stats().horizon;
     let hostile = [
         b"not json".to_vec(),
         vec![0xff; 100_000],
         br#"{"id":1,"position":18446744073709551615,"host":"x","committed_at":0,"op":{"kind":"test.set_value","command":"{}","output":"0"}}"#.to_vec(),
-        format!(r#"{{"id":{next_id},"position":{},"host":"x","committed_at":0,"op":{{"kind":"test.set_value","command":"{{}}","output":"0"}}}}"#, horizon + 3).into_bytes(),
+        format!(r#"{{"id":{next_id},"position":{},"host":"x","committed_at":0,"op":{{"kind":"test.set_value","command":"{{}}","output":"0"}}}}"#, horizon + (1 << 30)).into_bytes(),
         br#"{"id":-5,"position":0,"host":"x","committed_at":0,"op":{"kind":"nope","command":"","output":""}}"#.to_vec(),
     ];
     for payload in hostile {
