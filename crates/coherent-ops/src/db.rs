@@ -62,6 +62,7 @@ pub(crate) struct Sqlite {
 pub(crate) struct Postgres {
     pub(crate) pool: deadpool_postgres::Pool,
     pub(crate) config: tokio_postgres::Config,
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
     schema: String,
     /// The `LISTEN`/`NOTIFY` channel: one per schema, so that clusters in other schemas of
     /// the same database never hear each other.
@@ -222,6 +223,7 @@ impl Database {
 
     /// A name for the log, the same on every host that shares it: the NATS subject is
     /// derived from it.
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
     pub(crate) fn log_name(&self) -> String {
         let raw = match &*self.inner {
             Engine::Sqlite(s) => std::fs::canonicalize(&s.path)

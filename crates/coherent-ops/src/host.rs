@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, watch, Notify};
 
-use crate::command::{Command, Handler, Handlers};
+use crate::command::{BoxFuture, Command, Handler, Handlers};
 use crate::db::{now_micros, Append, Database, Engine, Logged};
 use crate::error::CommandError;
 use crate::notify::{self, Notifier, Publisher};
@@ -140,7 +140,12 @@ pub struct HostBuilder {
     host_expiry: Duration,
     registries: Vec<Registry>,
     handlers: Handlers,
+    after_invalidate: Option<AfterInvalidate>,
 }
+
+/// What [`Host::run`] awaits after a command's local invalidation (see
+/// [`HostBuilder::after_invalidate`]).
+type AfterInvalidate = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 
 impl HostBuilder {
     /// A name for this host; its id in the log is the name and a random suffix, so that a
@@ -189,6 +194,19 @@ impl HostBuilder {
         self
     }
 
+    /// Something [`Host::run`] awaits after a command's invalidation ran here and before it
+    /// returns: typically `RemoteServer::invalidations_delivered`, so that a command's answer
+    /// comes after every client of this host holding a replica it invalidated has applied
+    /// that (a read that starts on any of them after the answer sees the write).
+    pub fn after_invalidate<F, Fut>(mut self, wait: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.after_invalidate = Some(Arc::new(move || Box::pin(wait())));
+        self
+    }
+
     /// Registers `handler` for the command `C`.
     ///
     /// # Panics
@@ -232,6 +250,7 @@ impl HostBuilder {
             round: tokio::sync::Mutex::new(()),
             wake: Arc::new(Notify::new()),
             registries,
+            after_invalidate: self.after_invalidate,
             counters: Counters::default(),
             applied_tx,
             publisher: Mutex::new(Publisher::None),
@@ -290,6 +309,7 @@ pub(crate) struct Inner {
     /// Wakes the log reader (held apart, so that the reader waits without holding the host).
     pub(crate) wake: Arc<Notify>,
     registries: Vec<Registry>,
+    after_invalidate: Option<AfterInvalidate>,
     counters: Counters,
     applied_tx: broadcast::Sender<Applied>,
     pub(crate) publisher: Mutex<Publisher>,
@@ -322,6 +342,7 @@ impl Host {
             host_expiry: Duration::from_secs(300),
             registries: Vec::new(),
             handlers: Handlers::default(),
+            after_invalidate: None,
         }
     }
 
@@ -383,6 +404,9 @@ impl Host {
                     }),
                 };
                 inner.publisher.lock().publish(notice);
+                if let Some(wait) = &inner.after_invalidate {
+                    wait().await;
+                }
                 Ok(output)
             }
             Err((e, commit_attempted)) => {

@@ -40,4 +40,4 @@ mod server;
 mod wire;
 
 pub use client::{RemoteClient, RemoteClientBuilder};
-pub use server::{Expose, RemoteServer};
+pub use server::{Expose, RemoteServer, DELIVERY_TIMEOUT};

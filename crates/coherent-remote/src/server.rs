@@ -11,7 +11,10 @@ use coherent::Computed;
 use coherent_rpc::{method_id, Blob, CallContext, Format, Peer, Service};
 use parking_lot::Mutex;
 use serde::{de::DeserializeOwned, Serialize};
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
+
+/// How long [`RemoteServer::invalidations_delivered`] waits for one client.
+pub const DELIVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 use crate::wire::{value_hash, Failure, Held, ReplicaHost, ReplicaHostServer, ReplicaSinkClient};
 
@@ -208,6 +211,34 @@ impl RemoteServer {
         connections.iter().map(|c| c.replicas.lock().len()).sum()
     }
 
+    /// Completes when every replica invalidation queued before the call has been applied
+    /// by its client (each push is answered once applied), or that client's connection is
+    /// gone (it then revalidates everything it holds when it reconnects). A writer that
+    /// awaits this after invalidating knows that no client of this server still answers
+    /// from a value its write changed. A client that takes longer than
+    /// [`DELIVERY_TIMEOUT`] is not waited for further (it is logged).
+    pub async fn invalidations_delivered(&self) {
+        let waits: Vec<(u64, watch::Receiver<u64>)> = self
+            .connections
+            .lock()
+            .values()
+            .filter_map(|c| {
+                let queued = c.invalidated.lock().queued;
+                let rx = c.delivered.subscribe();
+                let behind = *rx.borrow() < queued;
+                behind.then_some((queued, rx))
+            })
+            .collect();
+        for (queued, mut rx) in waits {
+            let wait = rx.wait_for(|delivered| *delivered >= queued);
+            if tokio::time::timeout(DELIVERY_TIMEOUT, wait).await.is_err() {
+                tracing::warn!(
+                    "a client did not acknowledge invalidations within {DELIVERY_TIMEOUT:?}"
+                );
+            }
+        }
+    }
+
     /// The RPC service to add to an endpoint.
     pub fn service(&self) -> impl Service {
         ReplicaHostServer::new(Host {
@@ -245,8 +276,19 @@ struct Connection {
     replicas: Mutex<HashMap<u64, Watch>>,
     /// Replicas invalidated and not yet pushed. Only a live watch's callback adds its id,
     /// once, and the watch is removed when the id is pushed: this never outgrows `replicas`.
-    invalidated: Mutex<Vec<u64>>,
+    invalidated: Mutex<Pending>,
     wake: Notify,
+    /// How many ids the client has acknowledged (see [`Pending::queued`]); `u64::MAX` once
+    /// the connection is gone.
+    delivered: Arc<watch::Sender<u64>>,
+}
+
+/// Invalidated replicas waiting for the pusher.
+#[derive(Default)]
+struct Pending {
+    ids: Vec<u64>,
+    /// How many ids were ever queued on this connection.
+    queued: u64,
 }
 
 impl Host {
@@ -265,8 +307,9 @@ impl Host {
         }
         let c = Arc::new(Connection {
             replicas: Mutex::new(HashMap::new()),
-            invalidated: Mutex::new(Vec::new()),
+            invalidated: Mutex::new(Pending::default()),
             wake: Notify::new(),
+            delivered: Arc::new(watch::Sender::new(0)),
         });
         connections.insert(peer.id(), c.clone());
         tokio::spawn(push_invalidations(
@@ -282,13 +325,20 @@ impl Host {
 /// then drops everything the connection held.
 async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connections: Connections) {
     let sink = ReplicaSinkClient::new(peer.clone());
-    loop {
+    let delivered = match connection.upgrade() {
+        Some(c) => c.delivered.clone(),
+        None => return,
+    };
+    'pushing: loop {
         let Some(c) = connection.upgrade() else { break };
         tokio::select! {
             () = c.wake.notified() => {}
             _ = peer.closed() => break,
         }
-        let ids = std::mem::take(&mut *c.invalidated.lock());
+        let (ids, upto) = {
+            let mut pending = c.invalidated.lock();
+            (std::mem::take(&mut pending.ids), pending.queued)
+        };
         if ids.is_empty() {
             continue;
         }
@@ -309,11 +359,15 @@ async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connection
                 // makes it reconnect and revalidate them.
                 tracing::debug!(%e, "an invalidation push failed: closing the connection");
                 peer.close();
-                break;
+                break 'pushing;
             }
         }
+        delivered.send_replace(upto);
     }
     connections.lock().remove(&peer.id());
+    // Nothing more will be acknowledged here: release whoever waits (the client, cut off,
+    // reconnects and revalidates every replica it holds).
+    delivered.send_replace(u64::MAX);
 }
 
 impl Connection {
@@ -326,7 +380,10 @@ impl Connection {
         // value and, right behind it, the news that it is stale.
         watched.on_invalidated(Box::new(move || {
             if let (Some(c), Some(_live)) = (connection.upgrade(), marker.upgrade()) {
-                c.invalidated.lock().push(replica);
+                let mut pending = c.invalidated.lock();
+                pending.ids.push(replica);
+                pending.queued += 1;
+                drop(pending);
                 c.wake.notify_one();
             }
         }));

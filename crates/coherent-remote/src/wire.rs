@@ -80,7 +80,8 @@ pub(crate) trait ReplicaHost {
 /// Served by the client: where the server pushes invalidations.
 #[service]
 pub(crate) trait ReplicaSink {
-    /// These replicas are stale.
-    #[oneway]
+    /// These replicas are stale. Answered once the client has applied it (the replicas
+    /// and what depends on them are invalidated), so that the server can tell a writer
+    /// when its write has reached every client (`RemoteServer::invalidations_delivered`).
     async fn invalidated(&self, replicas: Vec<u64>);
 }

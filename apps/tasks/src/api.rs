@@ -1,0 +1,444 @@
+//! The HTTP JSON API, the same for every backend: routes, input parsing and validation, error
+//! bodies, entity tags.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, RawQuery, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::model::{
+    Invalid, ListQuery, NewProject, NewTask, Project, Status, Task, TaskPatch, DEFAULT_LIMIT,
+    MAX_LIMIT,
+};
+use crate::store::StoreError;
+
+/// The largest request body the API reads; a larger one is answered 413.
+pub const MAX_BODY: usize = 64 * 1024;
+
+/// A JSON body ready to send, and its entity tag where the backend has one (the Coherent
+/// backend keeps both with the cached value).
+#[derive(Clone, Debug)]
+pub struct Body {
+    /// The JSON.
+    pub json: Bytes,
+    /// A strong entity tag, quoted, as sent in `ETag`.
+    pub etag: Option<Arc<str>>,
+}
+
+impl Body {
+    /// `value` as JSON, without an entity tag.
+    pub fn json<T: Serialize>(value: &T) -> Result<Self, ApiError> {
+        Ok(Self {
+            json: to_json(value)?,
+            etag: None,
+        })
+    }
+
+    /// `value` as JSON, with an entity tag made from a hash of the JSON.
+    pub fn tagged<T: Serialize>(value: &T) -> Result<Self, ApiError> {
+        let json = to_json(value)?;
+        let hash = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = foldhash::fast::FixedState::with_seed(0x7461_736b).build_hasher();
+            h.write(&json);
+            h.finish()
+        };
+        Ok(Self {
+            json,
+            etag: Some(format!("\"{hash:016x}\"").into()),
+        })
+    }
+}
+
+fn to_json<T: Serialize>(value: &T) -> Result<Bytes, ApiError> {
+    serde_json::to_vec(value)
+        .map(Bytes::from)
+        .map_err(|e| ApiError::Internal(format!("encoding the answer: {e}")))
+}
+
+/// What a request can fail with; answered as `{"error": ..., "field": ...}` with the status
+/// each variant names.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum ApiError {
+    /// 400: an input breaks a rule; the body names the field.
+    #[error("{}: {}", .0.field, .0.message)]
+    Invalid(Invalid),
+    /// 404: no such task or project.
+    #[error("{0} not found")]
+    NotFound(String),
+    /// 413: the body is over [`MAX_BODY`].
+    #[error("the request body is over {MAX_BODY} bytes")]
+    TooLarge,
+    /// 503: the backend cannot be reached now.
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    /// 500: anything else.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// A 400 naming `field`.
+    pub fn invalid(field: &str, message: impl Into<String>) -> Self {
+        Self::Invalid(Invalid::new(field, message))
+    }
+
+    /// The HTTP status it is answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Invalid(_) => StatusCode::BAD_REQUEST,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Invalid(i) => Self::Invalid(i),
+            StoreError::Db(m) => Self::Internal(m),
+        }
+    }
+}
+
+impl From<Invalid> for ApiError {
+    fn from(e: Invalid) -> Self {
+        Self::Invalid(e)
+    }
+}
+
+impl From<coherent_rpc::RpcError> for ApiError {
+    fn from(e: coherent_rpc::RpcError) -> Self {
+        Self::Unavailable(e.to_string())
+    }
+}
+
+/// The error body.
+#[derive(Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// What went wrong.
+    pub error: String,
+    /// The field at fault, for a 400.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if matches!(self, Self::Internal(_) | Self::Unavailable(_)) {
+            tracing::warn!(error = %self, "request failed");
+        }
+        let body = ErrorBody {
+            field: match &self {
+                Self::Invalid(i) => Some(i.field.clone()),
+                _ => None,
+            },
+            error: match &self {
+                Self::Invalid(i) => i.message.clone(),
+                other => other.to_string(),
+            },
+        };
+        let json = serde_json::to_vec(&body).unwrap_or_default();
+        (
+            self.status(),
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            json,
+        )
+            .into_response()
+    }
+}
+
+/// What serves the API: a database directly, a gRPC service, or Coherent replicas.
+pub trait Backend: Send + Sync + 'static {
+    /// One page of tasks, newest first.
+    fn list(&self, q: ListQuery) -> impl Future<Output = Result<Body, ApiError>> + Send;
+    /// One task; [`ApiError::NotFound`] when there is none.
+    fn task(&self, id: Uuid) -> impl Future<Output = Result<Body, ApiError>> + Send;
+    /// A project's counts per status; [`ApiError::NotFound`] for an unknown project.
+    fn summary(&self, project: Uuid) -> impl Future<Output = Result<Body, ApiError>> + Send;
+    /// Every project.
+    fn projects(&self) -> impl Future<Output = Result<Body, ApiError>> + Send;
+    /// Creates a task (validated already).
+    fn create(&self, new: NewTask) -> impl Future<Output = Result<Task, ApiError>> + Send;
+    /// Changes a task (the patch is validated already).
+    fn update(
+        &self,
+        id: Uuid,
+        patch: TaskPatch,
+    ) -> impl Future<Output = Result<Task, ApiError>> + Send;
+    /// Deletes a task.
+    fn delete(&self, id: Uuid) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Creates a project (validated already).
+    fn create_project(
+        &self,
+        new: NewProject,
+    ) -> impl Future<Output = Result<Project, ApiError>> + Send;
+}
+
+/// The API's routes over `backend`, with the body limit and the OpenAPI document.
+pub fn router<B: Backend>(backend: Arc<B>) -> Router {
+    Router::new()
+        .route("/api/tasks", get(list::<B>).post(create::<B>))
+        .route(
+            "/api/tasks/{id}",
+            get(one::<B>).patch(update::<B>).delete(remove::<B>),
+        )
+        .route(
+            "/api/projects",
+            get(projects::<B>).post(create_project::<B>),
+        )
+        .route("/api/projects/{id}/summary", get(summary::<B>))
+        .route("/api/openapi.json", get(crate::openapi::serve))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(backend)
+}
+
+/// Parses a list request's query string: unknown parameters are ignored, known ones must
+/// be valid.
+pub fn parse_list_query(query: Option<&str>) -> Result<ListQuery, ApiError> {
+    let mut q = ListQuery {
+        project: None,
+        status: None,
+        limit: DEFAULT_LIMIT,
+        after: None,
+    };
+    for (key, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        match &*key {
+            "project" => q.project = Some(parse_id("project", &value)?),
+            "after" => q.after = Some(parse_id("after", &value)?),
+            "status" => {
+                q.status = Some(Status::parse(&value).ok_or_else(|| {
+                    ApiError::invalid("status", "must be todo, in_progress, done or cancelled")
+                })?);
+            }
+            "limit" => {
+                q.limit = value
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=MAX_LIMIT).contains(n))
+                    .ok_or_else(|| {
+                        ApiError::invalid("limit", format!("must be 1 to {MAX_LIMIT}"))
+                    })?;
+            }
+            _ => {}
+        }
+    }
+    Ok(q)
+}
+
+/// Parses a UUID named `field`.
+pub fn parse_id(field: &str, value: &str) -> Result<Uuid, ApiError> {
+    Uuid::try_parse(value).map_err(|_| ApiError::invalid(field, "must be a UUID"))
+}
+
+/// Parses a JSON body into `T`, naming the field at fault.
+pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::TooLarge
+        } else {
+            ApiError::invalid("body", r.body_text())
+        }
+    })?;
+    let de = &mut serde_json::Deserializer::from_slice(&body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let message = inner.to_string();
+        // Missing and unknown fields are reported at the object, not the field: name it.
+        let quoted = message.split('`').nth(1).filter(|_| {
+            message.starts_with("missing field") || message.starts_with("unknown field")
+        });
+        let field = match quoted {
+            Some(name) if path == "." => name.to_owned(),
+            Some(name) => format!("{path}.{name}"),
+            None if path == "." => "body".to_owned(),
+            None => path,
+        };
+        ApiError::invalid(&field, message)
+    })
+}
+
+/// A read's answer: the body, or 304 when the client holds it already.
+fn read_response(body: Body, headers: &HeaderMap) -> Response {
+    let content_type = (
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    match &body.etag {
+        Some(tag) => {
+            let etag = HeaderValue::from_str(tag).unwrap_or(HeaderValue::from_static("\"\""));
+            let matches = headers
+                .get_all(header::IF_NONE_MATCH)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(','))
+                .any(|t| {
+                    let t = t.trim();
+                    t == "*" || t.trim_start_matches("W/") == &**tag
+                });
+            if matches {
+                (StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response()
+            } else {
+                ([content_type, (header::ETAG, etag)], body.json).into_response()
+            }
+        }
+        None => ([content_type], body.json).into_response(),
+    }
+}
+
+fn created<T: Serialize>(value: &T) -> Result<Response, ApiError> {
+    Ok((
+        StatusCode::CREATED,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        to_json(value)?,
+    )
+        .into_response())
+}
+
+fn ok_json<T: Serialize>(value: &T) -> Result<Response, ApiError> {
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        to_json(value)?,
+    )
+        .into_response())
+}
+
+async fn list<B: Backend>(
+    State(b): State<Arc<B>>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let q = parse_list_query(query.as_deref())?;
+    Ok(read_response(b.list(q).await?, &headers))
+}
+
+async fn one<B: Backend>(
+    State(b): State<Arc<B>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let id = parse_id("id", &id)?;
+    Ok(read_response(b.task(id).await?, &headers))
+}
+
+async fn summary<B: Backend>(
+    State(b): State<Arc<B>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let id = parse_id("id", &id)?;
+    Ok(read_response(b.summary(id).await?, &headers))
+}
+
+async fn projects<B: Backend>(
+    State(b): State<Arc<B>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    Ok(read_response(b.projects().await?, &headers))
+}
+
+async fn create<B: Backend>(
+    State(b): State<Arc<B>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let new: NewTask = parse_body(body)?;
+    new.validate()?;
+    created(&b.create(new).await?)
+}
+
+async fn update<B: Backend>(
+    State(b): State<Arc<B>>,
+    Path(id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let id = parse_id("id", &id)?;
+    let patch: TaskPatch = parse_body(body)?;
+    patch.validate()?;
+    ok_json(&b.update(id, patch).await?)
+}
+
+async fn remove<B: Backend>(
+    State(b): State<Arc<B>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let id = parse_id("id", &id)?;
+    b.delete(id).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn create_project<B: Backend>(
+    State(b): State<Arc<B>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let new: NewProject = parse_body(body)?;
+    new.validate()?;
+    created(&b.create_project(new).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_queries_name_the_bad_field() {
+        let q = parse_list_query(Some("status=done&limit=5&x=1")).unwrap();
+        assert_eq!((q.status, q.limit), (Some(Status::Done), 5));
+        for (query, field) in [
+            ("limit=0", "limit"),
+            ("limit=101", "limit"),
+            ("limit=x", "limit"),
+            ("status=open", "status"),
+            ("project=12", "project"),
+            ("after=%ZZ", "after"),
+        ] {
+            match parse_list_query(Some(query)) {
+                Err(ApiError::Invalid(i)) => assert_eq!(i.field, field, "{query}"),
+                other => panic!("{query}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn bodies_name_the_bad_field() {
+        let field = |json: &str| match parse_body::<NewTask>(Ok(Bytes::from(json.to_owned()))) {
+            Err(ApiError::Invalid(i)) => i.field,
+            other => panic!("{json}: {other:?}"),
+        };
+        assert_eq!(field(r#"{"project":"x","title":"a"}"#), "project");
+        assert_eq!(field(r#"{"title":"a"}"#), "project");
+        assert_eq!(
+            field(
+                r#"{"project":"0191e1e8-7d3a-7c3e-8000-000000000000","title":"a","priority":"big"}"#
+            ),
+            "priority"
+        );
+        assert_eq!(
+            field(r#"{"project":"0191e1e8-7d3a-7c3e-8000-000000000000","title":"a","extra":1}"#),
+            "extra"
+        );
+        assert_eq!(field("[1,2"), "body");
+        assert_eq!(field(""), "body");
+    }
+}

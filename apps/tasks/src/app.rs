@@ -1,0 +1,186 @@
+//! Starting the pieces: the database, a Coherent backend (its RPC endpoint and its
+//! operation host), the HTTP tiers of each backend kind.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use coherent::prelude::*;
+use coherent_ops::{CommandsServer, Notifier};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::api;
+use crate::direct::Direct;
+use crate::live::{self, LiveTier, TasksBackend, TasksServiceServer};
+use crate::store::Store;
+
+/// Where the data lives.
+#[derive(Clone, Debug)]
+pub enum DbConfig {
+    /// A SQLite file (created if missing).
+    Sqlite(PathBuf),
+    /// PostgreSQL at a URL, tables in a schema.
+    Postgres {
+        /// `postgres://...`
+        url: String,
+        /// The schema of the tables (and of the operation log).
+        schema: String,
+    },
+}
+
+impl DbConfig {
+    /// Opens the store (creating the tables if missing).
+    pub async fn open(&self, pool_size: usize) -> anyhow::Result<Store> {
+        Ok(match self {
+            Self::Sqlite(path) => Store::sqlite(path)
+                .with_context(|| format!("opening SQLite file {}", path.display()))?,
+            Self::Postgres { url, schema } => Store::postgres(url, schema, pool_size)
+                .await
+                .context("connecting to PostgreSQL")?,
+        })
+    }
+
+    /// The operation log's database (the same database, the same schema).
+    pub async fn operations(&self) -> anyhow::Result<coherent_ops::Database> {
+        Ok(match self {
+            Self::Sqlite(path) => coherent_ops::Database::sqlite(path)?,
+            Self::Postgres { url, schema } => {
+                coherent_ops::Database::postgres_in_schema(url, schema).await?
+            }
+        })
+    }
+}
+
+/// A running Coherent backend: the compute service behind an RPC endpoint, and the host
+/// that runs its commands and replays the other backends' operations.
+pub struct LiveBackend {
+    /// Where its endpoint listens.
+    pub addr: SocketAddr,
+    /// The operation host.
+    pub host: coherent_ops::Host,
+    /// The compute service.
+    pub backend: TasksBackend,
+    /// Its replicas served to tiers.
+    pub remote: RemoteServer,
+    serving: JoinHandle<()>,
+}
+
+impl LiveBackend {
+    /// Starts a backend on `listener`, over `db`; `notifier` picks how operations of other
+    /// backends arrive (the database's default when `None`).
+    pub async fn start(
+        db: &DbConfig,
+        listener: TcpListener,
+        notifier: Option<Notifier>,
+    ) -> anyhow::Result<Self> {
+        let store = db.open(16).await?;
+        let registry = Registry::new();
+        let backend = TasksBackend::new(store, &registry);
+        let remote = RemoteServer::new().expose_service(TasksServiceServer::new(backend.clone()));
+        // A command's answer waits until the tiers holding replicas it invalidated have
+        // applied that: a read that starts after a write returned sees it, on any tier of
+        // this backend.
+        let delivered = remote.clone();
+        let mut builder = coherent_ops::Host::builder(db.operations().await?)
+            .id("tasks-backend")
+            .registry(&registry)
+            .after_invalidate(move || {
+                let remote = delivered.clone();
+                async move { remote.invalidations_delivered().await }
+            });
+        if let Some(n) = notifier {
+            builder = builder.notifier(n);
+        }
+        let host = live::commands(builder, &backend).start().await?;
+        let endpoint = Endpoint::builder()
+            .service(remote.service())
+            .service(CommandsServer::new(host.clone()))
+            .build();
+        let addr = listener.local_addr()?;
+        let serving = tokio::spawn(async move {
+            if let Err(e) = endpoint.serve_tcp(listener).await {
+                tracing::error!(%e, "the backend's endpoint stopped");
+            }
+        });
+        Ok(Self {
+            addr,
+            host,
+            backend,
+            remote,
+            serving,
+        })
+    }
+
+    /// Stops serving and leaves the cluster.
+    pub async fn stop(self) {
+        self.serving.abort();
+        self.host.stop().await;
+    }
+}
+
+/// The HTTP router of a `coherent` tier connected to the backends at `addrs` (it fails
+/// over between them).
+pub async fn live_router(addrs: &[SocketAddr]) -> anyhow::Result<axum::Router> {
+    let client = coherent::remote::RemoteClient::connect_tcp_any(addrs.to_vec())
+        .await
+        .context("connecting to the Coherent backend")?;
+    let tier = LiveTier::new(client, &Registry::new());
+    Ok(api::router(Arc::new(tier)))
+}
+
+/// The HTTP router of the `direct` backend.
+pub async fn direct_router(db: &DbConfig) -> anyhow::Result<axum::Router> {
+    Ok(api::router(Arc::new(Direct::new(db.open(32).await?))))
+}
+
+/// Serves `router` on `listener` until the process ends.
+pub async fn serve_http(listener: TcpListener, router: axum::Router) -> anyhow::Result<()> {
+    axum::serve(listener, router).await?;
+    Ok(())
+}
+
+/// Fills the database: `projects` projects, `tasks` tasks spread over them (round robin),
+/// with varied priorities, statuses and assignees. Answers the projects' ids.
+pub async fn seed(store: &Store, projects: usize, tasks: usize) -> anyhow::Result<Vec<uuid::Uuid>> {
+    use crate::model::{new_id, now_micros, Priority, Project, Status, Task};
+    let start = now_micros() - i64::try_from(tasks).unwrap_or(0) * 1_000;
+    let mut ids = Vec::with_capacity(projects);
+    for p in 0..projects.max(1) {
+        let now = start - 1_000 * i64::try_from(projects - p).unwrap_or(0);
+        let project = store
+            .insert_project(Project {
+                id: new_id(now),
+                name: format!("Project {}", p + 1),
+                created_at: now,
+            })
+            .await?;
+        ids.push(project.id);
+    }
+    let mut batch = Vec::with_capacity(1_000);
+    for i in 0..tasks {
+        let now = start + i64::try_from(i).unwrap_or(0) * 1_000;
+        batch.push(Task {
+            id: new_id(now),
+            project: ids[i % ids.len()],
+            title: format!("Task {}", i + 1),
+            description: format!(
+                "The description of task {}, long enough to look like one.",
+                i + 1
+            ),
+            priority: Priority::ALL[i % 4],
+            status: Status::ALL[(i / 4) % 4],
+            assignee: (i % 3 != 0).then(|| format!("user{}", i % 17)),
+            created_at: now,
+            updated_at: now,
+        });
+        if batch.len() == 1_000 {
+            store.insert_many(std::mem::take(&mut batch)).await?;
+        }
+    }
+    if !batch.is_empty() {
+        store.insert_many(batch).await?;
+    }
+    Ok(ids)
+}

@@ -1,0 +1,411 @@
+//! The `coherent` backend.
+//!
+//! - [`TasksService`] is the compute service, defined once: [`TasksBackend`] implements it
+//!   over the database (each result memoized and invalidated exactly), and
+//!   `TasksServiceClient` implements it with replicas in an HTTP tier, kept coherent by the
+//!   backend's pushed invalidations.
+//! - Writes are commands ([`CreateTask`], [`UpdateTask`], [`DeleteTask`], [`CreateProject`])
+//!   run by the backend's `coherent_ops::Host`: the handler's writes and the operation log
+//!   commit together, and each command's `invalidate` (the one place that says what it
+//!   changes) runs on this backend and on every other backend sharing the database.
+//! - [`LiveTier`] serves HTTP from a local compute service over the replicas ([`Views`]):
+//!   each answer's JSON and entity tag are computed once per value, so a read is a cache
+//!   hit and a copy of a reference-counted buffer.
+
+use std::sync::Arc;
+
+use coherent::prelude::*;
+use coherent::remote::RemoteClient;
+use coherent_ops::{Command, CommandClient, CommandError, ErrorKind, Handler, Tx};
+use coherent_rpc::{Caller, Reconnecting};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::api::{ApiError, Backend, Body};
+use crate::model::{
+    new_id, now_micros, Invalid, ListQuery, NewProject, NewTask, Page, Project, Status, Summary,
+    Task, TaskPatch,
+};
+use crate::store::{lite, pg, Store, StoreError};
+
+/// The Tasks API as a compute service: every read a client may hold a replica of.
+#[compute_service]
+pub trait TasksService {
+    /// One task, or `None`.
+    async fn task(&self, id: Uuid) -> Result<Option<Arc<Task>>, ApiError>;
+    /// One page of a list, newest first.
+    async fn page(&self, q: ListQuery) -> Result<Arc<Page>, ApiError>;
+    /// A project's counts per status, or `None` for an unknown project.
+    async fn summary(&self, project: Uuid) -> Result<Option<Summary>, ApiError>;
+    /// Every project.
+    async fn projects(&self) -> Result<Arc<Vec<Project>>, ApiError>;
+}
+
+/// The backend: the compute service over the database, and the handlers of the commands.
+#[derive(Clone, ComputeService)]
+pub struct TasksBackend {
+    handle: ServiceHandle,
+    store: Store,
+}
+
+impl TasksBackend {
+    /// A backend over `store`, its cache in `registry`.
+    pub fn new(store: Store, registry: &Registry) -> Self {
+        Self {
+            handle: ServiceHandle::with_registry(registry),
+            store,
+        }
+    }
+
+    /// The database.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+}
+
+#[compute_service]
+impl TasksService for TasksBackend {
+    async fn task(&self, id: Uuid) -> Result<Option<Arc<Task>>, ApiError> {
+        Ok(self.store.get(id).await?.map(Arc::new))
+    }
+
+    /// The page's ids come from one query, its tasks from [`task`](TasksService::task): a
+    /// change to a task invalidates the pages showing it, and only a change of membership
+    /// (a task created, deleted, or moved to another status) invalidates the project's
+    /// pages as a whole.
+    async fn page(&self, q: ListQuery) -> Result<Arc<Page>, ApiError> {
+        self.members(q.project).await;
+        let (ids, next) = self.store.list_ids(q).await?;
+        let mut items = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(task) = self.task(id).await? {
+                items.push(Task::clone(&task));
+            }
+        }
+        Ok(Arc::new(Page { items, next }))
+    }
+
+    /// Built on other computeds: the project, and one count per status.
+    async fn summary(&self, project: Uuid) -> Result<Option<Summary>, ApiError> {
+        if self.project(project).await?.is_none() {
+            return Ok(None);
+        }
+        let mut counts = [0; 4];
+        for (n, status) in counts.iter_mut().zip(Status::ALL) {
+            *n = self.count(project, status).await?;
+        }
+        Ok(Some(Summary::from_counts(project, counts)))
+    }
+
+    async fn projects(&self) -> Result<Arc<Vec<Project>>, ApiError> {
+        Ok(Arc::new(self.store.projects().await?))
+    }
+}
+
+#[compute_service]
+impl TasksBackend {
+    /// Which tasks a project has (all projects for `None`): no value, only a dependency
+    /// that the commands changing membership invalidate.
+    #[compute]
+    async fn members(&self, project: Option<Uuid>) {
+        let _ = project;
+    }
+
+    /// How many of a project's tasks have `status`.
+    #[compute]
+    async fn count(&self, project: Uuid, status: Status) -> Result<u64, ApiError> {
+        Ok(self.store.count(project, status).await?)
+    }
+
+    /// One project, or `None`.
+    #[compute]
+    async fn project(&self, id: Uuid) -> Result<Option<Project>, ApiError> {
+        Ok(self.store.project(id).await?)
+    }
+}
+
+impl TasksBackend {
+    /// What a change of `project`'s membership invalidates.
+    fn invalidate_membership(&self, project: Uuid, statuses: &[Status]) {
+        self.invalidate_members(Some(project));
+        self.invalidate_members(None);
+        for s in statuses {
+            self.invalidate_count(project, *s);
+        }
+    }
+}
+
+/// Creates a task (its id and times chosen by the tier that got the request).
+#[derive(Serialize, Deserialize)]
+pub struct CreateTask {
+    /// The task as it will be stored.
+    pub task: Task,
+}
+
+/// Changes a task.
+#[derive(Serialize, Deserialize)]
+pub struct UpdateTask {
+    /// The task.
+    pub id: Uuid,
+    /// What changes.
+    pub patch: TaskPatch,
+    /// Its new `updated_at`.
+    pub now: i64,
+}
+
+/// Deletes a task.
+#[derive(Serialize, Deserialize)]
+pub struct DeleteTask {
+    /// The task.
+    pub id: Uuid,
+}
+
+/// Creates a project.
+#[derive(Serialize, Deserialize)]
+pub struct CreateProject {
+    /// The project as it will be stored.
+    pub project: Project,
+}
+
+impl Command for CreateTask {
+    const NAME: &'static str = "tasks.create";
+    type Output = ();
+}
+
+impl Command for UpdateTask {
+    const NAME: &'static str = "tasks.update";
+    type Output = Task;
+}
+
+impl Command for DeleteTask {
+    const NAME: &'static str = "tasks.delete";
+    type Output = Task;
+}
+
+impl Command for CreateProject {
+    const NAME: &'static str = "tasks.create_project";
+    type Output = ();
+}
+
+fn command_error(e: StoreError) -> CommandError {
+    match e {
+        StoreError::Invalid(i) => {
+            CommandError::rejected(serde_json::to_string(&i).unwrap_or_default())
+        }
+        StoreError::Db(m) => CommandError::new(ErrorKind::Database, m),
+    }
+}
+
+fn api_error(e: CommandError) -> ApiError {
+    match e.kind() {
+        ErrorKind::Rejected => ApiError::Invalid(
+            serde_json::from_str(e.message()).unwrap_or_else(|_| Invalid::new("body", e.message())),
+        ),
+        ErrorKind::NotFound => ApiError::NotFound(e.message().to_owned()),
+        ErrorKind::Unavailable => ApiError::Unavailable(e.message().to_owned()),
+        _ => ApiError::Internal(e.to_string()),
+    }
+}
+
+fn not_found(id: Uuid) -> CommandError {
+    CommandError::not_found(format!("task {id}"))
+}
+
+impl Handler<CreateTask> for TasksBackend {
+    async fn execute(&self, c: &CreateTask, tx: &mut Tx<'_>) -> Result<(), CommandError> {
+        match tx.postgres() {
+            Some(db) => pg::insert_task(db, &c.task).await,
+            None => lite::insert_task(tx.require_sqlite()?, &c.task),
+        }
+        .map_err(command_error)
+    }
+
+    fn invalidate(&self, c: &CreateTask, _: &()) {
+        self.invalidate_task(c.task.id);
+        self.invalidate_membership(c.task.project, &[c.task.status]);
+    }
+}
+
+impl Handler<UpdateTask> for TasksBackend {
+    async fn execute(&self, c: &UpdateTask, tx: &mut Tx<'_>) -> Result<Task, CommandError> {
+        match tx.postgres() {
+            Some(db) => pg::update_task(db, c.id, &c.patch, c.now).await,
+            None => lite::update_task(tx.require_sqlite()?, c.id, &c.patch, c.now),
+        }
+        .map_err(command_error)?
+        .ok_or_else(|| not_found(c.id))
+    }
+
+    /// The task; and when its status may have changed, the lists and counts of its
+    /// project (the old status is not known here: every count of the project).
+    fn invalidate(&self, c: &UpdateTask, task: &Task) {
+        self.invalidate_task(c.id);
+        if c.patch.moves() {
+            self.invalidate_membership(task.project, &Status::ALL);
+        }
+    }
+}
+
+impl Handler<DeleteTask> for TasksBackend {
+    async fn execute(&self, c: &DeleteTask, tx: &mut Tx<'_>) -> Result<Task, CommandError> {
+        match tx.postgres() {
+            Some(db) => pg::delete_task(db, c.id).await,
+            None => lite::delete_task(tx.require_sqlite()?, c.id),
+        }
+        .map_err(command_error)?
+        .ok_or_else(|| not_found(c.id))
+    }
+
+    fn invalidate(&self, c: &DeleteTask, task: &Task) {
+        self.invalidate_task(c.id);
+        self.invalidate_membership(task.project, &[task.status]);
+    }
+}
+
+impl Handler<CreateProject> for TasksBackend {
+    async fn execute(&self, c: &CreateProject, tx: &mut Tx<'_>) -> Result<(), CommandError> {
+        match tx.postgres() {
+            Some(db) => pg::insert_project(db, &c.project).await,
+            None => lite::insert_project(tx.require_sqlite()?, &c.project),
+        }
+        .map_err(command_error)
+    }
+
+    fn invalidate(&self, c: &CreateProject, _: &()) {
+        self.invalidate_projects();
+        self.invalidate_project(c.project.id);
+        self.invalidate_summary(c.project.id);
+    }
+}
+
+/// Registers the handlers of every command of the Tasks API on a host.
+pub fn commands(
+    builder: coherent_ops::HostBuilder,
+    backend: &TasksBackend,
+) -> coherent_ops::HostBuilder {
+    builder
+        .command::<CreateTask>(backend.clone())
+        .command::<UpdateTask>(backend.clone())
+        .command::<DeleteTask>(backend.clone())
+        .command::<CreateProject>(backend.clone())
+}
+
+/// The HTTP tier's cache: each answer's JSON and entity tag, computed from the replicas.
+#[derive(Clone, ComputeService)]
+pub struct Views {
+    handle: ServiceHandle,
+    api: TasksServiceClient,
+}
+
+#[compute_service]
+impl Views {
+    /// A list page, as sent.
+    #[compute]
+    pub async fn page_body(&self, q: ListQuery) -> Result<Body, ApiError> {
+        Body::tagged(&*self.api.page(q).await?)
+    }
+
+    /// A task, as sent.
+    #[compute]
+    pub async fn task_body(&self, id: Uuid) -> Result<Body, ApiError> {
+        match self.api.task(id).await? {
+            Some(task) => Body::tagged(&*task),
+            None => Err(ApiError::NotFound(format!("task {id}"))),
+        }
+    }
+
+    /// A summary, as sent.
+    #[compute]
+    pub async fn summary_body(&self, project: Uuid) -> Result<Body, ApiError> {
+        match self.api.summary(project).await? {
+            Some(summary) => Body::tagged(&summary),
+            None => Err(ApiError::NotFound(format!("project {project}"))),
+        }
+    }
+
+    /// The projects, as sent.
+    #[compute]
+    pub async fn projects_body(&self) -> Result<Body, ApiError> {
+        Body::tagged(&*self.api.projects().await?)
+    }
+}
+
+/// An HTTP tier of the `coherent` backend: reads from replicas, writes as commands, both over
+/// one connection to a backend.
+pub struct LiveTier<C> {
+    views: Views,
+    commands: CommandClient<C>,
+}
+
+impl LiveTier<Reconnecting> {
+    /// A tier over `client`'s connection, its cache in `registry`.
+    pub fn new(client: RemoteClient, registry: &Registry) -> Self {
+        let commands = CommandClient::new(client.caller());
+        Self {
+            views: Views {
+                handle: ServiceHandle::with_registry(registry),
+                api: TasksServiceClient::new(client),
+            },
+            commands,
+        }
+    }
+}
+
+impl<C: Caller + Send + Sync + 'static> Backend for LiveTier<C> {
+    async fn list(&self, q: ListQuery) -> Result<Body, ApiError> {
+        self.views.page_body(q).await
+    }
+
+    async fn task(&self, id: Uuid) -> Result<Body, ApiError> {
+        self.views.task_body(id).await
+    }
+
+    async fn summary(&self, project: Uuid) -> Result<Body, ApiError> {
+        self.views.summary_body(project).await
+    }
+
+    async fn projects(&self) -> Result<Body, ApiError> {
+        self.views.projects_body().await
+    }
+
+    async fn create(&self, new: NewTask) -> Result<Task, ApiError> {
+        let task = new.into_task(now_micros());
+        self.commands
+            .run(&CreateTask { task: task.clone() })
+            .await
+            .map_err(api_error)?;
+        Ok(task)
+    }
+
+    async fn update(&self, id: Uuid, patch: TaskPatch) -> Result<Task, ApiError> {
+        let now = now_micros();
+        self.commands
+            .run(&UpdateTask { id, patch, now })
+            .await
+            .map_err(api_error)
+    }
+
+    async fn delete(&self, id: Uuid) -> Result<(), ApiError> {
+        self.commands
+            .run(&DeleteTask { id })
+            .await
+            .map_err(api_error)?;
+        Ok(())
+    }
+
+    async fn create_project(&self, new: NewProject) -> Result<Project, ApiError> {
+        let now = now_micros();
+        let project = Project {
+            id: new_id(now),
+            name: new.name,
+            created_at: now,
+        };
+        self.commands
+            .run(&CreateProject {
+                project: project.clone(),
+            })
+            .await
+            .map_err(api_error)?;
+        Ok(project)
+    }
+}

@@ -1,0 +1,131 @@
+//! `tasks`: serve the Tasks API, run a backend alone, or fill the database.
+//!
+//! ```sh
+//! cargo run --release -p coherent-tasks -- serve            # SQLite file tasks.db, coherent
+//! DATABASE_URL=postgres://... cargo run --release -p coherent-tasks -- seed --tasks 10000
+//! ```
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use coherent_tasks::app::{self, DbConfig, LiveBackend};
+use tokio::net::TcpListener;
+
+#[derive(Parser)]
+#[command(
+    name = "tasks",
+    about = "The Tasks API, served directly, through gRPC or through Coherent"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+    /// PostgreSQL to use instead of the SQLite file.
+    #[arg(long, env = "DATABASE_URL", global = true)]
+    database_url: Option<String>,
+    /// The PostgreSQL schema of the tables.
+    #[arg(long, default_value = "public", global = true)]
+    schema: String,
+    /// The SQLite file, when no PostgreSQL URL is given.
+    #[arg(long, default_value = "tasks.db", global = true)]
+    sqlite: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serves the HTTP API.
+    Serve {
+        /// Where HTTP listens.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+        /// What answers the requests.
+        #[arg(long, value_enum, default_value_t = Kind::Coherent)]
+        backend: Kind,
+        /// Backends to connect to (`coherent`: one or more, failing over; none: start one
+        /// in this process, on loopback).
+        #[arg(long)]
+        connect: Vec<SocketAddr>,
+    },
+    /// Runs a Coherent backend alone (HTTP tiers connect to it with `serve --connect`).
+    Backend {
+        /// Where its RPC endpoint listens.
+        #[arg(long, default_value = "127.0.0.1:7070")]
+        listen: SocketAddr,
+    },
+    /// Fills the database with projects and tasks.
+    Seed {
+        /// How many tasks.
+        #[arg(long, default_value_t = 10_000)]
+        tasks: usize,
+        /// How many projects they are spread over.
+        #[arg(long, default_value_t = 20)]
+        projects: usize,
+    },
+    /// Prints the OpenAPI document.
+    Openapi,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Kind {
+    /// A query per request.
+    Direct,
+    /// Replicas of a Coherent backend; writes as commands.
+    Coherent,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let db = match cli.database_url {
+        Some(url) => DbConfig::Postgres {
+            url,
+            schema: cli.schema,
+        },
+        None => DbConfig::Sqlite(cli.sqlite),
+    };
+    match cli.command {
+        Cmd::Serve {
+            listen,
+            backend,
+            connect,
+        } => {
+            // A backend started here serves as long as this process.
+            let mut _in_process = None;
+            let router = match backend {
+                Kind::Direct => app::direct_router(&db).await?,
+                Kind::Coherent => {
+                    let addrs = if connect.is_empty() {
+                        let listener = TcpListener::bind("127.0.0.1:0").await?;
+                        let b = LiveBackend::start(&db, listener, None).await?;
+                        let addrs = vec![b.addr];
+                        _in_process = Some(b);
+                        addrs
+                    } else {
+                        connect
+                    };
+                    app::live_router(&addrs).await?
+                }
+            };
+            let listener = TcpListener::bind(listen).await?;
+            eprintln!("tasks: serving http://{}/api/tasks", listener.local_addr()?);
+            app::serve_http(listener, router).await
+        }
+        Cmd::Backend { listen } => {
+            let b = LiveBackend::start(&db, TcpListener::bind(listen).await?, None).await?;
+            eprintln!("tasks: Coherent backend on {}", b.addr);
+            tokio::signal::ctrl_c().await?;
+            b.stop().await;
+            Ok(())
+        }
+        Cmd::Seed { tasks, projects } => {
+            let store = db.open(4).await?;
+            let ids = app::seed(&store, projects, tasks).await?;
+            eprintln!("tasks: {tasks} tasks in {} projects", ids.len());
+            Ok(())
+        }
+        Cmd::Openapi => {
+            println!("{}", coherent_tasks::openapi::document());
+            Ok(())
+        }
+    }
+}
