@@ -260,15 +260,17 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> R
         let path = e.path().to_string();
         let inner = e.into_inner();
         let message = inner.to_string();
-        // Missing and unknown fields are reported at the object, not the field: name it.
-        let quoted = message.split('`').nth(1).filter(|_| {
-            message.starts_with("missing field") || message.starts_with("unknown field")
-        });
-        let field = match quoted {
-            Some(name) if path == "." => name.to_owned(),
-            Some(name) => format!("{path}.{name}"),
-            None if path == "." => "body".to_owned(),
-            None => path,
+        // A missing field is reported at its object, not at itself: name it.
+        let missing = message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split('`').next());
+        let malformed = inner.is_eof() || path.starts_with('[');
+        let field = match (missing, path.as_str()) {
+            _ if malformed => "body".to_owned(),
+            (Some(name), ".") => name.to_owned(),
+            (Some(name), _) => format!("{path}.{name}"),
+            (None, ".") => "body".to_owned(),
+            (None, _) => path,
         };
         ApiError::invalid(&field, message)
     })

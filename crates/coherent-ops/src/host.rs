@@ -436,9 +436,14 @@ impl Host {
     /// Reads the log now and applies what is new; returns when done. Hosts do this on
     /// their own (after each notification without the operation, every poll interval,
     /// and after their notifier reconnects); call it to be sure that everything committed
-    /// before the call is applied here when it returns.
+    /// before the call is applied here when it returns (and, with
+    /// [`HostBuilder::after_invalidate`], has reached this host's clients).
     pub async fn catch_up(&self) -> Result<(), CommandError> {
-        self.inner.round().await
+        self.inner.round().await?;
+        if let Some(wait) = &self.inner.after_invalidate {
+            wait().await;
+        }
+        Ok(())
     }
 
     /// The operations this host applies from now on, as they are applied (its own
