@@ -75,6 +75,10 @@ pub enum ApiError {
     /// 404: no such task or project.
     #[error("{0} not found")]
     NotFound(String),
+    /// 404: a field of the request names something that does not exist (a new task's
+    /// project); the body names the field.
+    #[error("{}: {}", .0.field, .0.message)]
+    Unknown(Invalid),
     /// 413: the body is over [`MAX_BODY`].
     #[error("the request body is over {MAX_BODY} bytes")]
     TooLarge,
@@ -96,7 +100,7 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Invalid(_) => StatusCode::BAD_REQUEST,
-            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::NotFound(_) | Self::Unknown(_) => StatusCode::NOT_FOUND,
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -108,6 +112,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Invalid(i) => Self::Invalid(i),
+            StoreError::Unknown(i) => Self::Unknown(i),
             StoreError::Db(m) => Self::Internal(m),
         }
     }
@@ -130,7 +135,7 @@ impl From<coherent_rpc::RpcError> for ApiError {
 pub struct ErrorBody {
     /// What went wrong.
     pub error: String,
-    /// The field at fault, for a 400.
+    /// The field at fault, for a 400 (and a 404 caused by a field).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
 }
@@ -142,11 +147,11 @@ impl IntoResponse for ApiError {
         }
         let body = ErrorBody {
             field: match &self {
-                Self::Invalid(i) => Some(i.field.clone()),
+                Self::Invalid(i) | Self::Unknown(i) => Some(i.field.clone()),
                 _ => None,
             },
             error: match &self {
-                Self::Invalid(i) => i.message.clone(),
+                Self::Invalid(i) | Self::Unknown(i) => i.message.clone(),
                 other => other.to_string(),
             },
         };
@@ -255,6 +260,10 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> R
             ApiError::invalid("body", r.body_text())
         }
     })?;
+    // serde would also read a struct from an array of its fields: only objects are bodies.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid("body", "must be a JSON object"));
+    }
     let de = &mut serde_json::Deserializer::from_slice(&body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();

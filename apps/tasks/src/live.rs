@@ -187,10 +187,14 @@ impl Command for CreateProject {
     type Output = ();
 }
 
+/// Store errors as command errors; a field at fault travels as the JSON of [`Invalid`].
 fn command_error(e: StoreError) -> CommandError {
     match e {
         StoreError::Invalid(i) => {
             CommandError::rejected(serde_json::to_string(&i).unwrap_or_default())
+        }
+        StoreError::Unknown(i) => {
+            CommandError::not_found(serde_json::to_string(&i).unwrap_or_default())
         }
         StoreError::Db(m) => CommandError::new(ErrorKind::Database, m),
     }
@@ -201,7 +205,10 @@ fn api_error(e: CommandError) -> ApiError {
         ErrorKind::Rejected => ApiError::Invalid(
             serde_json::from_str(e.message()).unwrap_or_else(|_| Invalid::new("body", e.message())),
         ),
-        ErrorKind::NotFound => ApiError::NotFound(e.message().to_owned()),
+        ErrorKind::NotFound => match serde_json::from_str(e.message()) {
+            Ok(field) => ApiError::Unknown(field),
+            Err(_) => ApiError::NotFound(e.message().to_owned()),
+        },
         ErrorKind::Unavailable => ApiError::Unavailable(e.message().to_owned()),
         _ => ApiError::Internal(e.to_string()),
     }

@@ -179,10 +179,12 @@ pub const MAX_LIMIT: u32 = 100;
 pub struct NewTask {
     /// The project the task belongs to (it must exist).
     pub project: Uuid,
-    /// 1 to 200 characters.
+    /// 1 to 200 characters, not all blank.
+    #[schema(min_length = 1, max_length = 200, pattern = r"^[^\x00]*[^\s\x00][^\x00]*$")]
     pub title: String,
     /// Up to 10,000 characters (empty when absent).
     #[serde(default)]
+    #[schema(max_length = 10000, pattern = r"^[^\x00]*$")]
     pub description: String,
     /// `medium` when absent.
     #[serde(default)]
@@ -192,6 +194,7 @@ pub struct NewTask {
     pub status: Option<Status>,
     /// Who works on it (1 to 100 characters), if anyone.
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 100, pattern = r"^[^\x00]*$")]
     pub assignee: Option<String>,
 }
 
@@ -199,11 +202,13 @@ pub struct NewTask {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TaskPatch {
-    /// A new title.
+    /// A new title (1 to 200 characters, not all blank).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(min_length = 1, max_length = 200, pattern = r"^[^\x00]*[^\s\x00][^\x00]*$")]
     pub title: Option<String>,
-    /// A new description.
+    /// A new description (up to 10,000 characters).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 10000, pattern = r"^[^\x00]*$")]
     pub description: Option<String>,
     /// A new priority.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -217,7 +222,7 @@ pub struct TaskPatch {
         deserialize_with = "present",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schema(value_type = Option<String>)]
+    #[schema(value_type = Option<String>, min_length = 1, max_length = 100, pattern = r"^[^\x00]*$")]
     pub assignee: Option<Option<String>>,
 }
 
@@ -230,7 +235,8 @@ fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D:
 #[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewProject {
-    /// 1 to 200 characters.
+    /// 1 to 200 characters, not all blank.
+    #[schema(min_length = 1, max_length = 200, pattern = r"^[^\x00]*[^\s\x00][^\x00]*$")]
     pub name: String,
 }
 
@@ -261,18 +267,21 @@ fn check_len(field: &str, value: &str, min: usize, max: usize) -> Result<(), Inv
             format!("must be {min} to {max} characters, not {n}"),
         ));
     }
-    if value
-        .chars()
-        .any(|c| c.is_control() && c != '\n' && c != '\t')
-    {
-        return Err(Invalid::new(field, "must not contain control characters"));
+    // PostgreSQL's text cannot hold NUL; no field needs it.
+    if value.contains('\0') {
+        return Err(Invalid::new(field, "must not contain NUL characters"));
     }
     Ok(())
 }
 
 fn check_title(field: &str, title: &str) -> Result<(), Invalid> {
     check_len(field, title, 1, 200)?;
-    if title.trim().is_empty() {
+    // Blank: every character is white space, as Unicode (and Python's `\s`, which the
+    // schema's pattern is checked with, also counting U+001C to U+001F) says.
+    if title
+        .chars()
+        .all(|c| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c))
+    {
         return Err(Invalid::new(field, "must not be blank"));
     }
     Ok(())

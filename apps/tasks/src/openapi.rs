@@ -83,7 +83,8 @@ fn list_tasks() {}
     request_body = NewTask,
     responses(
         (status = 201, description = "Created", body = Task),
-        (status = 400, description = "A bad field (an unknown project included)", body = ErrorBody),
+        (status = 400, description = "A bad field", body = ErrorBody),
+        (status = 404, description = "No such project (`field` is `project`)", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
     )
 )]

@@ -14,9 +14,12 @@ use crate::model::{Invalid, ListQuery, Page, Priority, Project, Status, Task, Ta
 /// What a database call can answer besides its value.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
-    /// A field names something that does not exist (a task's project).
+    /// A field is invalid.
     #[error("{}: {}", .0.field, .0.message)]
     Invalid(Invalid),
+    /// A field names something that does not exist (a task's project).
+    #[error("{}: {}", .0.field, .0.message)]
+    Unknown(Invalid),
     /// The database failed (or a connection could not be had).
     #[error("database: {0}")]
     Db(String),
@@ -25,9 +28,13 @@ pub enum StoreError {
 impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {
         if e.code() == Some(&tokio_postgres::error::SqlState::FOREIGN_KEY_VIOLATION) {
-            return Self::Invalid(Invalid::new("project", "no such project"));
+            return Self::Unknown(Invalid::new("project", "no such project"));
         }
-        Self::Db(e.to_string())
+        // The server's own message: `Display` of a server error says only "db error".
+        match e.as_db_error() {
+            Some(db) => Self::Db(format!("{} ({})", db.message(), db.code().code())),
+            None => Self::Db(e.to_string()),
+        }
     }
 }
 
@@ -35,7 +42,7 @@ impl From<rusqlite::Error> for StoreError {
     fn from(e: rusqlite::Error) -> Self {
         if let rusqlite::Error::SqliteFailure(f, _) = &e {
             if f.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_FOREIGNKEY {
-                return Self::Invalid(Invalid::new("project", "no such project"));
+                return Self::Unknown(Invalid::new("project", "no such project"));
             }
         }
         Self::Db(e.to_string())
@@ -772,7 +779,7 @@ pub mod lite {
             t.updated_at
         ])?;
         if n == 0 {
-            return Err(StoreError::Invalid(Invalid::new(
+            return Err(StoreError::Unknown(Invalid::new(
                 "project",
                 "no such project",
             )));

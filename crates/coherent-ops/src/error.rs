@@ -80,7 +80,12 @@ impl From<rusqlite::Error> for CommandError {
 
 impl From<tokio_postgres::Error> for CommandError {
     fn from(e: tokio_postgres::Error) -> Self {
-        Self::new(ErrorKind::Database, format!("postgres: {e}"))
+        // The server's own message: `Display` of a server error says only "db error".
+        let message = match e.as_db_error() {
+            Some(db) => format!("postgres: {} ({})", db.message(), db.code().code()),
+            None => format!("postgres: {e}"),
+        };
+        Self::new(ErrorKind::Database, message)
     }
 }
 

@@ -227,10 +227,19 @@ async fn routes(s: &Server) {
         post(json!({"project": "nope", "title": "x"})).await.field(),
         "project"
     );
+    let r = post(json!({"project": nobody, "title": "x"})).await;
     assert_eq!(
-        post(json!({"project": nobody, "title": "x"})).await.field(),
-        "project",
+        r.status,
+        StatusCode::NOT_FOUND,
         "{kind:?}: an unknown project"
+    );
+    assert_eq!(r.json()["field"], "project");
+    let second_path = format!("/api/tasks/{}", second["id"].as_str().unwrap());
+    assert_eq!(
+        s.send_raw(Method::PATCH, &second_path, "[null]")
+            .await
+            .field(),
+        "body"
     );
     assert_eq!(
         post(json!({"project": project, "title": "x", "assignee": "a".repeat(101)}))
