@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
-    /// PostgreSQL to use instead of the SQLite file.
+    /// PostgreSQL to use instead of the SQLite file (empty: none).
     #[arg(long, env = "DATABASE_URL", global = true)]
     database_url: Option<String>,
     /// The PostgreSQL schema of the tables.
@@ -76,7 +76,7 @@ enum Kind {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let db = match cli.database_url {
+    let db = match cli.database_url.filter(|u| !u.is_empty()) {
         Some(url) => DbConfig::Postgres {
             url,
             schema: cli.schema,

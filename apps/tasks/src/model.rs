@@ -180,7 +180,11 @@ pub struct NewTask {
     /// The project the task belongs to (it must exist).
     pub project: Uuid,
     /// 1 to 200 characters, not all blank.
-    #[schema(min_length = 1, max_length = 200, pattern = r"^[^\x00]*[^\s\x00][^\x00]*$")]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00]*[^\s\x00][^\x00]*$"
+    )]
     pub title: String,
     /// Up to 10,000 characters (empty when absent).
     #[serde(default)]
@@ -204,7 +208,11 @@ pub struct NewTask {
 pub struct TaskPatch {
     /// A new title (1 to 200 characters, not all blank).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(min_length = 1, max_length = 200, pattern = r"^[^\x00]*[^\s\x00][^\x00]*$")]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00]*[^\s\x00][^\x00]*$"
+    )]
     pub title: Option<String>,
     /// A new description (up to 10,000 characters).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -236,7 +244,11 @@ fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D:
 #[serde(deny_unknown_fields)]
 pub struct NewProject {
     /// 1 to 200 characters, not all blank.
-    #[schema(min_length = 1, max_length = 200, pattern = r"^[^\x00]*[^\s\x00][^\x00]*$")]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00]*[^\s\x00][^\x00]*$"
+    )]
     pub name: String,
 }
 
