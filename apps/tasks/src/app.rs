@@ -184,3 +184,25 @@ pub async fn seed(store: &Store, projects: usize, tasks: usize) -> anyhow::Resul
     }
     Ok(ids)
 }
+
+/// Starts the `grpc` backend's `Tasks` service over `db` on `listener`, in a task of its own.
+/// Answers the address it listens on, and the task (abort it to stop serving).
+pub async fn start_grpc_backend(
+    db: &DbConfig,
+    listener: TcpListener,
+) -> anyhow::Result<(SocketAddr, JoinHandle<()>)> {
+    let store = db.open(32).await?;
+    let addr = listener.local_addr()?;
+    let serving = tokio::spawn(async move {
+        if let Err(e) = crate::grpc::serve_grpc(store, listener).await {
+            tracing::error!(error = %format!("{e:#}"), "the gRPC backend stopped");
+        }
+    });
+    Ok((addr, serving))
+}
+
+/// The HTTP router of a `grpc` tier connected to the `Tasks` gRPC service at `addr`.
+pub async fn grpc_router(addr: SocketAddr) -> anyhow::Result<axum::Router> {
+    let tier = crate::grpc::GrpcTier::connect(addr).await?;
+    Ok(api::router(Arc::new(tier)))
+}

@@ -2,7 +2,8 @@
 //! SQLite, served by one of three backends behind the same routes:
 //!
 //! - `direct` ([`direct::Direct`]): a query per request;
-//! - `grpc`: the HTTP tier calls a tonic backend over loopback that queries the database;
+//! - `grpc` ([`grpc::GrpcTier`], [`grpc::GrpcServer`]): the HTTP tier calls a tonic backend
+//!   over loopback that queries the database;
 //! - `coherent` ([`live`]): the HTTP tier answers from replicas of a Coherent backend's
 //!   compute methods, and writes are commands through `coherent-ops`, so that any number of
 //!   tiers and backends stay exact.
@@ -12,6 +13,7 @@
 pub mod api;
 pub mod app;
 pub mod direct;
+pub mod grpc;
 pub mod live;
 pub mod model;
 pub mod openapi;

@@ -41,8 +41,8 @@ enum Cmd {
         /// What answers the requests.
         #[arg(long, value_enum, default_value_t = Kind::Coherent)]
         backend: Kind,
-        /// Backends to connect to (`coherent`: one or more, failing over; none: start one
-        /// in this process, on loopback).
+        /// Backends to connect to (`coherent`: one or more, failing over; `grpc`: one;
+        /// none: start one in this process, on loopback).
         #[arg(long)]
         connect: Vec<SocketAddr>,
     },
@@ -50,6 +50,13 @@ enum Cmd {
     Backend {
         /// Where its RPC endpoint listens.
         #[arg(long, default_value = "127.0.0.1:7070")]
+        listen: SocketAddr,
+    },
+    /// Runs the `grpc` backend's gRPC service alone (HTTP tiers connect to it with
+    /// `serve --backend grpc --connect`).
+    GrpcBackend {
+        /// Where the gRPC service listens.
+        #[arg(long, default_value = "127.0.0.1:7071")]
         listen: SocketAddr,
     },
     /// Fills the database with projects and tasks.
@@ -69,6 +76,8 @@ enum Cmd {
 enum Kind {
     /// A query per request.
     Direct,
+    /// A gRPC service over loopback that queries the database.
+    Grpc,
     /// Replicas of a Coherent backend; writes as commands.
     Coherent,
 }
@@ -93,6 +102,20 @@ async fn main() -> anyhow::Result<()> {
             let mut _in_process = None;
             let router = match backend {
                 Kind::Direct => app::direct_router(&db).await?,
+                Kind::Grpc => {
+                    let addr = match connect.as_slice() {
+                        [] => {
+                            let listener = TcpListener::bind("127.0.0.1:0").await?;
+                            // It serves as long as this process (dropping the handle
+                            // leaves the task running).
+                            let (addr, _serving) = app::start_grpc_backend(&db, listener).await?;
+                            addr
+                        }
+                        [addr] => *addr,
+                        _ => anyhow::bail!("the grpc backend connects to one address"),
+                    };
+                    app::grpc_router(addr).await?
+                }
                 Kind::Coherent => {
                     let addrs = if connect.is_empty() {
                         let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -116,6 +139,15 @@ async fn main() -> anyhow::Result<()> {
             tokio::signal::ctrl_c().await?;
             b.stop().await;
             Ok(())
+        }
+        Cmd::GrpcBackend { listen } => {
+            let listener = TcpListener::bind(listen).await?;
+            let store = db.open(32).await?;
+            eprintln!("tasks: gRPC backend on {}", listener.local_addr()?);
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => Ok(r?),
+                r = coherent_tasks::grpc::serve_grpc(store, listener) => r,
+            }
         }
         Cmd::Seed { tasks, projects } => {
             let store = db.open(4).await?;
