@@ -205,7 +205,6 @@ pub(crate) trait Workload: Send + Sync + 'static {
 }
 
 /// The outcome of a [`run`]: counts over the measured window and the latency histogram.
-#[derive(Debug)]
 pub(crate) struct LoadResult {
     /// Responses fully received in the window, whatever their status and check.
     pub(crate) requests: u64,
@@ -225,6 +224,24 @@ pub(crate) struct LoadResult {
     pub(crate) latency: Histogram<u64>,
     /// The first few error messages, for the report.
     pub(crate) first_errors: Vec<String>,
+}
+
+impl std::fmt::Debug for LoadResult {
+    /// The counts and a few percentiles: the histogram's own `Debug` lists every bucket.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadResult")
+            .field("requests", &self.requests)
+            .field("errors", &self.errors)
+            .field("non_2xx", &self.non_2xx)
+            .field("not_modified", &self.not_modified)
+            .field("reconnects", &self.reconnects)
+            .field("elapsed", &self.elapsed)
+            .field("p50_ms", &self.p50_ms())
+            .field("p99_ms", &self.p99_ms())
+            .field("max_ms", &(self.latency.max() as f64 / 1000.0))
+            .field("first_errors", &self.first_errors)
+            .finish()
+    }
 }
 
 impl LoadResult {
@@ -554,23 +571,28 @@ impl Client {
         // The total length of the message, once the head is parsed and the body has a length:
         // no need to parse again until that many bytes are in.
         let mut wanted = 0;
+        // False after an interim response, whose successor may be buffered already.
+        let mut read_first = true;
         loop {
-            if self.read.capacity() - self.read.len() < MIN_SPARE {
-                self.read.reserve(READ_CHUNK);
-            }
-            let read = self
-                .stream
-                .read_buf(&mut self.read)
-                .await
-                .map_err(|e| format!("reading the response: {e}"))?;
-            if read == 0 {
-                if self.read.is_empty() {
-                    return Err("the server closed the connection before responding".into());
+            if read_first {
+                if self.read.capacity() - self.read.len() < MIN_SPARE {
+                    self.read.reserve(READ_CHUNK);
                 }
-                eof = true;
-            } else if self.read.len() < wanted {
-                continue;
+                let read = self
+                    .stream
+                    .read_buf(&mut self.read)
+                    .await
+                    .map_err(|e| format!("reading the response: {e}"))?;
+                if read == 0 {
+                    if self.read.is_empty() {
+                        return Err("the server closed the connection before responding".into());
+                    }
+                    eof = true;
+                } else if self.read.len() < wanted {
+                    continue;
+                }
             }
+            read_first = true;
             let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
             let mut head = httparse::Response::new(&mut headers);
             let head_len = match head.parse(&self.read) {
@@ -586,6 +608,7 @@ impl Client {
                 // An interim response (100 Continue): drop it and read the final one.
                 self.read.drain(..head_len);
                 wanted = 0;
+                read_first = self.read.is_empty();
                 continue;
             }
             let mut keep_alive = head.version == Some(1);

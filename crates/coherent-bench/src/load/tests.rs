@@ -247,6 +247,97 @@ fn load_counts_statuses_and_reconnects() {
     assert!(closed.reconnects > 0);
 }
 
+/// A server on 127.0.0.1 that answers every request on a connection with `response` (written
+/// at once), and closes the connection after it when `close` is set. Its thread is left
+/// behind, blocked in `accept`, when the test ends.
+fn raw_server(response: &'static [u8], close: bool) -> SocketAddr {
+    use std::io::{Read as _, Write as _};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("local addr");
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            std::thread::spawn(move || {
+                let mut request = Vec::new();
+                let mut buf = [0; 4096];
+                while let Ok(read @ 1..) = stream.read(&mut buf) {
+                    request.extend_from_slice(&buf[..read]);
+                    // The tests send GETs: a request ends with its head.
+                    while let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+                        request.drain(..end + 4);
+                        if stream.write_all(response).is_err() || close {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// GETs of `/`, with a check that the body is `body`.
+struct Body(&'static [u8]);
+
+impl Workload for Body {
+    type Conn = ();
+
+    fn connection(&self, _index: usize) -> Self::Conn {}
+
+    fn next(&self, _conn: &mut Self::Conn) -> Request {
+        Request::get("/")
+    }
+
+    fn check(
+        &self,
+        _conn: &mut Self::Conn,
+        _req: &Request,
+        resp: &Response<'_>,
+        _sent: Instant,
+        _done: Instant,
+    ) -> Result<(), String> {
+        if resp.status == 200 && resp.body == self.0 {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} {:?}",
+                resp.status,
+                String::from_utf8_lossy(resp.body)
+            ))
+        }
+    }
+}
+
+#[test]
+fn load_reads_interim_responses_bodies_until_close_and_trailers() {
+    let config = LoadConfig {
+        threads: 1,
+        connections: 2,
+        duration: Duration::from_millis(200),
+        warmup: Duration::ZERO,
+    };
+    let cases: [(&[u8], bool, &[u8]); 3] = [
+        (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+            false,
+            b"ok",
+        ),
+        (b"HTTP/1.0 200 OK\r\n\r\nuntil close", true, b"until close"),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\nwith\r\n9\r\n trailers\r\n0\r\nx-sum: 1\r\n\r\n",
+            false,
+            b"with trailers",
+        ),
+    ];
+    for (response, close, body) in cases {
+        let addr = raw_server(response, close);
+        let result = run(addr, &config, Arc::new(Body(body))).expect("run");
+        assert!(result.requests > 0, "{result:?}");
+        assert_eq!(result.errors, 0, "{:?}", result.first_errors);
+        assert_eq!(result.reconnects > 0, close);
+    }
+}
+
 #[test]
 fn load_fails_when_nothing_listens() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
