@@ -515,7 +515,7 @@ async fn drive_connection<W: Workload>(
 /// How the length of a response body is known.
 #[derive(Clone, Copy, Debug)]
 enum Framing {
-    /// `Content-Length` bytes (0 for 1xx, 204, 304 and responses to `HEAD`).
+    /// `Content-Length` bytes (none for 204, 304 and responses to `HEAD`).
     Length(usize),
     /// `Transfer-Encoding: chunked`.
     Chunked,
