@@ -10,6 +10,7 @@
 
 mod chart;
 mod cluster;
+mod load;
 mod local;
 mod remote;
 mod report;
