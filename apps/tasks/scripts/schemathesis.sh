@@ -61,6 +61,7 @@ run() {
 
 run sqlite-coherent coherent --sqlite "$work/coherent.db" --database-url ""
 run sqlite-direct direct --sqlite "$work/direct.db" --database-url ""
+run sqlite-grpc grpc --sqlite "$work/grpc.db" --database-url ""
 if [[ -n ${DATABASE_URL:-} ]]; then
     schema=st_$$
     run postgres-coherent coherent --database-url "$DATABASE_URL" --schema "$schema"

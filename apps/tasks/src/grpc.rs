@@ -315,15 +315,27 @@ pub fn invalid_status(i: &Invalid) -> tonic::Status {
     status
 }
 
+/// `NOT_FOUND` caused by a field (a new task's unknown project): the field in
+/// [`FIELD_METADATA`], the message as is.
+fn unknown_status(i: &Invalid) -> tonic::Status {
+    let mut status = tonic::Status::not_found(i.message.clone());
+    if let Ok(v) = MetadataValue::try_from(i.field.as_str()) {
+        status.metadata_mut().insert(FIELD_METADATA, v);
+    }
+    status
+}
+
 fn store_status(e: StoreError) -> tonic::Status {
     match e {
         StoreError::Invalid(i) => invalid_status(&i),
+        StoreError::Unknown(i) => unknown_status(&i),
         StoreError::Db(m) => tonic::Status::internal(format!("database: {m}")),
     }
 }
 
 /// The [`ApiError`] a status from the backend stands for: `INVALID_ARGUMENT` is a 400
-/// naming the field, `NOT_FOUND` a 404, `UNAVAILABLE` a 503, anything else a 500.
+/// naming the field, `NOT_FOUND` a 404 (naming the field when it says one), `UNAVAILABLE` a
+/// 503, anything else a 500.
 pub fn api_error(s: &tonic::Status) -> ApiError {
     match s.code() {
         Code::InvalidArgument => {
@@ -348,7 +360,10 @@ pub fn api_error(s: &tonic::Status) -> ApiError {
             };
             ApiError::Invalid(Invalid::new(field, message))
         }
-        Code::NotFound => ApiError::NotFound(s.message().to_owned()),
+        Code::NotFound => match s.metadata().get(FIELD_METADATA).map(|v| v.to_str()) {
+            Some(Ok(field)) => ApiError::Unknown(Invalid::new(field, s.message())),
+            _ => ApiError::NotFound(s.message().to_owned()),
+        },
         Code::Unavailable => ApiError::Unavailable(s.message().to_owned()),
         code => ApiError::Internal(format!("gRPC backend: {code:?}: {}", s.message())),
     }

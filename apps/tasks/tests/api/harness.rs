@@ -16,10 +16,11 @@ use tokio::task::JoinHandle;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Direct,
+    Grpc,
     Coherent,
 }
 
-pub(crate) const KINDS: [Kind; 2] = [Kind::Direct, Kind::Coherent];
+pub(crate) const KINDS: [Kind; 3] = [Kind::Direct, Kind::Grpc, Kind::Coherent];
 
 /// A fresh database: a SQLite file in a temporary directory, or a fresh schema of the
 /// PostgreSQL at `DATABASE_URL`.
@@ -91,11 +92,15 @@ pub(crate) struct Server {
     pub(crate) client: Http,
     http: JoinHandle<()>,
     pub(crate) backend: Option<LiveBackend>,
+    grpc: Option<JoinHandle<()>>,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
         self.http.abort();
+        if let Some(g) = &self.grpc {
+            g.abort();
+        }
     }
 }
 
@@ -124,6 +129,7 @@ pub(crate) async fn live_tier(addrs: &[SocketAddr]) -> Server {
         client: Http::new(),
         http,
         backend: None,
+        grpc: None,
     }
 }
 
@@ -138,6 +144,20 @@ pub(crate) async fn start(kind: Kind, db: &DbConfig) -> Server {
                 client: Http::new(),
                 http,
                 backend: None,
+                grpc: None,
+            }
+        }
+        Kind::Grpc => {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let (addr, backend) = app::start_grpc_backend(db, listener).await.unwrap();
+            let (base, http) = serve(app::grpc_router(addr).await.unwrap()).await;
+            Server {
+                kind,
+                base,
+                client: Http::new(),
+                http,
+                backend: None,
+                grpc: Some(backend),
             }
         }
         Kind::Coherent => {
