@@ -2,7 +2,7 @@
 //! same run, on the same machine, and reporting ratios.
 //!
 //! ```text
-//! cargo run --release -p coherent-bench -- local|rpc|remote|cluster [--json out.json] [--chart out.svg] [--quick] [--seconds N]
+//! cargo run --release -p coherent-bench -- local|rpc|remote|cluster|tasks [--json out.json] [--chart out.svg] [--quick] [--seconds N]
 //! ```
 //!
 //! `--chart PATH` writes an SVG of the run: a bar panel per row group, ours against each peer,
@@ -15,6 +15,7 @@ mod local;
 mod remote;
 mod report;
 mod rpc;
+mod tasks;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -44,7 +45,8 @@ struct Cli {
     #[arg(long, global = true, default_value_t = 3.0)]
     seconds: f64,
     /// Run only the `rpc` cases under this name (`calls`, `calls.sum`, `streams`,
-    /// `streams.1`, `latency`, `payload`): for iterating on one part.
+    /// `streams.1`, `latency`, `payload`), or only the `tasks` rows whose name contains this
+    /// (`mixed`, `tasks.sqlite`, `get_one.coherent`): for iterating on one part.
     #[arg(long, global = true)]
     only: Option<String>,
 }
@@ -64,6 +66,13 @@ enum Suite {
     /// cached readers against direct queries and a 1 s TTL cache, stale reads counted;
     /// commands against plain writes; propagation over LISTEN/NOTIFY and NATS.
     Cluster,
+    /// The Tasks API (apps/tasks) under an HTTP load generator in the shape of wrk: its
+    /// `direct`, `grpc` and `coherent` backends side by side, on PostgreSQL and SQLite.
+    Tasks {
+        /// Also run the real `wrk` (Debian package) for every row, reported beside ours.
+        #[arg(long)]
+        wrk: bool,
+    },
     /// A host of the `cluster` suite (the suite starts these as child processes).
     #[command(hide = true)]
     ClusterHost(cluster::HostArgs),
@@ -110,8 +119,8 @@ impl Timing {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if cli.only.is_some() && !matches!(cli.suite, Suite::Rpc) {
-        anyhow::bail!("--only applies to the rpc suite");
+    if cli.only.is_some() && !matches!(cli.suite, Suite::Rpc | Suite::Tasks { .. }) {
+        anyhow::bail!("--only applies to the rpc and tasks suites");
     }
     let timing = Timing::from_cli(&cli);
     let report = match &cli.suite {
@@ -124,6 +133,7 @@ fn main() -> anyhow::Result<()> {
         Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Remote => remote::run(timing)?,
         Suite::Cluster => cluster::run(timing)?,
+        Suite::Tasks { wrk } => tasks::run(timing, *wrk, cli.only.as_deref().unwrap_or(""))?,
         Suite::ClusterHost(args) => return cluster::host::main(args.clone()),
     };
     report.print_table();

@@ -20,9 +20,6 @@
 //!
 //! [`wrk`] runs the real wrk binary, when it is installed, for a reference row.
 
-// No suite uses the generator yet (the `tasks` suite will); the tests use all of it.
-#![cfg_attr(not(test), allow(dead_code))]
-
 pub(crate) mod wrk;
 
 use std::cell::RefCell;
@@ -115,6 +112,7 @@ impl Request {
     }
 
     /// This request with the header `name: value` added.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn with_header(mut self, name: &'static str, value: impl Into<String>) -> Self {
         self.headers.push((name, value.into()));
         self
@@ -156,11 +154,13 @@ pub(crate) struct Response<'a> {
     /// The status code.
     pub(crate) status: u16,
     /// The headers, in the order the server wrote them.
+    #[cfg_attr(not(test), allow(dead_code))]
     headers: &'a [httparse::Header<'a>],
     /// The body (decoded, when it came in chunks).
     pub(crate) body: &'a [u8],
 }
 
+#[cfg_attr(not(test), allow(dead_code))]
 impl<'a> Response<'a> {
     /// The value of the first header named `name` (compared without regard to case).
     pub(crate) fn header(&self, name: &str) -> Option<&'a [u8]> {

@@ -22,6 +22,7 @@ const LINE_PREFIX: &str = "coherent-wrk ";
 #[derive(Clone, Debug)]
 pub(crate) enum WrkScript {
     /// A `GET` of one path, again and again.
+    #[cfg_attr(not(test), allow(dead_code))]
     Get {
         /// The request target.
         path: String,
@@ -54,6 +55,7 @@ pub(crate) enum WrkScript {
 #[derive(Clone, Debug)]
 pub(crate) struct WrkResult {
     /// Responses received.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) requests: u64,
     /// Responses per second over wrk's own measured duration.
     pub(crate) rps: f64,
@@ -229,4 +231,14 @@ fn parse_output(stdout: &str) -> anyhow::Result<WrkResult> {
         errors: field("errors")?,
         bad_status: field("bad_status")?,
     })
+}
+
+/// Whether the `wrk` binary can be run.
+pub(crate) fn wrk_installed() -> bool {
+    Command::new("wrk")
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok()
 }

@@ -1,0 +1,625 @@
+//! The `tasks` suite: the Tasks API (apps/tasks) measured the way its users measure it, by a
+//! closed-loop HTTP load generator in the shape of wrk (4 threads, 50 keep-alive connections),
+//! against its three backends behind the same routes: `direct` (a query per request),
+//! `grpc` (a tonic backend over loopback) and `coherent` (replicas of a Coherent backend,
+//! writes as commands). PostgreSQL with 10,000 tasks in 20 projects, then the same on SQLite
+//! (rows `tasks.sqlite.*`). With `--wrk`, the real wrk runs every row too.
+//!
+//! `tasks.mixed.*` checks every read of a task against the writes that returned before the
+//! read was sent (see [`Mixed`]): `stale_reads` must be 0.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use coherent_tasks::app::{self, DbConfig, LiveBackend};
+use coherent_tasks::model::{ListQuery, Status, MAX_LIMIT};
+use coherent_tasks::store::Store;
+use hyper::Method;
+use rand::rngs::SmallRng;
+use rand::{RngExt as _, SeedableRng as _};
+use tokio::net::TcpListener;
+
+use crate::load::wrk::{self, WrkScript};
+use crate::load::{self, LoadConfig, LoadResult, Request, Response, Workload};
+use crate::report::{Report, Row};
+use crate::Timing;
+
+const PROJECTS: usize = 20;
+const TASKS: usize = 10_000;
+/// The tasks the mixed rows read and write.
+const HOT: usize = 1_000;
+const BACKENDS: [&str; 3] = ["direct", "grpc", "coherent"];
+
+/// Runs the suite.
+pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<Report> {
+    let mut report = Report::new("tasks");
+    // The servers' runtime; the load generator runs on threads of its own.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let schema = format!("bench_tasks_{}", std::process::id());
+    let pg = DbConfig::Postgres {
+        url: url.clone(),
+        schema: schema.clone(),
+    };
+    let dir = tempfile::tempdir()?;
+    let sqlite = DbConfig::Sqlite(dir.path().join("tasks.db"));
+    let reachable = runtime.block_on(async {
+        tokio::time::timeout(Duration::from_secs(3), pg.open(2))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    });
+    let mut dbs = Vec::new();
+    if reachable {
+        dbs.push(("tasks", &pg));
+    } else {
+        report.note(format!(
+            "PostgreSQL at {url} is not reachable: only the SQLite rows ran"
+        ));
+    }
+    dbs.push(("tasks.sqlite", &sqlite));
+    for (prefix, db) in dbs {
+        let wanted = |name: &str| only.is_empty() || name.contains(only);
+        let any = ["get_list", "get_one", "summary", "post", "mixed"]
+            .iter()
+            .flat_map(|n| BACKENDS.map(|b| format!("{prefix}.{n}.{b}")))
+            .any(|n| wanted(&n));
+        if !any {
+            continue;
+        }
+        let result = measure(&runtime, db, prefix, timing, with_wrk, only, &mut report);
+        if let DbConfig::Postgres { url, schema } = db {
+            runtime.block_on(drop_schema(url, schema));
+        }
+        result?;
+    }
+    report.note(format!(
+        "{TASKS} tasks in {PROJECTS} projects; the load generator: {} threads, {} keep-alive connections, closed loop; servers on one {}-thread tokio runtime in this process, backends on loopback",
+        config(timing).threads,
+        config(timing).connections,
+        crate::report::cores()
+    ));
+    report.note("get_list: the first page (20) of a random project, all or one status; get_one: a random task; summary: a random project's counts; post: a new task in a random project");
+    report.note(format!("mixed: {HOT} tasks; 95% GET of one, 5% PATCH of its status (never two writes to one task at once); a read is checked when no write to its task was in flight while it ran, against the last write that returned before it was sent"));
+    if with_wrk && wrk::wrk_installed() {
+        report.note("wrk_*: the same row run by wrk (its own Lua script), right after ours");
+    } else if with_wrk {
+        report.note(wrk::WRK_MISSING);
+    }
+    Ok(report)
+}
+
+async fn drop_schema(url: &str, schema: &str) {
+    if let Ok((client, conn)) = tokio_postgres::connect(url, tokio_postgres::NoTls).await {
+        tokio::spawn(conn);
+        let _ = client
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            .await;
+    }
+}
+
+fn config(timing: Timing) -> LoadConfig {
+    LoadConfig {
+        threads: 4,
+        connections: 50,
+        duration: timing.run,
+        warmup: timing.warmup,
+    }
+}
+
+/// The three HTTP tiers over one database.
+struct Servers {
+    addrs: Vec<(&'static str, SocketAddr)>,
+    _live: LiveBackend,
+    tasks: Vec<uuid::Uuid>,
+    projects: Vec<uuid::Uuid>,
+}
+
+async fn start_servers(db: &DbConfig) -> anyhow::Result<Servers> {
+    let store = db.open(4).await?;
+    let projects = app::seed(&store, PROJECTS, TASKS).await?;
+    let tasks = all_tasks(&store).await?;
+    let mut addrs = Vec::new();
+    for name in BACKENDS {
+        let router = match name {
+            "direct" => app::direct_router(db).await?,
+            "grpc" => {
+                let listener = TcpListener::bind("127.0.0.1:0").await?;
+                let (addr, _serving) = app::start_grpc_backend(db, listener).await?;
+                app::grpc_router(addr).await?
+            }
+            _ => continue,
+        };
+        addrs.push((name, serve(router).await?));
+    }
+    let live = LiveBackend::start(db, TcpListener::bind("127.0.0.1:0").await?, None).await?;
+    addrs.push((
+        "coherent",
+        serve(app::live_router(&[live.addr]).await?).await?,
+    ));
+    Ok(Servers {
+        addrs,
+        _live: live,
+        tasks,
+        projects,
+    })
+}
+
+async fn serve(router: axum::Router) -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        if let Err(e) = app::serve_http(listener, router).await {
+            eprintln!("tasks: an HTTP server stopped: {e}");
+        }
+    });
+    Ok(addr)
+}
+
+/// Every task's id, newest first.
+async fn all_tasks(store: &Store) -> anyhow::Result<Vec<uuid::Uuid>> {
+    let mut ids = Vec::with_capacity(TASKS);
+    let mut after = None;
+    loop {
+        let (page, next) = store
+            .list_ids(ListQuery {
+                project: None,
+                status: None,
+                limit: MAX_LIMIT,
+                after,
+            })
+            .await?;
+        ids.extend(page);
+        match next {
+            Some(n) => after = Some(n),
+            None => return Ok(ids),
+        }
+    }
+}
+
+fn measure(
+    runtime: &tokio::runtime::Runtime,
+    db: &DbConfig,
+    prefix: &str,
+    timing: Timing,
+    with_wrk: bool,
+    only: &str,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let wanted = |name: &str, backend: &str| {
+        only.is_empty() || format!("{prefix}.{name}.{backend}").contains(only)
+    };
+    let servers = runtime
+        .block_on(start_servers(db))
+        .with_context(|| format!("starting the servers for {prefix}"))?;
+    let lists: Vec<String> = servers
+        .projects
+        .iter()
+        .flat_map(|p| {
+            std::iter::once(format!("/api/tasks?project={p}&limit=20")).chain(
+                Status::ALL
+                    .iter()
+                    .map(move |s| format!("/api/tasks?project={p}&status={}&limit=20", s.name())),
+            )
+        })
+        .collect();
+    let ones: Vec<String> = servers
+        .tasks
+        .iter()
+        .map(|id| format!("/api/tasks/{id}"))
+        .collect();
+    let summaries: Vec<String> = servers
+        .projects
+        .iter()
+        .map(|p| format!("/api/projects/{p}/summary"))
+        .collect();
+    let hot: Vec<uuid::Uuid> = servers.tasks.iter().take(HOT).copied().collect();
+    let config = config(timing);
+    let progress = crate::report::progress(5 * BACKENDS.len() as u64);
+    let row = |name: &str, backend: &str, result: LoadResult, script: Option<WrkScript>| {
+        let full = format!("{prefix}.{name}.{backend}");
+        let mut r = Row::new(&full, result.rps(), "req/s")
+            .with("p50_ms", round2(result.p50_ms()))
+            .with("p99_ms", round2(result.p99_ms()))
+            .with("p999_ms", round2(result.p999_ms()))
+            .with("requests", result.requests)
+            .with("errors", result.errors)
+            .with("non_2xx", result.non_2xx);
+        if let Some(e) = result.first_errors.first() {
+            r = r.with("first_error", e.clone());
+        }
+        if backend != "direct" {
+            r = r.compared_to(&format!("{prefix}.{name}.direct"));
+        }
+        let addr = servers
+            .addrs
+            .iter()
+            .find(|(n, _)| *n == backend)
+            .map(|(_, a)| *a);
+        if let (true, Some(script), Some(addr)) = (with_wrk, script, addr) {
+            match wrk::run_wrk(addr, &config, &script) {
+                Ok(Some(w)) => {
+                    r = r
+                        .with("wrk_rps", w.rps.round())
+                        .with("wrk_p50_ms", round2(w.p50_ms))
+                        .with("wrk_p99_ms", round2(w.p99_ms))
+                        .with("wrk_errors", w.errors + w.bad_status);
+                }
+                Ok(None) => {}
+                Err(e) => r = r.with("wrk_error", e.to_string()),
+            }
+        }
+        progress.inc(1);
+        r
+    };
+    let mut rows = Vec::new();
+    for &(backend, addr) in &servers.addrs {
+        // Every page the reads below ask for, asked once, on every backend alike.
+        sweep(addr, &[&lists, &ones, &summaries])?;
+        let reads: [(&str, &Vec<String>); 3] = [
+            ("get_list", &lists),
+            ("get_one", &ones),
+            ("summary", &summaries),
+        ];
+        for (name, paths) in reads {
+            if !wanted(name, backend) {
+                continue;
+            }
+            let result = load::run(addr, &config, Arc::new(Gets::new(paths.clone())))?;
+            rows.push(row(
+                name,
+                backend,
+                result,
+                Some(WrkScript::GetRotating {
+                    paths: paths.clone(),
+                }),
+            ));
+        }
+        if wanted("mixed", backend) {
+            let mixed = Arc::new(Mixed::new(&hot));
+            let result = load::run(addr, &config, mixed.clone())?;
+            let mixed_row = row(
+                "mixed",
+                backend,
+                result,
+                Some(WrkScript::Mixed {
+                    paths: hot.iter().map(|id| format!("/api/tasks/{id}")).collect(),
+                    patch_body: r#"{"status":"done"}"#.to_owned(),
+                    patch_percent: 5,
+                }),
+            )
+            .with("stale_reads", mixed.stale.load(Ordering::Relaxed))
+            .with("checked_reads", mixed.checked.load(Ordering::Relaxed))
+            .with("writes", mixed.writes.load(Ordering::Relaxed));
+            rows.push(mixed_row);
+        }
+        if !wanted("post", backend) {
+            continue;
+        }
+        let post = Arc::new(Post {
+            projects: servers.projects.clone(),
+        });
+        let result = load::run(addr, &config, post)?;
+        rows.push(row(
+            "post",
+            backend,
+            result,
+            Some(WrkScript::Post {
+                path: "/api/tasks".to_owned(),
+                body: format!(
+                    r#"{{"project":"{}","title":"wrk","priority":"high"}}"#,
+                    servers.projects[0]
+                ),
+            }),
+        ));
+    }
+    progress.finish_and_clear();
+    // Grouped by row, the three backends side by side.
+    for name in ["get_list", "get_one", "summary", "post", "mixed"] {
+        for backend in BACKENDS {
+            let full = format!("{prefix}.{name}.{backend}");
+            if let Some(r) = rows.iter().find(|r| r.name == full) {
+                report.push(r.clone());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+/// GETs every path once (16 at a time), so that every backend starts its rows with the same
+/// pages asked before (a cache fills; a database warms its buffers).
+fn sweep(addr: SocketAddr, lists: &[&Vec<String>]) -> anyhow::Result<()> {
+    let paths: Vec<String> = lists.iter().flat_map(|l| l.iter().cloned()).collect();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let workload = Arc::new(Sweep {
+        paths,
+        next: next.clone(),
+    });
+    // Long enough to ask each path once at a modest rate; the warm-up asks the rest.
+    let config = LoadConfig {
+        threads: 1,
+        connections: 16,
+        duration: Duration::from_millis(100),
+        warmup: Duration::from_secs(20),
+    };
+    let _ = load::run(addr, &config, workload)?;
+    Ok(())
+}
+
+/// Each path once, in order; then the first path again and again (cheap), until the run ends.
+struct Sweep {
+    paths: Vec<String>,
+    next: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Workload for Sweep {
+    type Conn = ();
+
+    fn connection(&self, _: usize) {}
+
+    fn next(&self, _: &mut ()) -> Request {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        Request::get(self.paths.get(i).unwrap_or(&self.paths[0]).clone())
+    }
+
+    fn check(
+        &self,
+        _: &mut (),
+        _: &Request,
+        _: &Response<'_>,
+        _: Instant,
+        _: Instant,
+    ) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// GETs of random paths, each answer checked for a 200.
+struct Gets {
+    paths: Vec<String>,
+}
+
+impl Gets {
+    fn new(paths: Vec<String>) -> Self {
+        Self { paths }
+    }
+}
+
+impl Workload for Gets {
+    type Conn = SmallRng;
+
+    fn connection(&self, index: usize) -> Self::Conn {
+        SmallRng::seed_from_u64(index as u64)
+    }
+
+    fn next(&self, rng: &mut Self::Conn) -> Request {
+        Request::get(self.paths[rng.random_range(0..self.paths.len())].clone())
+    }
+
+    fn check(
+        &self,
+        _: &mut Self::Conn,
+        _: &Request,
+        r: &Response<'_>,
+        _: Instant,
+        _: Instant,
+    ) -> Result<(), String> {
+        match r.status {
+            200 => Ok(()),
+            s => Err(format!("status {s}: {}", String::from_utf8_lossy(r.body))),
+        }
+    }
+}
+
+/// POSTs of new tasks into random projects, each answer checked for a 201.
+struct Post {
+    projects: Vec<uuid::Uuid>,
+}
+
+impl Workload for Post {
+    type Conn = SmallRng;
+
+    fn connection(&self, index: usize) -> Self::Conn {
+        SmallRng::seed_from_u64(index as u64)
+    }
+
+    fn next(&self, rng: &mut Self::Conn) -> Request {
+        let project = self.projects[rng.random_range(0..self.projects.len())];
+        Request::json(
+            Method::POST,
+            "/api/tasks",
+            format!(
+                r#"{{"project":"{project}","title":"A task from the bench","priority":"high"}}"#
+            ),
+        )
+    }
+
+    fn check(
+        &self,
+        _: &mut Self::Conn,
+        _: &Request,
+        r: &Response<'_>,
+        _: Instant,
+        _: Instant,
+    ) -> Result<(), String> {
+        match r.status {
+            201 => Ok(()),
+            s => Err(format!("status {s}: {}", String::from_utf8_lossy(r.body))),
+        }
+    }
+}
+
+/// 95% GETs of a task, 5% PATCHes of its status, from the same connections, over [`HOT`]
+/// tasks. Writes to one task never overlap (a connection that finds its task being written
+/// reads it instead), so the last write to return is the one the database holds. A read
+/// is checked when no write to its task was in flight at any time while it ran: it must
+/// show the status of the last write that returned before it was sent.
+struct Mixed {
+    ids: Vec<uuid::Uuid>,
+    tracks: Vec<Track>,
+    stale: AtomicU64,
+    checked: AtomicU64,
+    writes: AtomicU64,
+}
+
+#[derive(Default)]
+struct Track {
+    /// A write is in flight.
+    writing: AtomicBool,
+    /// Writes sent (a read compares it before and after).
+    started: AtomicU64,
+    /// The status of the last write that returned (a code of [`Status`]); 255: none yet.
+    status: AtomicU8,
+}
+
+/// What a connection's request in flight is.
+enum InFlight {
+    None,
+    Read {
+        task: usize,
+        started: u64,
+        expect: u8,
+    },
+    Write {
+        task: usize,
+        status: Status,
+    },
+}
+
+impl Mixed {
+    fn new(ids: &[uuid::Uuid]) -> Self {
+        Self {
+            ids: ids.to_vec(),
+            tracks: ids
+                .iter()
+                .map(|_| Track {
+                    status: AtomicU8::new(255),
+                    ..Track::default()
+                })
+                .collect(),
+            stale: AtomicU64::new(0),
+            checked: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
+        }
+    }
+}
+
+/// The status a task's JSON shows.
+fn status_of(body: &[u8]) -> Option<Status> {
+    const KEY: &[u8] = b"\"status\":\"";
+    let at = body.windows(KEY.len()).position(|w| w == KEY)? + KEY.len();
+    let end = body[at..].iter().position(|b| *b == b'"')? + at;
+    Status::parse(std::str::from_utf8(&body[at..end]).ok()?)
+}
+
+impl Workload for Mixed {
+    type Conn = (SmallRng, InFlight);
+
+    fn connection(&self, index: usize) -> Self::Conn {
+        (
+            SmallRng::seed_from_u64(1_000 + index as u64),
+            InFlight::None,
+        )
+    }
+
+    fn next(&self, (rng, flight): &mut Self::Conn) -> Request {
+        let task = rng.random_range(0..self.ids.len());
+        let track = &self.tracks[task];
+        let path = format!("/api/tasks/{}", self.ids[task]);
+        if rng.random_range(0..100) < 5
+            && track
+                .writing
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            track.started.fetch_add(1, Ordering::AcqRel);
+            let status = Status::ALL[rng.random_range(0..Status::ALL.len())];
+            *flight = InFlight::Write { task, status };
+            return Request::json(
+                Method::PATCH,
+                path,
+                format!(r#"{{"status":"{}"}}"#, status.name()),
+            );
+        }
+        // Read the counter before the status: a write that returns meanwhile bumps it
+        // first, so this read goes unchecked rather than checked against an old status.
+        let started = track.started.load(Ordering::Acquire);
+        let writing = track.writing.load(Ordering::Acquire);
+        let expect = if writing {
+            254
+        } else {
+            track.status.load(Ordering::Acquire)
+        };
+        *flight = InFlight::Read {
+            task,
+            started,
+            expect,
+        };
+        Request::get(path)
+    }
+
+    fn check(
+        &self,
+        (_, flight): &mut Self::Conn,
+        _: &Request,
+        r: &Response<'_>,
+        _: Instant,
+        _: Instant,
+    ) -> Result<(), String> {
+        if r.status != 200 {
+            return Err(format!(
+                "status {}: {}",
+                r.status,
+                String::from_utf8_lossy(r.body)
+            ));
+        }
+        match std::mem::replace(flight, InFlight::None) {
+            InFlight::Write { task, status } => {
+                let track = &self.tracks[task];
+                track.status.store(status.code() as u8, Ordering::Release);
+                track.writing.store(false, Ordering::Release);
+                self.writes.fetch_add(1, Ordering::Relaxed);
+                if status_of(r.body) != Some(status) {
+                    return Err("a PATCH answered another status".to_owned());
+                }
+            }
+            InFlight::Read {
+                task,
+                started,
+                expect,
+            } => {
+                let track = &self.tracks[task];
+                let quiet = expect < 254 && track.started.load(Ordering::Acquire) == started;
+                if quiet {
+                    self.checked.fetch_add(1, Ordering::Relaxed);
+                    if status_of(r.body).map(|s| s.code() as u8) != Some(expect) {
+                        self.stale.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            InFlight::None => {}
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_status_of_a_task() {
+        let body = br#"{"id":"x","status":"in_progress","title":"a \"status\" b"}"#;
+        assert_eq!(status_of(body), Some(Status::InProgress));
+        assert_eq!(status_of(b"{}"), None);
+    }
+}
