@@ -187,7 +187,12 @@ impl Database {
             },
         );
         let pool = deadpool_postgres::Pool::builder(manager)
-            .max_size(16)
+            .max_size(
+                std::env::var("XPOOL")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(16),
+            )
             .build()
             .map_err(|e| CommandError::new(ErrorKind::Database, e.to_string()))?;
         let dbname = config.get_dbname().unwrap_or("postgres");
@@ -310,7 +315,16 @@ impl Database {
                     };
                     let output = handler.execute(command, &mut tx).await?;
                     let row = row(&output)?;
-                    Ok::<_, CommandError>((output, append_sql(&row)?))
+                    for text in [&row.host, row.kind, &row.command, &row.output] {
+                        if text.contains('\0') {
+                            return Err(CommandError::new(
+                                ErrorKind::BadCommand,
+                                "text for the log holds a NUL character",
+                            ));
+                        }
+                    }
+                    let append = client.prepare_cached(APPEND_SQL).await?;
+                    Ok::<_, CommandError>((output, row, append))
                 }
                 .await;
                 let begun = match begun {
@@ -318,7 +332,7 @@ impl Database {
                     None => begin.await,
                 };
                 begun.map_err(|e| (e.into(), false))?;
-                let (output, sql) = match before_commit {
+                let (output, row, append) = match before_commit {
                     Ok(done) => done,
                     Err(e) => {
                         if client.batch_execute("ROLLBACK").await.is_ok() {
@@ -327,31 +341,31 @@ impl Database {
                         return Err((e, false));
                     }
                 };
-                let messages = client
-                    .simple_query(&sql)
-                    .await
-                    .map_err(|e| (e.into(), true))?;
+                // The operation's row and the commit, pipelined: one round trip. The
+                // statement is prepared once per connection, so the server neither parses
+                // nor plans it again.
+                let logged_at = now_micros();
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                    [&row.host, &logged_at, &row.kind, &row.command, &row.output];
+                let (inserted, committed) = futures::join!(
+                    client.query_one(&append, &params),
+                    client.batch_execute("COMMIT"),
+                );
+                let inserted = match inserted {
+                    Ok(r) => r,
+                    Err(e) => {
+                        // The transaction was aborted: its COMMIT rolled it back.
+                        if committed.is_ok() {
+                            guard.open = false;
+                        }
+                        return Err((e.into(), false));
+                    }
+                };
+                committed.map_err(|e| (e.into(), true))?;
                 guard.open = false;
-                let first = messages.iter().find_map(|m| match m {
-                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
-                    _ => None,
-                });
-                let (id, position) = first
-                    .and_then(|r| {
-                        Some((
-                            r.get(0)?.parse::<i64>().ok()?,
-                            r.get(1)?.parse::<u64>().ok()?,
-                        ))
-                    })
-                    .ok_or_else(|| {
-                        (
-                            CommandError::new(
-                                ErrorKind::Database,
-                                "the operation's id did not come back from its commit",
-                            ),
-                            true,
-                        )
-                    })?;
+                let id: i64 = inserted.try_get(0).map_err(|e| (e.into(), true))?;
+                let position = parse_xid(inserted.try_get(1).map_err(|e| (e.into(), true))?)
+                    .map_err(|e| (e, true))?;
                 Ok((output, id, position))
             }
         }
@@ -617,30 +631,24 @@ fn literal(s: &str) -> Result<String, CommandError> {
     Ok(out)
 }
 
-/// One message, one round trip: the operation's row (answering its id and position) and
-/// the commit.
-fn append_sql(row: &Append) -> Result<String, CommandError> {
-    Ok(format!(
-        "WITH op AS (INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
-         VALUES ({}, {}, {}, {}, {}) RETURNING id, xid) SELECT id, xid::text FROM op; COMMIT;",
-        literal(&row.host)?,
-        now_micros(),
-        literal(row.kind)?,
-        literal(&row.command)?,
-        literal(&row.output)?,
-    ))
-}
+/// The operation's row, answering its id and position (the writing transaction's id).
+const APPEND_SQL: &str =
+    "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+     VALUES ($1, $2, $3, $4, $5) RETURNING id, xid::text";
 
-/// `pg_notify` calls for a batch of payloads, in one statement: one transaction.
+/// `pg_notify` calls for a batch of payloads, in one statement: one transaction. Its commit
+/// does not wait for the WAL to reach the disk: a notification is only a wake-up (the log
+/// is the truth), so losing one to a crash costs nothing.
 pub(crate) fn notify_sql(channel: &str, payloads: &[String]) -> Result<String, CommandError> {
     let channel = literal(channel)?;
-    let mut sql = String::from("SELECT ");
+    let mut sql = String::from("BEGIN; SET LOCAL synchronous_commit TO OFF; SELECT ");
     for (i, p) in payloads.iter().enumerate() {
         if i > 0 {
             sql.push_str(", ");
         }
         sql.push_str(&format!("pg_notify({channel}, {})", literal(p)?));
     }
+    sql.push_str("; COMMIT");
     Ok(sql)
 }
 
