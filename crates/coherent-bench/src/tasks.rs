@@ -84,6 +84,7 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
         config(timing).connections,
         crate::report::cores()
     ));
+    report.note("get_one.static: a handler answering every GET with one stored task's JSON, through the same HTTP stack and load generator: the ceiling of any backend's reads on this machine");
     report.note("get_list: the first page (20) of a random project, all or one status; get_one: a random task; summary: a random project's counts; post: a new task in a random project");
     report.note(format!("mixed: {HOT} tasks; 95% GET of one, 5% PATCH of its status (never two writes to one task at once); a read is checked when no write to its task was in flight while it ran, against the last write that returned before it was sent"));
     if with_wrk && wrk::wrk_installed() {
@@ -148,6 +149,30 @@ async fn start_servers(db: &DbConfig) -> anyhow::Result<Servers> {
         tasks,
         projects,
     })
+}
+
+/// One task's JSON, as stored.
+async fn db_get(db: &DbConfig, id: uuid::Uuid) -> anyhow::Result<bytes::Bytes> {
+    let task = db
+        .open(1)
+        .await?
+        .get(id)
+        .await?
+        .context("the task is gone")?;
+    Ok(serde_json::to_vec(&task)?.into())
+}
+
+/// A server answering `GET /api/tasks/{id}` with `body`, whatever the id.
+async fn serve_static(body: bytes::Bytes) -> anyhow::Result<SocketAddr> {
+    use axum::http::header;
+    let router = axum::Router::new().route(
+        "/api/tasks/{id}",
+        axum::routing::get(move || {
+            let body = body.clone();
+            async move { ([(header::CONTENT_TYPE, "application/json")], body) }
+        }),
+    );
+    serve(router).await
 }
 
 async fn serve(router: axum::Router) -> anyhow::Result<SocketAddr> {
@@ -220,7 +245,7 @@ fn measure(
         .collect();
     let hot: Vec<uuid::Uuid> = servers.tasks.iter().take(HOT).copied().collect();
     let config = config(timing);
-    let progress = crate::report::progress(5 * BACKENDS.len() as u64);
+    let progress = crate::report::progress(5 * BACKENDS.len() as u64 + 1);
     let row = |name: &str, backend: &str, result: LoadResult, script: Option<WrkScript>| {
         let full = format!("{prefix}.{name}.{backend}");
         let mut r = Row::new(&full, result.rps(), "req/s")
@@ -323,10 +348,20 @@ fn measure(
             }),
         ));
     }
+    // The ceiling: a handler that answers every task with the same stored JSON, through
+    // the same HTTP stack and load generator. No backend can serve reads faster here.
+    if wanted("get_one", "static") {
+        let task = runtime
+            .block_on(db_get(db, servers.tasks[0]))
+            .context("reading a task for the static handler")?;
+        let addr = runtime.block_on(serve_static(task))?;
+        let result = load::run(addr, &config, Arc::new(Gets::new(ones.clone())))?;
+        rows.push(row("get_one", "static", result, None));
+    }
     progress.finish_and_clear();
     // Grouped by row, the three backends side by side.
     for name in ["get_list", "get_one", "summary", "post", "mixed"] {
-        for backend in BACKENDS {
+        for backend in BACKENDS.iter().chain(&["static"]) {
             let full = format!("{prefix}.{name}.{backend}");
             if let Some(r) = rows.iter().find(|r| r.name == full) {
                 report.push(r.clone());
