@@ -31,6 +31,8 @@ const PROJECTS: usize = 20;
 const TASKS: usize = 10_000;
 /// The tasks the mixed rows read and write.
 const HOT: usize = 1_000;
+/// Tasks in a `--quick` run (a smoke test: the warm-up sweep asks each one).
+const QUICK_TASKS: usize = 1_000;
 const BACKENDS: [&str; 3] = ["direct", "grpc", "coherent"];
 
 /// Runs the suite.
@@ -79,7 +81,8 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
         result?;
     }
     report.note(format!(
-        "{TASKS} tasks in {PROJECTS} projects; the load generator: {} threads, {} keep-alive connections, closed loop; servers on one {}-thread tokio runtime in this process, backends on loopback",
+        "{} tasks in {PROJECTS} projects; the load generator: {} threads, {} keep-alive connections, closed loop; servers on one {}-thread tokio runtime in this process, backends on loopback",
+        task_count(timing),
         config(timing).threads,
         config(timing).connections,
         crate::report::cores()
@@ -104,6 +107,15 @@ async fn drop_schema(url: &str, schema: &str) {
     }
 }
 
+/// [`TASKS`], or [`QUICK_TASKS`] in a `--quick` run.
+fn task_count(timing: Timing) -> usize {
+    if timing.run < Duration::from_secs(1) {
+        QUICK_TASKS
+    } else {
+        TASKS
+    }
+}
+
 fn config(timing: Timing) -> LoadConfig {
     LoadConfig {
         threads: 4,
@@ -121,9 +133,9 @@ struct Servers {
     projects: Vec<uuid::Uuid>,
 }
 
-async fn start_servers(db: &DbConfig) -> anyhow::Result<Servers> {
+async fn start_servers(db: &DbConfig, tasks: usize) -> anyhow::Result<Servers> {
     let store = db.open(4).await?;
-    let projects = app::seed(&store, PROJECTS, TASKS).await?;
+    let projects = app::seed(&store, PROJECTS, tasks).await?;
     let tasks = all_tasks(&store).await?;
     let mut addrs = Vec::new();
     for name in BACKENDS {
@@ -188,7 +200,7 @@ async fn serve(router: axum::Router) -> anyhow::Result<SocketAddr> {
 
 /// Every task's id, newest first.
 async fn all_tasks(store: &Store) -> anyhow::Result<Vec<uuid::Uuid>> {
-    let mut ids = Vec::with_capacity(TASKS);
+    let mut ids = Vec::new();
     let mut after = None;
     loop {
         let (page, next) = store
@@ -220,7 +232,7 @@ fn measure(
         only.is_empty() || format!("{prefix}.{name}.{backend}").contains(only)
     };
     let servers = runtime
-        .block_on(start_servers(db))
+        .block_on(start_servers(db, task_count(timing)))
         .with_context(|| format!("starting the servers for {prefix}"))?;
     let lists: Vec<String> = servers
         .projects
