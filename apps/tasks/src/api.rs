@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, RawQuery, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
@@ -30,8 +30,9 @@ pub const MAX_BODY: usize = 64 * 1024;
 pub struct Body {
     /// The JSON.
     pub json: Bytes,
-    /// A strong entity tag, quoted, as sent in `ETag`.
-    pub etag: Option<Arc<str>>,
+    /// A strong entity tag, quoted, as sent in `ETag` (a `HeaderValue` made once: a
+    /// response clones a reference to it).
+    pub etag: Option<HeaderValue>,
 }
 
 impl Body {
@@ -54,7 +55,7 @@ impl Body {
         };
         Ok(Self {
             json,
-            etag: Some(format!("\"{hash:016x}\"").into()),
+            etag: HeaderValue::from_str(&format!("\"{hash:016x}\"")).ok(),
         })
     }
 }
@@ -285,30 +286,50 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> R
     })
 }
 
+/// The `If-None-Match` header of a request, if any: extracted alone (a `HeaderMap`
+/// extractor would copy every header of every read).
+pub struct IfNoneMatch(Option<HeaderValue>);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for IfNoneMatch {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(Self(parts.headers.get(header::IF_NONE_MATCH).cloned()))
+    }
+}
+
+impl IfNoneMatch {
+    /// Whether the client holds the version tagged `tag`.
+    fn matches(&self, tag: &HeaderValue) -> bool {
+        let (Some(header), Ok(tag)) = (&self.0, tag.to_str()) else {
+            return false;
+        };
+        header
+            .to_str()
+            .map(|v| {
+                v.split(',').any(|t| {
+                    let t = t.trim();
+                    t == "*" || t.trim_start_matches("W/") == tag
+                })
+            })
+            .unwrap_or(false)
+    }
+}
+
 /// A read's answer: the body, or 304 when the client holds it already.
-fn read_response(body: Body, headers: &HeaderMap) -> Response {
+fn read_response(body: Body, inm: &IfNoneMatch) -> Response {
     let content_type = (
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    match &body.etag {
-        Some(tag) => {
-            let etag = HeaderValue::from_str(tag).unwrap_or(HeaderValue::from_static("\"\""));
-            let matches = headers
-                .get_all(header::IF_NONE_MATCH)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(','))
-                .any(|t| {
-                    let t = t.trim();
-                    t == "*" || t.trim_start_matches("W/") == &**tag
-                });
-            if matches {
-                (StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response()
-            } else {
-                ([content_type, (header::ETAG, etag)], body.json).into_response()
-            }
+    match body.etag {
+        Some(etag) if inm.matches(&etag) => {
+            (StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response()
         }
+        Some(etag) => ([content_type, (header::ETAG, etag)], body.json).into_response(),
         None => ([content_type], body.json).into_response(),
     }
 }
@@ -339,35 +360,35 @@ fn ok_json<T: Serialize>(value: &T) -> Result<Response, ApiError> {
 async fn list<B: Backend>(
     State(b): State<Arc<B>>,
     RawQuery(query): RawQuery,
-    headers: HeaderMap,
+    inm: IfNoneMatch,
 ) -> Result<Response, ApiError> {
     let q = parse_list_query(query.as_deref())?;
-    Ok(read_response(b.list(q).await?, &headers))
+    Ok(read_response(b.list(q).await?, &inm))
 }
 
 async fn one<B: Backend>(
     State(b): State<Arc<B>>,
     Path(id): Path<String>,
-    headers: HeaderMap,
+    inm: IfNoneMatch,
 ) -> Result<Response, ApiError> {
     let id = parse_id("id", &id)?;
-    Ok(read_response(b.task(id).await?, &headers))
+    Ok(read_response(b.task(id).await?, &inm))
 }
 
 async fn summary<B: Backend>(
     State(b): State<Arc<B>>,
     Path(id): Path<String>,
-    headers: HeaderMap,
+    inm: IfNoneMatch,
 ) -> Result<Response, ApiError> {
     let id = parse_id("id", &id)?;
-    Ok(read_response(b.summary(id).await?, &headers))
+    Ok(read_response(b.summary(id).await?, &inm))
 }
 
 async fn projects<B: Backend>(
     State(b): State<Arc<B>>,
-    headers: HeaderMap,
+    inm: IfNoneMatch,
 ) -> Result<Response, ApiError> {
-    Ok(read_response(b.projects().await?, &headers))
+    Ok(read_response(b.projects().await?, &inm))
 }
 
 async fn create<B: Backend>(

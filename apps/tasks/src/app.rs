@@ -130,9 +130,17 @@ pub async fn live_router(addrs: &[SocketAddr]) -> anyhow::Result<axum::Router> {
     Ok(api::router(Arc::new(tier)))
 }
 
+/// Connections of the `direct` and `grpc` backends' pools: many more than the cores of a
+/// database server that tasks keep busy, and few enough that the three backends of the
+/// bench stay under PostgreSQL's default of 100 connections (the `coherent` backend has
+/// 16, and 16 for its operation host).
+pub const POOL_SIZE: usize = 24;
+
 /// The HTTP router of the `direct` backend.
 pub async fn direct_router(db: &DbConfig) -> anyhow::Result<axum::Router> {
-    Ok(api::router(Arc::new(Direct::new(db.open(32).await?))))
+    Ok(api::router(Arc::new(Direct::new(
+        db.open(POOL_SIZE).await?,
+    ))))
 }
 
 /// Serves `router` on `listener` until the process ends.
@@ -191,7 +199,7 @@ pub async fn start_grpc_backend(
     db: &DbConfig,
     listener: TcpListener,
 ) -> anyhow::Result<(SocketAddr, JoinHandle<()>)> {
-    let store = db.open(32).await?;
+    let store = db.open(POOL_SIZE).await?;
     let addr = listener.local_addr()?;
     let serving = tokio::spawn(async move {
         if let Err(e) = crate::grpc::serve_grpc(store, listener).await {

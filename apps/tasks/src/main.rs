@@ -142,7 +142,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Cmd::GrpcBackend { listen } => {
             let listener = TcpListener::bind(listen).await?;
-            let store = db.open(32).await?;
+            let store = db.open(app::POOL_SIZE).await?;
             eprintln!("tasks: gRPC backend on {}", listener.local_addr()?);
             tokio::select! {
                 r = tokio::signal::ctrl_c() => Ok(r?),

@@ -2,13 +2,14 @@
 //! handed out as replicas, each watched by one callback that queues its id for a single
 //! coalescing task to push.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
 
 use coherent::Computed;
 use coherent_rpc::{method_id, Blob, CallContext, Format, Peer, Service};
+use futures::stream::{FuturesOrdered, StreamExt as _};
 use parking_lot::Mutex;
 use serde::{de::DeserializeOwned, Serialize};
 use tokio::sync::{watch, Notify};
@@ -216,9 +217,10 @@ impl RemoteServer {
     /// gone (it then revalidates everything it holds when it reconnects). A writer that
     /// awaits this after invalidating knows that no client of this server still answers
     /// from a value its write changed. A client that takes longer than
-    /// [`DELIVERY_TIMEOUT`] is not waited for further (it is logged).
+    /// [`DELIVERY_TIMEOUT`] is not waited for further: its connection is closed (it then
+    /// reconnects and revalidates), and that is logged.
     pub async fn invalidations_delivered(&self) {
-        let waits: Vec<(u64, watch::Receiver<u64>)> = self
+        let waits: Vec<(u64, watch::Receiver<u64>, Peer)> = self
             .connections
             .lock()
             .values()
@@ -226,15 +228,18 @@ impl RemoteServer {
                 let queued = c.invalidated.lock().queued;
                 let rx = c.delivered.subscribe();
                 let behind = *rx.borrow() < queued;
-                behind.then_some((queued, rx))
+                behind.then(|| (queued, rx, c.peer.clone()))
             })
             .collect();
-        for (queued, mut rx) in waits {
+        for (queued, mut rx, peer) in waits {
             let wait = rx.wait_for(|delivered| *delivered >= queued);
             if tokio::time::timeout(DELIVERY_TIMEOUT, wait).await.is_err() {
+                // Closing makes the client reconnect and revalidate every replica it holds;
+                // later writers do not wait for it again.
                 tracing::warn!(
-                    "a client did not acknowledge invalidations within {DELIVERY_TIMEOUT:?}"
+                    "a client did not acknowledge invalidations within {DELIVERY_TIMEOUT:?}: closing its connection"
                 );
+                peer.close();
             }
         }
     }
@@ -281,6 +286,8 @@ struct Connection {
     /// How many ids the client has acknowledged (see [`Pending::queued`]); `u64::MAX` once
     /// the connection is gone.
     delivered: Arc<watch::Sender<u64>>,
+    /// The connection, to close when its client does not acknowledge in time.
+    peer: Peer,
 }
 
 /// Invalidated replicas waiting for the pusher.
@@ -310,6 +317,7 @@ impl Host {
             invalidated: Mutex::new(Pending::default()),
             wake: Notify::new(),
             delivered: Arc::new(watch::Sender::new(0)),
+            peer: peer.clone(),
         });
         connections.insert(peer.id(), c.clone());
         tokio::spawn(push_invalidations(
@@ -329,10 +337,42 @@ async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connection
         Some(c) => c.delivered.clone(),
         None => return,
     };
+    // Pushes sent and not answered yet, oldest first: each with what its answer
+    // acknowledges (the last push of a batch acknowledges the batch), and when it was sent.
+    // They are not awaited one by one: a client that stops reading fills the connection and
+    // is cut off by the endpoint's write-stall timeout, as before pushes were answered.
+    let mut unanswered = FuturesOrdered::new();
+    let mut sent_at: VecDeque<tokio::time::Instant> = VecDeque::new();
     'pushing: loop {
         let Some(c) = connection.upgrade() else { break };
+        let oldest = sent_at.front().copied();
         tokio::select! {
             () = c.wake.notified() => {}
+            Some((upto, answer)) = unanswered.next(), if oldest.is_some() => {
+                sent_at.pop_front();
+                match answer {
+                    Ok(()) => {
+                        if let Some(upto) = upto {
+                            delivered.send_replace(upto);
+                        }
+                    }
+                    Err(e) => {
+                        // The client must not keep replicas this side stopped watching:
+                        // closing makes it reconnect and revalidate them.
+                        tracing::debug!(%e, "an invalidation push failed: closing the connection");
+                        peer.close();
+                        break 'pushing;
+                    }
+                }
+                continue;
+            }
+            () = tokio::time::sleep_until(oldest.unwrap_or_else(tokio::time::Instant::now) + DELIVERY_TIMEOUT), if oldest.is_some() => {
+                tracing::warn!(
+                    "a client did not answer an invalidation push within {DELIVERY_TIMEOUT:?}: closing its connection"
+                );
+                peer.close();
+                break 'pushing;
+            }
             _ = peer.closed() => break,
         }
         let (ids, upto) = {
@@ -353,16 +393,14 @@ async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connection
         tracing::debug!(count = ids.len(), "pushing replica invalidations");
         // Each message within the client's limit (an id takes at most 10 bytes).
         let per_message = (peer.remote_max_message_size() as usize / 10).max(1);
-        for chunk in ids.chunks(per_message) {
-            if let Err(e) = sink.invalidated(chunk.to_vec()).await {
-                // The client must not keep replicas this side stopped watching: closing
-                // makes it reconnect and revalidate them.
-                tracing::debug!(%e, "an invalidation push failed: closing the connection");
-                peer.close();
-                break 'pushing;
-            }
+        let chunks: Vec<Vec<u64>> = ids.chunks(per_message).map(<[u64]>::to_vec).collect();
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let call = sink.invalidated(chunk);
+            let acknowledges = (i == last).then_some(upto);
+            unanswered.push_back(async move { (acknowledges, call.await) });
+            sent_at.push_back(tokio::time::Instant::now());
         }
-        delivered.send_replace(upto);
     }
     connections.lock().remove(&peer.id());
     // Nothing more will be acknowledged here: release whoever waits (the client, cut off,
