@@ -248,6 +248,7 @@ impl HostBuilder {
                 applied: HashMap::new(),
             }),
             round: tokio::sync::Mutex::new(()),
+            applying: Mutex::new(()),
             wake: Arc::new(Notify::new()),
             registries,
             after_invalidate: self.after_invalidate,
@@ -306,6 +307,10 @@ pub(crate) struct Inner {
     state: Mutex<State>,
     /// One read of the log at a time.
     round: tokio::sync::Mutex<()>,
+    /// Held by [`Inner::apply`] from the moment it marks an operation applied until its
+    /// invalidation has run: a read of the log that finds the operation marked (and skips
+    /// it) can wait on it for the invalidation to be done (see [`Host::catch_up`]).
+    applying: Mutex<()>,
     /// Wakes the log reader (held apart, so that the reader waits without holding the host).
     pub(crate) wake: Arc<Notify>,
     registries: Vec<Registry>,
@@ -440,6 +445,9 @@ impl Host {
     /// [`HostBuilder::after_invalidate`], has reached this host's clients).
     pub async fn catch_up(&self) -> Result<(), CommandError> {
         self.inner.round().await?;
+        // An operation the read skipped because a notification had marked it may still be
+        // in its invalidation on the notifier's task: wait for that to end.
+        drop(self.inner.applying.lock());
         if let Some(wait) = &self.inner.after_invalidate {
             wait().await;
         }
@@ -505,6 +513,7 @@ impl Host {
 impl Inner {
     /// Applies another host's operation unless it is applied already.
     pub(crate) fn apply(&self, op: &Logged, committed_at: i64, via: Via) {
+        let _applying = self.applying.lock();
         {
             let mut state = self.state.lock();
             if via == Via::Notification
