@@ -92,6 +92,7 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
         crate::report::cores()
     ));
     report.note("get_one.static: a handler answering every GET with one stored task's JSON, through the same HTTP stack and load generator: the ceiling of any backend's reads on this machine");
+    report.note("order: every backend's reads and mixed rows, then every backend's post row, the tasks each created deleted (and the table vacuumed) before the next");
     report.note("get_list: the first page (20) of a random project, all or one status; get_one: a random task; summary: a random project's counts; post: a new task in a random project");
     report.note(format!("mixed: {HOT} tasks; 95% GET of one, 5% PATCH of its status (never two writes to one task at once); a read is checked when no write to its task was in flight while it ran, against the last write that returned before it was sent"));
     if with_wrk && wrk::wrk_installed() {
@@ -165,6 +166,37 @@ async fn start_servers(db: &DbConfig, tasks: usize) -> anyhow::Result<Servers> {
         tasks,
         projects,
     })
+}
+
+/// The title of every task the post rows create (ours and wrk's).
+const POSTED: &str = "A task from the bench";
+
+/// Deletes the tasks the post rows created, and vacuums the table.
+async fn delete_posted(db: &DbConfig) -> anyhow::Result<()> {
+    match db {
+        DbConfig::Postgres { url, schema } => {
+            let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+            tokio::spawn(connection);
+            client
+                .batch_execute(&format!("SET search_path TO {schema}"))
+                .await?;
+            client
+                .execute("DELETE FROM tasks WHERE title = $1", &[&POSTED])
+                .await?;
+            client.batch_execute("VACUUM tasks").await?;
+        }
+        DbConfig::Sqlite(path) => {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || {
+                let c = rusqlite::Connection::open(path)?;
+                c.busy_timeout(Duration::from_secs(10))?;
+                c.execute("DELETE FROM tasks WHERE title = ?1", [POSTED])?;
+                anyhow::Ok(())
+            })
+            .await??;
+        }
+    }
+    Ok(())
 }
 
 /// One task's JSON, as stored.
@@ -344,6 +376,21 @@ fn measure(
             .with("writes", mixed.writes.load(Ordering::Relaxed));
             rows.push(mixed_row);
         }
+    }
+    // The ceiling: a handler that answers every task with the same stored JSON, through
+    // the same HTTP stack and load generator. No backend can serve reads faster here.
+    if wanted("get_one", "static") {
+        let task = runtime
+            .block_on(db_get(db, servers.tasks[0]))
+            .context("reading a task for the static handler")?;
+        let addr = runtime.block_on(serve_static(task))?;
+        let result = best_of(timing, addr, &config, Arc::new(Gets::new(ones.clone())))?;
+        rows.push(row("get_one", "static", result, None));
+    }
+    // The writes last, each backend's on the table as seeded: the tasks a post row created
+    // are deleted (and the table vacuumed) before the next, so that no backend reads or
+    // writes a table that another one's post row grew.
+    for &(backend, addr) in &servers.addrs {
         if !wanted("post", backend) {
             continue;
         }
@@ -358,21 +405,14 @@ fn measure(
             Some(WrkScript::Post {
                 path: "/api/tasks".to_owned(),
                 body: format!(
-                    r#"{{"project":"{}","title":"wrk","priority":"high"}}"#,
+                    r#"{{"project":"{}","title":"{POSTED}","priority":"high"}}"#,
                     servers.projects[0]
                 ),
             }),
         ));
-    }
-    // The ceiling: a handler that answers every task with the same stored JSON, through
-    // the same HTTP stack and load generator. No backend can serve reads faster here.
-    if wanted("get_one", "static") {
-        let task = runtime
-            .block_on(db_get(db, servers.tasks[0]))
-            .context("reading a task for the static handler")?;
-        let addr = runtime.block_on(serve_static(task))?;
-        let result = best_of(timing, addr, &config, Arc::new(Gets::new(ones.clone())))?;
-        rows.push(row("get_one", "static", result, None));
+        runtime
+            .block_on(delete_posted(db))
+            .context("deleting the tasks a post row created")?;
     }
     progress.finish_and_clear();
     // Grouped by row, the three backends side by side.
@@ -510,9 +550,7 @@ impl Workload for Post {
         Request::json(
             Method::POST,
             "/api/tasks",
-            format!(
-                r#"{{"project":"{project}","title":"A task from the bench","priority":"high"}}"#
-            ),
+            format!(r#"{{"project":"{project}","title":"{POSTED}","priority":"high"}}"#),
         )
     }
 
