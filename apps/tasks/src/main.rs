@@ -84,6 +84,15 @@ enum Kind {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // What the backends and the operation host log (a notifier reconnecting, a slow
+    // client cut off, a failed request): `RUST_LOG` picks the level, `info` by default.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     let db = match cli.database_url.filter(|u| !u.is_empty()) {
         Some(url) => DbConfig::Postgres {
