@@ -5,7 +5,7 @@ use uuid::Uuid;
 
 use crate::api::{ApiError, Backend, Body};
 use crate::model::Summary;
-use crate::model::{new_id, now_micros, ListQuery, NewProject, NewTask, Project, Task, TaskPatch};
+use crate::model::{now_micros, ListQuery, NewProject, NewTask, Project, Task, TaskPatch};
 use crate::store::Store;
 
 /// Serves the API straight from the database.
@@ -64,12 +64,9 @@ impl Backend for Direct {
     }
 
     async fn create_project(&self, new: NewProject) -> Result<Project, ApiError> {
-        let now = now_micros();
-        let project = Project {
-            id: new_id(now),
-            name: new.name,
-            created_at: now,
-        };
-        Ok(self.store.insert_project(project).await?)
+        Ok(self
+            .store
+            .insert_project(new.into_project(now_micros()))
+            .await?)
     }
 }

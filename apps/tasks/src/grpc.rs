@@ -24,8 +24,8 @@ use uuid::Uuid;
 
 use crate::api::{ApiError, Backend, Body};
 use crate::model::{
-    new_id, now_micros, Invalid, ListQuery, NewProject, NewTask, Page, Priority, Project, Status,
-    Summary, Task, TaskPatch, DEFAULT_LIMIT, MAX_LIMIT,
+    now_micros, Invalid, ListQuery, NewProject, NewTask, Page, Priority, Project, Status, Summary,
+    Task, TaskPatch, DEFAULT_LIMIT, MAX_LIMIT,
 };
 use crate::store::{Store, StoreError};
 
@@ -483,14 +483,9 @@ impl Tasks for GrpcServer {
             name: r.into_inner().name,
         };
         new.validate().map_err(|i| invalid_status(&i))?;
-        let now = now_micros();
         let project = self
             .store
-            .insert_project(Project {
-                id: new_id(now),
-                name: new.name,
-                created_at: now,
-            })
+            .insert_project(new.into_project(now_micros()))
             .await
             .map_err(store_status)?;
         Ok(Response::new(project_to_pb(project)))
@@ -645,6 +640,7 @@ impl Backend for GrpcTier {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::new_id;
 
     fn task() -> Task {
         Task {

@@ -23,8 +23,8 @@ use uuid::Uuid;
 
 use crate::api::{ApiError, Backend, Body};
 use crate::model::{
-    new_id, now_micros, Invalid, ListQuery, NewProject, NewTask, Page, Project, Status, Summary,
-    Task, TaskPatch,
+    now_micros, Invalid, ListQuery, NewProject, NewTask, Page, Project, Status, Summary, Task,
+    TaskPatch,
 };
 use crate::store::{lite, pg, Store, StoreError};
 
@@ -401,12 +401,7 @@ impl<C: Caller + Send + Sync + 'static> Backend for LiveTier<C> {
     }
 
     async fn create_project(&self, new: NewProject) -> Result<Project, ApiError> {
-        let now = now_micros();
-        let project = Project {
-            id: new_id(now),
-            name: new.name,
-            created_at: now,
-        };
+        let project = new.into_project(now_micros());
         self.commands
             .run(&CreateProject {
                 project: project.clone(),

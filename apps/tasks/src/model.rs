@@ -372,6 +372,15 @@ impl NewProject {
     pub fn validate(&self) -> Result<(), Invalid> {
         check_title("name", &self.name)
     }
+
+    /// The project this creates, with a fresh id, at `now` (µs).
+    pub fn into_project(self, now: i64) -> Project {
+        Project {
+            id: new_id(now),
+            name: self.name,
+            created_at: now,
+        }
+    }
 }
 
 /// Microseconds since the Unix epoch.

@@ -496,6 +496,14 @@ fn sweep(
     })
 }
 
+/// `Ok` when `r` has the status `expected`; else the status and the body, for the report.
+fn expect_status(r: &Response<'_>, expected: u16) -> Result<(), String> {
+    match r.status {
+        s if s == expected => Ok(()),
+        s => Err(format!("status {s}: {}", String::from_utf8_lossy(r.body))),
+    }
+}
+
 /// GETs of random paths, each answer checked for a 200.
 struct Gets {
     paths: Vec<String>,
@@ -526,10 +534,7 @@ impl Workload for Gets {
         _: Instant,
         _: Instant,
     ) -> Result<(), String> {
-        match r.status {
-            200 => Ok(()),
-            s => Err(format!("status {s}: {}", String::from_utf8_lossy(r.body))),
-        }
+        expect_status(r, 200)
     }
 }
 
@@ -562,10 +567,7 @@ impl Workload for Post {
         _: Instant,
         _: Instant,
     ) -> Result<(), String> {
-        match r.status {
-            201 => Ok(()),
-            s => Err(format!("status {s}: {}", String::from_utf8_lossy(r.body))),
-        }
+        expect_status(r, 201)
     }
 }
 
@@ -686,13 +688,7 @@ impl Workload for Mixed {
         _: Instant,
         _: Instant,
     ) -> Result<(), String> {
-        if r.status != 200 {
-            return Err(format!(
-                "status {}: {}",
-                r.status,
-                String::from_utf8_lossy(r.body)
-            ));
-        }
+        expect_status(r, 200)?;
         match std::mem::replace(flight, InFlight::None) {
             InFlight::Write { task, status } => {
                 let track = &self.tracks[task];
