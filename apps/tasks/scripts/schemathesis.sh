@@ -17,7 +17,14 @@ examples=${ST_MAX_EXAMPLES:-40}
 
 if ! "$venv/bin/schemathesis" --version >/dev/null 2>&1; then
     echo "schemathesis: installing into $venv"
-    python3 -m venv "$venv"
+    if ! python3 -m venv "$venv"; then
+        # Debian splits venv (and ensurepip) out of python3.
+        if command -v apt-get >/dev/null; then
+            apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+        fi
+        rm -rf "$venv"
+        python3 -m venv "$venv"
+    fi
     "$venv/bin/pip" install --quiet "schemathesis==4.32.5"
 fi
 
