@@ -23,7 +23,9 @@ pub enum Format {
     /// postcard: compact, Rust-first (the default). Wire value 0.
     #[default]
     Postcard,
-    /// MessagePack through rmp-serde (structs as arrays), for non-Rust peers. Wire value 1.
+    /// MessagePack through rmp-serde, for peers in other languages: structs are maps keyed
+    /// by field name and types with a human-readable form use it (a `Uuid` is its string),
+    /// so that a value reads as its JSON does. Wire value 1.
     MessagePack,
 }
 
@@ -137,7 +139,10 @@ impl Format {
         match self {
             Self::Postcard => crate::compact::encode(value, out).map_err(|e| e.to_string()),
             Self::MessagePack => {
-                rmp_serde::encode::write(&mut Append(out), value).map_err(|e| e.to_string())
+                let mut ser = rmp_serde::Serializer::new(Append(out))
+                    .with_struct_map()
+                    .with_human_readable();
+                value.serialize(&mut ser).map_err(|e| e.to_string())
             }
         }
     }
@@ -154,7 +159,10 @@ impl Format {
     pub fn decode<T: DeserializeOwned>(self, bytes: &[u8]) -> Result<T, RpcError> {
         match self {
             Self::Postcard => crate::compact::decode(bytes).map_err(|e| failed("decode", e)),
-            Self::MessagePack => rmp_serde::from_slice(bytes).map_err(|e| failed("decode", e)),
+            Self::MessagePack => {
+                let mut de = rmp_serde::Deserializer::from_read_ref(bytes).with_human_readable();
+                T::deserialize(&mut de).map_err(|e| failed("decode", e))
+            }
         }
     }
 }

@@ -127,6 +127,82 @@ bad_hellos = [
     {"name": "token length past the end", "bytes": h[:-1].hex(), "code": 9},
     {"name": "zero stream window", "bytes": hello(0, 3, 1, 1, 0, "").hex(), "code": 9},
 ]
+
+
+# MessagePack (format 1) as PROTOCOL.md section 4 says the Rust side writes it: integers in
+# their smallest form, structs as maps keyed by field name, enums as the variant's name or a
+# one-entry map, byte strings as bin, a Uuid as its string. Written by hand from the
+# MessagePack spec; "value" is the JSON of the decoded value, with {"$bin": hex} for bytes
+# and {"$u64": decimal} for integers past 2^53.
+def mp(v):
+    if v is None:
+        return b"\xc0"
+    if v is False:
+        return b"\xc2"
+    if v is True:
+        return b"\xc3"
+    if isinstance(v, int):
+        if 0 <= v < 128:
+            return bytes([v])
+        if -32 <= v < 0:
+            return struct.pack("b", v)
+        if v > 0:
+            for tag, fmt, lim in ((0xcc, "B", 2**8), (0xcd, ">H", 2**16), (0xce, ">I", 2**32), (0xcf, ">Q", 2**64)):
+                if v < lim:
+                    return bytes([tag]) + struct.pack(fmt, v)
+        for tag, fmt, lim in ((0xd0, "b", 2**7), (0xd1, ">h", 2**15), (0xd2, ">i", 2**31), (0xd3, ">q", 2**63)):
+            if -lim <= v:
+                return bytes([tag]) + struct.pack(fmt, v)
+    if isinstance(v, str):
+        b = v.encode()
+        if len(b) < 32:
+            return bytes([0xa0 | len(b)]) + b
+        return bytes([0xd9, len(b)]) + b
+    if isinstance(v, (bytes, bytearray)):
+        return bytes([0xc4, len(v)]) + bytes(v)
+    if isinstance(v, list):
+        assert len(v) < 16
+        return bytes([0x90 | len(v)]) + b"".join(mp(x) for x in v)
+    if isinstance(v, dict):
+        assert len(v) < 16
+        return bytes([0x80 | len(v)]) + b"".join(mp(k) + mp(x) for k, x in v.items())
+    raise TypeError(v)
+
+
+def js(v):
+    if isinstance(v, (bytes, bytearray)):
+        return {"$bin": bytes(v).hex()}
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 2**53 - 1:
+        return {"$u64": str(v)}
+    if isinstance(v, list):
+        return [js(x) for x in v]
+    if isinstance(v, dict):
+        return {k: js(x) for k, x in v.items()}
+    return v
+
+
+sum_args = mp([2, 40])
+uuid = "0190f3c4-5a6b-7c8d-9e0f-a1b2c3d4e5f6"
+messagepack = [{"name": n, "rust": r, "value": js(v), "bytes": mp(v).hex()} for n, r, v in [
+    ("Calc.sum's arguments", "(i32, i32)", [2, 40]),
+    ("negative and wide integers", "(i8, i16, i64, u64)", [-1, -300, -2**40, 2**63 + 5]),
+    ("a string and bytes", "(String, Blob)", ["héllo", bytes([0, 1, 255])]),
+    ("an Option", "(Option<u32>, Option<u32>)", [None, 7]),
+    ("a struct is a map by field name", "Item { id: Uuid, title: String, done: bool, tag: Option<String> }",
+     {"id": uuid, "title": "Write the spec", "done": False, "tag": None}),
+    ("a unit variant is its name", "Status::Open", "Open"),
+    ("a variant with data is a one-entry map", "Shape::Square(u32)",
+     {"Square": 3}),
+    ("ReplicaHost.fetch's arguments", "(u32, Blob, u64)", [sum_id, sum_args, 7]),
+    ("ReplicaHost.fetch's answer: Ok", "Result<Blob, Failure>", {"Ok": mp(42)}),
+    ("ReplicaHost.fetch's answer: a Failure", "Result<Blob, Failure>", {"Err": {"BadArguments": "expected 2 arguments"}}),
+    ("ReplicaHost.revalidate's arguments", "(Vec<Held>,) with Held as a tuple",
+     [[[3, sum_id, sum_args, 0xCBF29CE484222325]]]),
+    ("ReplicaHost.revalidate's answer", "Vec<u64>", [3]),
+    ("ReplicaSink.invalidated's arguments", "(Vec<u64>,)", [[1, 2, 300]]),
+    ("ReplicaSink.invalidated's answer", "()", None),
+]]
+
 out = {
     "comment": "Test vectors of the Coherent RPC wire format (PROTOCOL.md). Hex strings are bytes; 64-bit values are decimal strings.",
     "method_ids": [{"name": n, "id": fnv1a(n)} for n in
@@ -139,6 +215,7 @@ out = {
     "stream_batches": batches,
     "hellos": hellos,
     "invalid_hellos": bad_hellos,
+    "messagepack": messagepack,
     "errors": [{"code": c, "name": n} for c, n in
                [(1, "UnknownMethod"), (2, "BadArguments"), (3, "DeadlineExceeded"), (4, "Disconnected"),
                 (5, "TooLarge"), (6, "Unauthenticated"), (7, "Overloaded"), (8, "Cancelled"),

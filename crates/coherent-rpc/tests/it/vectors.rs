@@ -188,3 +188,91 @@ fn error_codes_match_the_vectors() {
         assert_eq!(format!("{code:?}"), v["name"].as_str().unwrap());
     }
 }
+
+/// MessagePack as section 4 says the Rust side writes it (structs as maps, a Uuid as its
+/// string): each vector's bytes are what `Format::MessagePack` encodes for its Rust value, and
+/// decode back to it.
+#[test]
+fn messagepack_payloads_match_the_vectors() {
+    use coherent_rpc::Blob;
+    use serde::{de::DeserializeOwned, Deserialize, Serialize};
+    use std::fmt::Debug;
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Item {
+        id: uuid::Uuid,
+        title: String,
+        done: bool,
+        tag: Option<String>,
+    }
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    enum Status {
+        Open,
+    }
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    enum Shape {
+        Square(u32),
+    }
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    enum Failure {
+        UnknownMethod(u32),
+        BadArguments(String),
+    }
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Held(u64, u32, Blob, u64);
+
+    fn check<T: Serialize + DeserializeOwned + PartialEq + Debug>(name: &str, bytes: &[u8], value: T) {
+        let encoded = Format::MessagePack.encode(&value).unwrap();
+        assert_eq!(&encoded[..], bytes, "{name}: encoding");
+        let decoded: T = Format::MessagePack.decode(bytes).unwrap();
+        assert_eq!(decoded, value, "{name}: decoding");
+    }
+
+    let sum_args = Blob::from(vec![0x92, 0x02, 0x28]);
+    let sum = method_id("Calc.sum");
+    let mut seen = 0;
+    for v in vectors()["messagepack"].as_array().unwrap() {
+        let name = v["name"].as_str().unwrap();
+        let b = hex(v["bytes"].as_str().unwrap());
+        seen += 1;
+        match name {
+            "Calc.sum's arguments" => check(name, &b, (2i32, 40i32)),
+            "negative and wide integers" => {
+                check(name, &b, (-1i8, -300i16, -(1i64 << 40), (1u64 << 63) + 5))
+            }
+            "a string and bytes" => check(name, &b, ("héllo".to_owned(), Blob::from(vec![0, 1, 255]))),
+            "an Option" => check(name, &b, (None::<u32>, Some(7u32))),
+            "a struct is a map by field name" => check(
+                name,
+                &b,
+                Item {
+                    id: "0190f3c4-5a6b-7c8d-9e0f-a1b2c3d4e5f6".parse().unwrap(),
+                    title: "Write the spec".into(),
+                    done: false,
+                    tag: None,
+                },
+            ),
+            "a unit variant is its name" => check(name, &b, Status::Open),
+            "a variant with data is a one-entry map" => check(name, &b, Shape::Square(3)),
+            "ReplicaHost.fetch's arguments" => check(name, &b, (sum, sum_args.clone(), 7u64)),
+            "ReplicaHost.fetch's answer: Ok" => {
+                check(name, &b, Ok::<Blob, Failure>(Blob::from(vec![42])))
+            }
+            "ReplicaHost.fetch's answer: a Failure" => check(
+                name,
+                &b,
+                Err::<Blob, Failure>(Failure::BadArguments("expected 2 arguments".into())),
+            ),
+            "ReplicaHost.revalidate's arguments" => check(
+                name,
+                &b,
+                (vec![Held(3, sum, sum_args.clone(), 0xCBF2_9CE4_8422_2325)],),
+            ),
+            "ReplicaHost.revalidate's answer" => check(name, &b, vec![3u64]),
+            "ReplicaSink.invalidated's arguments" => check(name, &b, (vec![1u64, 2, 300],)),
+            "ReplicaSink.invalidated's answer" => check(name, &b, ()),
+            other => panic!("no Rust value for the vector {other:?}"),
+        }
+    }
+    assert_eq!(seen, 14);
+}
