@@ -185,7 +185,8 @@ sum_args = mp([2, 40])
 uuid = "0190f3c4-5a6b-7c8d-9e0f-a1b2c3d4e5f6"
 messagepack = [{"name": n, "rust": r, "value": js(v), "bytes": mp(v).hex()} for n, r, v in [
     ("Calc.sum's arguments", "(i32, i32)", [2, 40]),
-    ("negative and wide integers", "(i8, i16, i64, u64)", [-1, -300, -2**40, 2**63 + 5]),
+    ("negative and wide integers", "(i8, i16, i64, u32)", [-1, -300, -2**40, 2**32 - 1]),
+    ("a u64 past 2^53", "(u64,)", [2**63 + 5]),
     ("a string and bytes", "(String, Blob)", ["héllo", bytes([0, 1, 255])]),
     ("an Option", "(Option<u32>, Option<u32>)", [None, 7]),
     ("a struct is a map by field name", "Item { id: Uuid, title: String, done: bool, tag: Option<String> }",

@@ -1,0 +1,642 @@
+/**
+ * The client: a connection that comes back (reconnection with backoff and jitter), calls and
+ * streams by method name, and replicas of a server's compute methods that stay current.
+ * @module
+ */
+
+import { decode, encode, encodeWide } from "./codec.js";
+import { type CallOptions, Connection, type ConnectionOptions, type Handler, asRpcError } from "./connection.js";
+import { ErrorCode, RpcError } from "./errors.js";
+import { methodId, valueHash } from "./hash.js";
+import { Listeners, type Observable, track } from "./reactive.js";
+
+/**
+ * What a service's declarations (generated from Rust) say about its compute methods: for
+ * each `"Service.method"`, its argument tuple and its result. With it, `client.replica` and
+ * `client.compute` are type-checked against the server.
+ */
+export type ComputeMethods = Record<string, { args: readonly unknown[]; result: unknown }>;
+
+/** Where the client's connection stands. */
+export type ClientState =
+  /** The first connection is being made. */
+  | "connecting"
+  /** Connected, and every replica has been checked against the server. */
+  | "live"
+  /** The connection was lost; a new one is being made at once. */
+  | "reconnecting"
+  /** The server could not be reached; the client tries again after a backoff. */
+  | "offline"
+  /** {@link Client.close} was called. */
+  | "closed";
+
+/** How the client comes back after a lost connection. */
+export interface ReconnectOptions {
+  /** The first retry's delay (default 250 ms); each failure doubles it. */
+  initialDelayMs?: number;
+  /** The longest delay (default 10 s). */
+  maxDelayMs?: number;
+}
+
+/** Settings of a client; every field has a default. */
+export interface ClientOptions extends ConnectionOptions {
+  /** How reconnection backs off (`false`: the client stays closed after a lost connection). */
+  reconnect?: ReconnectOptions | false;
+  /**
+   * A replica nobody has watched for this long is dropped, and the server told to stop
+   * watching it (default 5 s), so a page that navigates back finds it still current.
+   */
+  releaseDelayMs?: number;
+}
+
+const REPLICA_HOST = {
+  fetch: methodId("ReplicaHost.fetch"),
+  call: methodId("ReplicaHost.call"),
+  revalidate: methodId("ReplicaHost.revalidate"),
+  release: methodId("ReplicaHost.release"),
+};
+const INVALIDATED = methodId("ReplicaSink.invalidated");
+const NIL = encode(null);
+
+/** Where a replica stands. */
+export type ReplicaStatus =
+  /** No value yet: the first fetch is under way. */
+  | "loading"
+  /** The value is the server's current one (as far as a live connection knows). */
+  | "current"
+  /** The server said the value changed; a new one is fetched while it is watched. */
+  | "invalidated"
+  /** The server answered an error ({@link Replica.error}). */
+  | "error";
+
+/**
+ * A replica of one compute method's result on the server: the value, kept current by the
+ * server's invalidations. Reading {@link value} inside a `computed` records the dependency.
+ * While something watches it (a subscriber, a watched computed, a React component), a new
+ * value is fetched as soon as the server says the old one changed.
+ */
+export class Replica<T> implements Observable {
+  /** The compute method, `"Service.method"`. */
+  readonly method: string;
+  /** Its arguments. */
+  readonly args: readonly unknown[];
+
+  /** @internal */ readonly key: string;
+  /** @internal */ readonly methodId: number;
+  /** @internal */ readonly argBytes: Uint8Array;
+  /** @internal */ watchId: number | undefined;
+  /** @internal */ hash: bigint | undefined;
+  /** @internal */ invalidatedWhileLoading = false;
+  /** @internal */ fetching = false;
+  /** @internal */ releaseTimer: ReturnType<typeof setTimeout> | undefined;
+
+  private current: T | undefined;
+  private failure: RpcError | undefined;
+  private state: ReplicaStatus = "loading";
+  private changes = 0;
+  private readonly client: Client<ComputeMethods>;
+  private readonly listeners: Listeners;
+  private waiters: { resolve(v: T): void; reject(e: RpcError): void }[] = [];
+
+  /** @internal */
+  constructor(client: Client<ComputeMethods>, method: string, args: readonly unknown[], key: string, argBytes: Uint8Array) {
+    this.client = client;
+    this.method = method;
+    this.args = args;
+    this.key = key;
+    this.methodId = methodId(method);
+    this.argBytes = argBytes;
+    this.listeners = new Listeners(
+      () => client.observed(this),
+      () => client.unobserved(this),
+    );
+  }
+
+  /** The last value received (while `invalidated`, the previous one); `undefined` while loading. */
+  get value(): T | undefined {
+    track(this);
+    this.client.touch(this);
+    return this.current;
+  }
+
+  /** Where it stands (recorded as a read, like {@link value}). */
+  get status(): ReplicaStatus {
+    track(this);
+    return this.state;
+  }
+
+  /** The server's error, when {@link status} is `"error"`. */
+  get error(): RpcError | undefined {
+    track(this);
+    return this.failure;
+  }
+
+  /** A count of its changes (value or status), not recorded as a read: a cheap snapshot. */
+  get version(): number {
+    return this.changes;
+  }
+
+  /** Whether something watches it (and so keeps it fetched). */
+  get isWatched(): boolean {
+    return this.listeners.size > 0;
+  }
+
+  /** Calls `listener` after each change of value or status. */
+  subscribe(listener: () => void): () => void {
+    return this.listeners.add(listener);
+  }
+
+  /** The current value: at once when it is current, otherwise after the fetch it starts. */
+  get(): Promise<T> {
+    if (this.state === "current") return Promise.resolve(this.current as T);
+    const p = new Promise<T>((resolve, reject) => this.waiters.push({ resolve, reject }));
+    this.client.touch(this);
+    return p;
+  }
+
+  /** @internal A value arrived. */
+  settle(value: T, hash: bigint, stillCurrent: boolean): void {
+    this.current = value;
+    this.hash = hash;
+    this.failure = undefined;
+    this.state = stillCurrent ? "current" : "invalidated";
+    if (stillCurrent) {
+      const w = this.waiters;
+      this.waiters = [];
+      for (const x of w) x.resolve(value);
+    }
+    this.changed();
+  }
+
+  /** @internal The server answered an error. */
+  fail(error: RpcError): void {
+    this.failure = error;
+    this.state = "error";
+    this.hash = undefined;
+    const w = this.waiters;
+    this.waiters = [];
+    for (const x of w) x.reject(error);
+    this.changed();
+  }
+
+  /** @internal The server said the value changed. */
+  invalidate(): void {
+    if (this.state === "loading") return;
+    this.state = "invalidated";
+    this.changed();
+  }
+
+  private changed(): void {
+    this.changes++;
+    this.listeners.notify();
+  }
+
+  /** @internal The state as the client sees it (untracked). */
+  get statusNow(): ReplicaStatus {
+    return this.state;
+  }
+
+  /** @internal Whether anybody waits on {@link get}. */
+  get hasWaiters(): boolean {
+    return this.waiters.length > 0;
+  }
+
+  /** Fetches the value again after an error (an error stays until then, or a reconnect). */
+  refresh(): void {
+    if (this.state === "error") {
+      this.state = "loading";
+      this.client.touch(this);
+    }
+  }
+
+  /** @internal The client closed. */
+  abandon(error: RpcError): void {
+    const w = this.waiters;
+    this.waiters = [];
+    for (const x of w) x.reject(error);
+  }
+}
+
+type Encoded<T> = { Ok: Uint8Array } | { Err: T };
+
+/**
+ * A Coherent client over a WebSocket. It connects at once and stays connected: after a lost
+ * connection it reconnects with exponential backoff and jitter, then revalidates every
+ * replica by hash before it says `live` again.
+ *
+ * ```ts
+ * const client = new Client<TasksService>("ws://127.0.0.1:8080/rpc", { token });
+ * const task = client.replica("TasksService.task", id);   // type-checked against Rust
+ * effect(() => render(task.value));
+ * ```
+ */
+export class Client<S extends ComputeMethods = ComputeMethods> {
+  /** The WebSocket URL. */
+  readonly url: string;
+
+  private readonly options: ClientOptions;
+  private readonly releaseDelayMs: number;
+  private conn: Connection | undefined;
+  private waitingForConnection: { resolve(c: Connection): void; reject(e: RpcError): void }[] = [];
+  private currentState: ClientState = "connecting";
+  private readonly stateListeners = new Listeners();
+  private lastFailure: RpcError | undefined;
+  private closedByUser = false;
+  private readonly replicas = new Map<string, Replica<unknown>>();
+  private readonly watched = new Map<number, Replica<unknown>>();
+  private nextReplicaId = 1;
+  private toRelease: number[] = [];
+  private wakeRetry: (() => void) | undefined;
+  private readonly handlers = new Map<number, Handler>();
+
+  constructor(url: string, options: ClientOptions = {}) {
+    this.url = url;
+    this.options = options;
+    this.releaseDelayMs = options.releaseDelayMs ?? 5_000;
+    this.handlers.set(INVALIDATED, (payload) => this.onInvalidated(payload));
+    void this.run();
+  }
+
+  /** Where the connection stands. */
+  get state(): ClientState {
+    track(this.stateSource);
+    return this.currentState;
+  }
+
+  /** Why the last connection ended or the last attempt failed. */
+  get lastError(): RpcError | undefined {
+    return this.lastFailure;
+  }
+
+  /** Calls `listener` after each change of {@link state}. */
+  onStateChange(listener: (state: ClientState) => void): () => void {
+    return this.stateListeners.add(() => listener(this.currentState));
+  }
+
+  /** The state as an observable, for `computed` and `useComputed`. */
+  readonly stateSource: Observable = { subscribe: (l) => this.stateListeners.add(l) };
+
+  /** Resolves once the client is `live` (rejects if it is closed first). */
+  ready(): Promise<void> {
+    if (this.currentState === "live") return Promise.resolve();
+    if (this.currentState === "closed") return Promise.reject(new RpcError(ErrorCode.Disconnected, "the client is closed"));
+    return new Promise((resolve, reject) => {
+      const off = this.onStateChange((s) => {
+        if (s === "live") {
+          off();
+          resolve();
+        } else if (s === "closed") {
+          off();
+          reject(new RpcError(ErrorCode.Disconnected, "the client is closed"));
+        }
+      });
+    });
+  }
+
+  /**
+   * Calls an RPC method by name (`"Service.method"`) with its arguments; resolves with its
+   * result. A call made while the client is reconnecting waits for the connection, within
+   * its deadline. Errors are {@link RpcError}s with the protocol's codes.
+   */
+  async call<R = unknown>(method: string, args: readonly unknown[] = [], options: CallOptions = {}): Promise<R> {
+    const bytes = encode(args);
+    const conn = await this.connection(options);
+    return decode(await conn.call(methodId(method), bytes, options)) as R;
+  }
+
+  /** Sends a one-way call (no answer; nothing is sent while disconnected). */
+  oneway(method: string, args: readonly unknown[] = []): void {
+    this.conn?.oneway(methodId(method), encode(args));
+  }
+
+  /** Calls a method that answers a stream; iterate it with `for await`. Breaking out cancels it. */
+  async *stream<R = unknown>(method: string, args: readonly unknown[] = [], options: CallOptions = {}): AsyncGenerator<R> {
+    const bytes = encode(args);
+    const conn = await this.connection(options);
+    const items = conn.stream(methodId(method), bytes, options);
+    try {
+      for await (const item of items) yield decode(item) as R;
+    } finally {
+      await items.return?.();
+    }
+  }
+
+  /** Calls a compute method once (answered from the server's cache), without holding a replica. */
+  async compute<M extends keyof S & string>(method: M, ...args: S[M]["args"]): Promise<S[M]["result"]> {
+    const conn = await this.connection({});
+    const answer = await conn.call(REPLICA_HOST.call, encode([methodId(method), encode(args)]));
+    return decode(unwrap(decode(answer) as Encoded<unknown>)) as S[M]["result"];
+  }
+
+  /**
+   * The replica of compute method `method` for `args`: one per method and arguments, shared
+   * by everything that asks for it. It is fetched on first use and kept current.
+   */
+  replica<M extends keyof S & string>(method: M, ...args: S[M]["args"]): Replica<S[M]["result"]> {
+    const argBytes = encode(args);
+    const key = `${method}\u0000${hex(argBytes)}`;
+    let r = this.replicas.get(key);
+    if (r === undefined) {
+      r = new Replica(this as Client<ComputeMethods>, method, args, key, argBytes);
+      this.replicas.set(key, r);
+    }
+    return r as Replica<S[M]["result"]>;
+  }
+
+  /** How many replicas the client holds. */
+  get replicaCount(): number {
+    return this.replicas.size;
+  }
+
+  /** Closes the connection and stops reconnecting; waiting calls fail with `Disconnected`. */
+  close(): void {
+    if (this.closedByUser) return;
+    this.closedByUser = true;
+    this.conn?.close();
+    this.wakeRetry?.();
+    const e = new RpcError(ErrorCode.Disconnected, "the client is closed");
+    for (const w of this.waitingForConnection.splice(0)) w.reject(e);
+    for (const r of this.replicas.values()) {
+      clearTimeout(r.releaseTimer);
+      r.abandon(e);
+    }
+    this.setState("closed");
+  }
+
+  // ---- the connection's life ----
+
+  private setState(s: ClientState): void {
+    if (this.currentState === s || this.currentState === "closed") return;
+    this.currentState = s;
+    this.stateListeners.notify();
+  }
+
+  private connection(options: CallOptions): Promise<Connection> {
+    if (this.conn?.isOpen) return Promise.resolve(this.conn);
+    if (this.closedByUser) return Promise.reject(new RpcError(ErrorCode.Disconnected, "the client is closed"));
+    return new Promise((resolve, reject) => {
+      const waiter = { resolve, reject };
+      this.waitingForConnection.push(waiter);
+      const drop = (e: RpcError) => {
+        const i = this.waitingForConnection.indexOf(waiter);
+        if (i >= 0) {
+          this.waitingForConnection.splice(i, 1);
+          reject(e);
+        }
+      };
+      if (options.timeoutMs !== undefined) {
+        const t = setTimeout(
+          () => drop(new RpcError(ErrorCode.DeadlineExceeded, `not connected within ${options.timeoutMs} ms`)),
+          options.timeoutMs,
+        );
+        const done = waiter.resolve;
+        waiter.resolve = (c) => {
+          clearTimeout(t);
+          done(c);
+        };
+      }
+      options.signal?.addEventListener("abort", () => drop(new RpcError(ErrorCode.Cancelled, "the call was cancelled")), {
+        once: true,
+      });
+    });
+  }
+
+  private async run(): Promise<void> {
+    const reconnect = this.options.reconnect;
+    const initial = (reconnect && reconnect.initialDelayMs) || 250;
+    const max = (reconnect && reconnect.maxDelayMs) || 10_000;
+    let failures = 0;
+    let everConnected = false;
+    while (!this.closedByUser) {
+      let conn: Connection;
+      try {
+        conn = await Connection.open(this.url, this.options, this.handlers);
+      } catch (e) {
+        this.lastFailure = asRpcError(e);
+        if (this.closedByUser) return;
+        if (reconnect === false) {
+          this.close();
+          return;
+        }
+        failures++;
+        this.setState("offline");
+        // Exponential backoff with jitter: between half and all of the step.
+        const step = Math.min(max, initial * 2 ** Math.min(failures - 1, 30));
+        await this.sleep(step / 2 + Math.random() * (step / 2));
+        continue;
+      }
+      if (this.closedByUser) {
+        conn.close();
+        return;
+      }
+      failures = 0;
+      this.conn = conn;
+      for (const w of this.waitingForConnection.splice(0)) w.resolve(conn);
+      await this.revalidate(conn, everConnected);
+      everConnected = true;
+      if (conn.isOpen) this.setState("live");
+      this.lastFailure = await conn.closed;
+      this.conn = undefined;
+      if (this.closedByUser) return;
+      if (reconnect === false) {
+        this.close();
+        return;
+      }
+      this.setState("reconnecting");
+    }
+  }
+
+  private sleep(ms: number): Promise<void> {
+    return new Promise((resolve) => {
+      const t = setTimeout(done, ms);
+      function done() {
+        clearTimeout(t);
+        resolve();
+      }
+      this.wakeRetry = done;
+    });
+  }
+
+  /**
+   * After a reconnect: sends every replica it holds with its value's hash; the server
+   * watches again those that still hash the same and names the others, which are
+   * invalidated (and fetched again where watched). Replicas without a value are fetched.
+   */
+  private async revalidate(conn: Connection, reconnected: boolean): Promise<void> {
+    const held: [number, number, Uint8Array, bigint][] = [];
+    const refetch: Replica<unknown>[] = [];
+    this.watched.clear();
+    for (const r of this.replicas.values()) {
+      r.fetching = false;
+      if (reconnected && r.statusNow === "current" && r.hash !== undefined) {
+        const id = this.nextReplicaId++;
+        r.watchId = id;
+        this.watched.set(id, r);
+        held.push([id, r.methodId, r.argBytes, r.hash]);
+      } else {
+        r.watchId = undefined;
+        if (r.isWatched || r.hasWaiters) refetch.push(r);
+      }
+    }
+    if (held.length > 0) {
+      try {
+        const changed = decode(await conn.call(REPLICA_HOST.revalidate, encodeWide([held]))) as number[];
+        this.invalidateIds(changed);
+      } catch {
+        // The connection went again: the next one revalidates.
+        return;
+      }
+    }
+    for (const r of refetch) this.fetch(r);
+  }
+
+  // ---- replicas ----
+
+  /** @internal A replica gained its first watcher. */
+  observed(r: Replica<unknown>): void {
+    clearTimeout(r.releaseTimer);
+    r.releaseTimer = undefined;
+    if (needsFetch(r)) this.fetch(r);
+  }
+
+  /** @internal A replica lost its last watcher. */
+  unobserved(r: Replica<unknown>): void {
+    clearTimeout(r.releaseTimer);
+    r.releaseTimer = setTimeout(() => this.release(r), this.releaseDelayMs);
+    (r.releaseTimer as { unref?: () => void }).unref?.();
+  }
+
+  /** @internal A replica was read: fetch it if it has no current value. */
+  touch(r: Replica<unknown>): void {
+    if (needsFetch(r)) this.fetch(r);
+    if (!r.isWatched && r.releaseTimer === undefined) this.unobserved(r);
+  }
+
+  private release(r: Replica<unknown>): void {
+    r.releaseTimer = undefined;
+    if (r.isWatched || r.hasWaiters) return;
+    this.replicas.delete(r.key);
+    if (r.watchId !== undefined) {
+      this.watched.delete(r.watchId);
+      this.toRelease.push(r.watchId);
+      r.watchId = undefined;
+      if (this.toRelease.length === 1) {
+        queueMicrotask(() => {
+          const ids = this.toRelease;
+          this.toRelease = [];
+          this.conn?.oneway(REPLICA_HOST.release, encode([ids]));
+        });
+      }
+    }
+  }
+
+  private fetch(r: Replica<unknown>): void {
+    if (r.fetching || this.closedByUser) return;
+    const conn = this.conn;
+    // Not connected: the reconnect fetches what is watched or awaited.
+    if (conn === undefined || !conn.isOpen) return;
+    r.fetching = true;
+    const id = this.nextReplicaId++;
+    if (r.watchId !== undefined) this.watched.delete(r.watchId);
+    r.watchId = id;
+    r.invalidatedWhileLoading = false;
+    this.watched.set(id, r);
+    conn.call(REPLICA_HOST.fetch, encode([r.methodId, r.argBytes, id])).then(
+      (answer) => {
+        if (r.watchId !== id) return;
+        r.fetching = false;
+        let bytes: Uint8Array;
+        try {
+          bytes = unwrap(decode(answer) as Encoded<unknown>);
+        } catch (e) {
+          this.watched.delete(id);
+          r.watchId = undefined;
+          r.fail(asRpcError(e));
+          return;
+        }
+        const stillCurrent = !r.invalidatedWhileLoading;
+        if (!stillCurrent) r.watchId = undefined;
+        let value: unknown;
+        try {
+          value = decode(bytes);
+        } catch (e) {
+          r.fail(asRpcError(e));
+          return;
+        }
+        r.settle(value, valueHash(bytes), stillCurrent);
+        if (!stillCurrent && (r.isWatched || r.hasWaiters)) this.fetch(r);
+      },
+      (e: unknown) => {
+        if (r.watchId !== id) return;
+        r.fetching = false;
+        this.watched.delete(id);
+        r.watchId = undefined;
+        const err = asRpcError(e);
+        // A lost connection is not the value's failure: the reconnect fetches it again.
+        if (err.code !== ErrorCode.Disconnected) r.fail(err);
+      },
+    );
+  }
+
+  private onInvalidated(payload: Uint8Array): Uint8Array {
+    const [ids] = decode(payload) as [number[]];
+    if (!Array.isArray(ids)) throw new RpcError(ErrorCode.BadArguments, "ReplicaSink.invalidated takes a list of ids");
+    this.invalidateIds(ids);
+    return NIL;
+  }
+
+  private invalidateIds(ids: readonly number[]): void {
+    for (const id of ids) {
+      const r = this.watched.get(id);
+      if (r === undefined || r.watchId !== id) continue;
+      if (r.fetching) {
+        // Pushed right behind the answer that is still being applied.
+        r.invalidatedWhileLoading = true;
+        continue;
+      }
+      this.watched.delete(id);
+      r.watchId = undefined;
+      r.invalidate();
+      if (r.isWatched || r.hasWaiters) this.fetch(r);
+    }
+  }
+}
+
+/** Loading or invalidated, and no fetch under way (an error waits for `refresh`). */
+function needsFetch(r: Replica<unknown>): boolean {
+  const s = r.statusNow;
+  return (s === "loading" || s === "invalidated") && !r.fetching;
+}
+
+/** A compute call's answer: the value's bytes, or the server's failure as an error. */
+function unwrap(answer: Encoded<unknown>): Uint8Array {
+  if (answer !== null && typeof answer === "object") {
+    if ("Ok" in answer && answer.Ok instanceof Uint8Array) return answer.Ok;
+    if ("Err" in answer) throw failure(answer.Err);
+  }
+  throw new RpcError(ErrorCode.Protocol, "a compute answer that is neither Ok nor Err");
+}
+
+/** `Failure` of PROTOCOL.md section 9, as the error the Rust client maps it to. */
+function failure(f: unknown): RpcError {
+  if (f !== null && typeof f === "object") {
+    const [[name, data]] = Object.entries(f) as [[string, unknown]];
+    switch (name) {
+      case "UnknownMethod":
+        return new RpcError(ErrorCode.UnknownMethod, `no compute method with id 0x${Number(data).toString(16).padStart(8, "0")} is exposed`);
+      case "BadArguments":
+        return new RpcError(ErrorCode.BadArguments, String(data));
+      case "BadValue":
+        return new RpcError(ErrorCode.Internal, String(data));
+      case "TooManyReplicas":
+        return new RpcError(ErrorCode.Overloaded, `this connection already holds ${String(data)} replicas`);
+    }
+  }
+  return new RpcError(ErrorCode.Internal, `an unknown failure: ${JSON.stringify(f)}`);
+}
+
+function hex(bytes: Uint8Array): string {
+  let s = "";
+  for (const b of bytes) s += b.toString(16).padStart(2, "0");
+  return s;
+}

@@ -1,0 +1,223 @@
+/**
+ * A small reactive core, framework-agnostic: values that say when they change, and
+ * `computed(() => ...)`, which records what it read (replicas, other computeds) and
+ * recomputes after one of them changes — the shape of Coherent's Rust core, on the client.
+ * @module
+ */
+
+/** Called when a value changed (read it again to see how). */
+export type Listener = () => void;
+
+/** A value that can be watched. */
+export interface Observable {
+  /** Calls `listener` after each change until the returned function is called. */
+  subscribe(listener: Listener): () => void;
+}
+
+interface Collector {
+  read(source: Observable): void;
+}
+
+let collector: Collector | undefined;
+
+/** Records that the computation now running read `source` (called by readable values). */
+export function track(source: Observable): void {
+  collector?.read(source);
+}
+
+/** Runs `fn` without recording what it reads. */
+export function untracked<T>(fn: () => T): T {
+  const saved = collector;
+  collector = undefined;
+  try {
+    return fn();
+  } finally {
+    collector = saved;
+  }
+}
+
+/** A set of listeners with the subscribe/notify plumbing, for values built on this core. */
+export class Listeners {
+  private readonly set = new Set<Listener>();
+  private onFirst: (() => void) | undefined;
+  private onLast: (() => void) | undefined;
+
+  /** `onFirst`/`onLast` run when the value gains its first listener and loses its last. */
+  constructor(onFirst?: () => void, onLast?: () => void) {
+    this.onFirst = onFirst;
+    this.onLast = onLast;
+  }
+
+  /** How many listeners there are. */
+  get size(): number {
+    return this.set.size;
+  }
+
+  /** Adds a listener; answers its removal (idempotent). */
+  add(listener: Listener): () => void {
+    // A wrapper, so that the same function can be subscribed twice.
+    const entry = () => listener();
+    this.set.add(entry);
+    if (this.set.size === 1) this.onFirst?.();
+    return () => {
+      if (this.set.delete(entry) && this.set.size === 0) this.onLast?.();
+    };
+  }
+
+  /** Calls every listener; one that throws does not stop the others. */
+  notify(): void {
+    for (const l of [...this.set]) {
+      try {
+        l();
+      } catch (e) {
+        queueMicrotask(() => {
+          throw e;
+        });
+      }
+    }
+  }
+}
+
+/** A value computed from others, recomputed when they change. */
+export class Computed<T> implements Observable {
+  private readonly fn: () => T;
+  private current: { ok: true; value: T } | { ok: false; error: unknown } | undefined;
+  private dirty = true;
+  private deps = new Map<Observable, (() => void) | undefined>();
+  private readonly listeners = new Listeners(
+    () => this.watchDeps(),
+    () => this.unwatchDeps(),
+  );
+
+  constructor(fn: () => T) {
+    this.fn = fn;
+  }
+
+  /** The value (computed now if a dependency changed since); rethrows what `fn` threw. */
+  get value(): T {
+    track(this);
+    const c = this.evaluate();
+    if (!c.ok) throw c.error;
+    return c.value;
+  }
+
+  /** The value without recording the read in the computation running now. */
+  peek(): T {
+    return untracked(() => this.value);
+  }
+
+  /** Whether a dependency changed since the value was last computed. */
+  get isDirty(): boolean {
+    return this.dirty;
+  }
+
+  /** Calls `listener` after each change of a dependency. Subscribing keeps the dependencies watched. */
+  subscribe(listener: Listener): () => void {
+    return this.listeners.add(listener);
+  }
+
+  private evaluate(): { ok: true; value: T } | { ok: false; error: unknown } {
+    if (!this.dirty && this.current !== undefined) return this.current;
+    const read = new Set<Observable>();
+    const saved = collector;
+    collector = { read: (s) => s !== this && read.add(s) };
+    try {
+      this.current = { ok: true, value: this.fn() };
+    } catch (error) {
+      this.current = { ok: false, error };
+    } finally {
+      collector = saved;
+    }
+    this.dirty = false;
+    const watching = this.listeners.size > 0;
+    for (const [dep, unsubscribe] of this.deps) {
+      if (!read.has(dep)) unsubscribe?.();
+    }
+    const next = new Map<Observable, (() => void) | undefined>();
+    for (const dep of read) {
+      const existing = this.deps.get(dep);
+      next.set(dep, existing ?? (watching ? dep.subscribe(this.changed) : undefined));
+    }
+    this.deps = next;
+    return this.current;
+  }
+
+  private readonly changed = (): void => {
+    if (this.dirty) return;
+    this.dirty = true;
+    this.listeners.notify();
+  };
+
+  private watchDeps(): void {
+    // Know the dependencies before watching them.
+    if (this.dirty) this.evaluate();
+    for (const [dep, unsubscribe] of this.deps) {
+      if (unsubscribe === undefined) this.deps.set(dep, dep.subscribe(this.changed));
+    }
+  }
+
+  private unwatchDeps(): void {
+    for (const [dep, unsubscribe] of this.deps) {
+      unsubscribe?.();
+      this.deps.set(dep, undefined);
+    }
+    // Unwatched, a change would go unnoticed: recompute on the next read.
+    this.dirty = true;
+  }
+}
+
+/** A value computed by `fn` from the replicas and computeds it reads. */
+export function computed<T>(fn: () => T): Computed<T> {
+  return new Computed(fn);
+}
+
+/**
+ * Runs `fn` now and again after each change of what it read, until the returned function
+ * is called: how a page keeps a DOM node in step with replicas without a framework.
+ */
+export function effect(fn: () => void): () => void {
+  const c = new Computed(fn);
+  let scheduled = false;
+  const unsubscribe = c.subscribe(() => {
+    if (scheduled) return;
+    scheduled = true;
+    queueMicrotask(() => {
+      scheduled = false;
+      c.value;
+    });
+  });
+  c.value;
+  return unsubscribe;
+}
+
+/** A writable value of the reactive core (local UI state beside replicas). */
+export class State<T> implements Observable {
+  private current: T;
+  private readonly listeners = new Listeners();
+
+  constructor(value: T) {
+    this.current = value;
+  }
+
+  /** The value; reading it inside a computed makes the computed depend on it. */
+  get value(): T {
+    track(this);
+    return this.current;
+  }
+
+  set value(v: T) {
+    if (Object.is(v, this.current)) return;
+    this.current = v;
+    this.listeners.notify();
+  }
+
+  /** Calls `listener` after each change. */
+  subscribe(listener: Listener): () => void {
+    return this.listeners.add(listener);
+  }
+}
+
+/** A writable reactive value. */
+export function state<T>(value: T): State<T> {
+  return new State(value);
+}
