@@ -6,6 +6,10 @@
 //! - `remote_server` and `remote_client`: the [`api::Users`] service defined once, as a trait
 //!   (this library); the server implements it over SQLite and exposes it, the client reads it
 //!   through the generated `UsersClient`, whose methods are replicas.
+//! - `ts_server`: the server that clients in other languages (the TypeScript client) run
+//!   their tests against, over WebSocket; [`test_server`] is its library half.
+
+pub mod test_server;
 
 /// What the server and its clients share: the definition of the `Users` compute service
 /// and the types it hands out. In an application this is the crate both depend on.
