@@ -4,7 +4,7 @@
  * @module
  */
 
-import { decode, encode, encodeWide } from "./codec.js";
+import { decode, encode, encodeArgs, encodeWide } from "./codec.js";
 import { type CallOptions, Connection, type ConnectionOptions, type Handler, asRpcError } from "./connection.js";
 import { ErrorCode, RpcError } from "./errors.js";
 import { methodId, valueHash } from "./hash.js";
@@ -299,19 +299,19 @@ export class Client<S extends ComputeMethods = ComputeMethods> {
    * its deadline. Errors are {@link RpcError}s with the protocol's codes.
    */
   async call<R = unknown>(method: string, args: readonly unknown[] = [], options: CallOptions = {}): Promise<R> {
-    const bytes = encode(args);
+    const bytes = encodeArgs(args);
     const conn = await this.connection(options);
     return decode(await conn.call(methodId(method), bytes, options)) as R;
   }
 
   /** Sends a one-way call (no answer; nothing is sent while disconnected). */
   oneway(method: string, args: readonly unknown[] = []): void {
-    this.conn?.oneway(methodId(method), encode(args));
+    this.conn?.oneway(methodId(method), encodeArgs(args));
   }
 
   /** Calls a method that answers a stream; iterate it with `for await`. Breaking out cancels it. */
   async *stream<R = unknown>(method: string, args: readonly unknown[] = [], options: CallOptions = {}): AsyncGenerator<R> {
-    const bytes = encode(args);
+    const bytes = encodeArgs(args);
     const conn = await this.connection(options);
     const items = conn.stream(methodId(method), bytes, options);
     try {
@@ -324,7 +324,7 @@ export class Client<S extends ComputeMethods = ComputeMethods> {
   /** Calls a compute method once (answered from the server's cache), without holding a replica. */
   async compute<M extends keyof S & string>(method: M, ...args: S[M]["args"]): Promise<S[M]["result"]> {
     const conn = await this.connection({});
-    const answer = await conn.call(REPLICA_HOST.call, encode([methodId(method), encode(args)]));
+    const answer = await conn.call(REPLICA_HOST.call, encode([methodId(method), encodeArgs(args)]));
     return decode(unwrap(decode(answer) as Encoded<unknown>)) as S[M]["result"];
   }
 
@@ -333,7 +333,7 @@ export class Client<S extends ComputeMethods = ComputeMethods> {
    * by everything that asks for it. It is fetched on first use and kept current.
    */
   replica<M extends keyof S & string>(method: M, ...args: S[M]["args"]): Replica<S[M]["result"]> {
-    const argBytes = encode(args);
+    const argBytes = encodeArgs(args);
     const key = `${method}\u0000${hex(argBytes)}`;
     let r = this.replicas.get(key);
     if (r === undefined) {

@@ -53,3 +53,11 @@ export function decode(bytes: Uint8Array): unknown {
     throw new RpcError(ErrorCode.BadArguments, `cannot decode: ${(e as Error).message}`, { cause: e });
   }
 }
+
+/**
+ * The MessagePack bytes of an argument tuple: an array of the arguments, except that a
+ * method without arguments takes Rust's `()`, which is nil (PROTOCOL.md section 4).
+ */
+export function encodeArgs(args: readonly unknown[]): Uint8Array {
+  return encode(args.length === 0 ? null : args);
+}

@@ -13,5 +13,5 @@ export { ErrorCode, RpcError, errorCodeName } from "./errors.js";
 export { Computed, Listeners, State, computed, effect, state, track, untracked } from "./reactive.js";
 export type { Listener, Observable } from "./reactive.js";
 export { methodId, valueHash } from "./hash.js";
-export { decode, encode } from "./codec.js";
+export { decode, encode, encodeArgs } from "./codec.js";
 export * as wire from "./frame.js";
