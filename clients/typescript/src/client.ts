@@ -15,7 +15,13 @@ import { Listeners, type Observable, track } from "./reactive.js";
  * each `"Service.method"`, its argument tuple and its result. With it, `client.replica` and
  * `client.compute` are type-checked against the server.
  */
-export type ComputeMethods = Record<string, { args: readonly unknown[]; result: unknown }>;
+export type ComputeMethods<S = Record<string, MethodShape>> = { [K in keyof S]: MethodShape };
+
+/** One compute method in {@link ComputeMethods}. */
+export interface MethodShape {
+  args: readonly unknown[];
+  result: unknown;
+}
 
 /** Where the client's connection stands. */
 export type ClientState =
@@ -230,7 +236,7 @@ type Encoded<T> = { Ok: Uint8Array } | { Err: T };
  * effect(() => render(task.value));
  * ```
  */
-export class Client<S extends ComputeMethods = ComputeMethods> {
+export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
   /** The WebSocket URL. */
   readonly url: string;
 

@@ -6,7 +6,7 @@
  */
 
 export { Client, Replica } from "./client.js";
-export type { ClientOptions, ClientState, ComputeMethods, ReconnectOptions, ReplicaStatus } from "./client.js";
+export type { ClientOptions, ClientState, ComputeMethods, MethodShape, ReconnectOptions, ReplicaStatus } from "./client.js";
 export { Connection } from "./connection.js";
 export type { CallOptions, ConnectionOptions, WebSocketFactory, WebSocketLike } from "./connection.js";
 export { ErrorCode, RpcError, errorCodeName } from "./errors.js";

@@ -25,7 +25,7 @@ export function useComputed<T>(fn: () => T, deps: readonly unknown[] = []): T {
 }
 
 /** The value of a replica (`undefined` while loading), re-rendered when it changes. */
-export function useReplica<S extends ComputeMethods, M extends keyof S & string>(
+export function useReplica<S extends ComputeMethods<S>, M extends keyof S & string>(
   client: Client<S>,
   method: M,
   ...args: S[M]["args"]
@@ -42,7 +42,7 @@ export function useReplica<S extends ComputeMethods, M extends keyof S & string>
 }
 
 /** The client's connection state (`live`, `reconnecting`, `offline`, ...), re-rendered as it changes. */
-export function useClientState(client: Client<ComputeMethods>): ClientState {
+export function useClientState<S extends ComputeMethods<S>>(client: Client<S>): ClientState {
   return useSyncExternalStore(
     (onChange) => client.onStateChange(onChange),
     () => client.state,

@@ -9,7 +9,6 @@ import { NodeWebSocket, type Server, startServer, until } from "./server.js";
 
 /** The compute methods of the test server, as a generated declaration would give them. */
 interface Counters {
-  [method: string]: { args: readonly unknown[]; result: unknown };
   "Counters.get": { args: [name: string]; result: Ok<number> };
   "Counters.sum": { args: [names: string[]]; result: Ok<number> };
 }
