@@ -15,6 +15,7 @@ use crate::api;
 use crate::direct::Direct;
 use crate::live::{self, LiveTier, TasksBackend, TasksServiceServer};
 use crate::store::Store;
+use crate::web;
 
 /// Where the data lives.
 #[derive(Clone, Debug)]
@@ -64,6 +65,8 @@ pub struct LiveBackend {
     pub backend: TasksBackend,
     /// Its replicas served to tiers.
     pub remote: RemoteServer,
+    /// Its RPC endpoint: replicas of `TasksService` and the commands.
+    endpoint: Endpoint,
     serving: JoinHandle<()>,
 }
 
@@ -99,9 +102,12 @@ impl LiveBackend {
             .service(CommandsServer::new(host.clone()))
             .build();
         let addr = listener.local_addr()?;
-        let serving = tokio::spawn(async move {
-            if let Err(e) = endpoint.serve_tcp(listener).await {
-                tracing::error!(%e, "the backend's endpoint stopped");
+        let serving = tokio::spawn({
+            let endpoint = endpoint.clone();
+            async move {
+                if let Err(e) = endpoint.serve_tcp(listener).await {
+                    tracing::error!(%e, "the backend's endpoint stopped");
+                }
             }
         });
         Ok(Self {
@@ -109,8 +115,36 @@ impl LiveBackend {
             host,
             backend,
             remote,
+            endpoint,
             serving,
         })
+    }
+
+    /// Its RPC endpoint (the one that listens on [`addr`](Self::addr)): replicas of
+    /// `TasksService` (`ReplicaHost`) and the commands (`Commands`).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// What a browser needs, over HTTP: `GET /rpc` is this backend's endpoint over
+    /// WebSocket (a client there holds replicas of `TasksService` and runs commands, in the
+    /// format its handshake picks: MessagePack for the TypeScript client),
+    /// `GET /gateway/{method}` the HTTP JSON gateway of `TasksService`'s methods (and
+    /// `/gateway/{method}/events`), and every other `GET` the live page's files from
+    /// [`web::dir`]`(None)` (see [`web::files`]). Merge it with the API's router.
+    pub fn web_router(&self) -> axum::Router {
+        self.web_router_in(web::dir(None))
+    }
+
+    /// [`web_router`](Self::web_router), with the live page's files from `dir`.
+    pub fn web_router_in(&self, dir: PathBuf) -> axum::Router {
+        axum::Router::new()
+            .route(
+                "/rpc",
+                axum::routing::get(self.endpoint.websocket_handler()),
+            )
+            .nest("/gateway", self.remote.gateway())
+            .merge(web::files(dir))
     }
 
     /// Stops serving and leaves the cluster.

@@ -8,6 +8,9 @@
 //!   compute methods, and writes are commands through `coherent-ops`, so that any number of
 //!   tiers and backends stay exact.
 //!
+//! The `coherent` backend also serves a live page ([`web`], `LiveBackend::web_router`):
+//! the browser holds replicas of the backend's compute methods over WebSocket.
+//!
 //! See the README for the commands, and `coherent-bench tasks` for the measurements.
 
 pub mod api;
@@ -18,3 +21,4 @@ pub mod live;
 pub mod model;
 pub mod openapi;
 pub mod store;
+pub mod web;

@@ -1,7 +1,8 @@
 //! `tasks`: serve the Tasks API, run a backend alone, or fill the database.
 //!
 //! ```sh
-//! cargo run --release -p coherent-tasks -- serve            # SQLite file tasks.db, coherent
+//! cargo run --release -p coherent-tasks -- serve            # SQLite file tasks.db, coherent;
+//!                                                          # the live page at http://127.0.0.1:8080/
 //! DATABASE_URL=postgres://... cargo run --release -p coherent-tasks -- seed --tasks 10000
 //! ```
 
@@ -10,6 +11,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use coherent_tasks::app::{self, DbConfig, LiveBackend};
+use coherent_tasks::web;
 use tokio::net::TcpListener;
 
 #[derive(Parser)]
@@ -33,7 +35,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Serves the HTTP API.
+    /// Serves the HTTP API (`/api`). With the `coherent` backend started in this process
+    /// (no `--connect`), also the live page (`/`), the backend's RPC endpoint over
+    /// WebSocket (`/rpc`) and its compute methods as JSON (`/gateway`); with `--connect`
+    /// the backends are elsewhere and so is their endpoint: only `/api` (run `backend
+    /// --http` for the rest).
     Serve {
         /// Where HTTP listens.
         #[arg(long, default_value = "127.0.0.1:8080")]
@@ -45,12 +51,24 @@ enum Cmd {
         /// none: start one in this process, on loopback).
         #[arg(long)]
         connect: Vec<SocketAddr>,
+        /// The live page's files, a build of `apps/tasks/web` [default:
+        /// apps/tasks/web/dist, else the one beside this crate's sources].
+        #[arg(long, env = "TASKS_WEB")]
+        web: Option<PathBuf>,
     },
     /// Runs a Coherent backend alone (HTTP tiers connect to it with `serve --connect`).
     Backend {
-        /// Where its RPC endpoint listens.
+        /// Where its RPC endpoint listens (TCP).
         #[arg(long, default_value = "127.0.0.1:7070")]
         listen: SocketAddr,
+        /// Also serve HTTP here: the live page (`/`), the endpoint over WebSocket (`/rpc`)
+        /// and the compute methods as JSON (`/gateway`); not the API (`/api`: that is
+        /// `serve --connect`).
+        #[arg(long)]
+        http: Option<SocketAddr>,
+        /// The live page's files, as for `serve`.
+        #[arg(long, env = "TASKS_WEB")]
+        web: Option<PathBuf>,
     },
     /// Runs the `grpc` backend's gRPC service alone (HTTP tiers connect to it with
     /// `serve --backend grpc --connect`).
@@ -106,9 +124,10 @@ async fn main() -> anyhow::Result<()> {
             listen,
             backend,
             connect,
+            web,
         } => {
             // A backend started here serves as long as this process.
-            let mut _in_process = None;
+            let mut in_process = None;
             let router = match backend {
                 Kind::Direct => app::direct_router(&db).await?,
                 Kind::Grpc => {
@@ -125,26 +144,44 @@ async fn main() -> anyhow::Result<()> {
                     };
                     app::grpc_router(addr).await?
                 }
-                Kind::Coherent => {
-                    let addrs = if connect.is_empty() {
-                        let listener = TcpListener::bind("127.0.0.1:0").await?;
-                        let b = LiveBackend::start(&db, listener, None).await?;
-                        let addrs = vec![b.addr];
-                        _in_process = Some(b);
-                        addrs
-                    } else {
-                        connect
-                    };
-                    app::live_router(&addrs).await?
+                Kind::Coherent if connect.is_empty() => {
+                    let listener = TcpListener::bind("127.0.0.1:0").await?;
+                    let b = LiveBackend::start(&db, listener, None).await?;
+                    let router = app::live_router(&[b.addr])
+                        .await?
+                        .merge(b.web_router_in(web::dir(web)));
+                    in_process = Some(b);
+                    router
                 }
+                Kind::Coherent => app::live_router(&connect).await?,
             };
             let listener = TcpListener::bind(listen).await?;
-            eprintln!("tasks: serving http://{}/api/tasks", listener.local_addr()?);
+            let addr = listener.local_addr()?;
+            if in_process.is_some() {
+                eprintln!(
+                    "tasks: serving http://{addr}/ (the live page), /api/tasks, /rpc and /gateway"
+                );
+            } else {
+                eprintln!("tasks: serving http://{addr}/api/tasks");
+            }
             app::serve_http(listener, router).await
         }
-        Cmd::Backend { listen } => {
+        Cmd::Backend { listen, http, web } => {
             let b = LiveBackend::start(&db, TcpListener::bind(listen).await?, None).await?;
             eprintln!("tasks: Coherent backend on {}", b.addr);
+            if let Some(http) = http {
+                let listener = TcpListener::bind(http).await?;
+                eprintln!(
+                    "tasks: serving http://{}/ (the live page), /rpc and /gateway",
+                    listener.local_addr()?
+                );
+                let router = b.web_router_in(web::dir(web));
+                tokio::spawn(async move {
+                    if let Err(e) = app::serve_http(listener, router).await {
+                        tracing::error!(error = %format!("{e:#}"), "the backend's HTTP stopped");
+                    }
+                });
+            }
             tokio::signal::ctrl_c().await?;
             b.stop().await;
             Ok(())

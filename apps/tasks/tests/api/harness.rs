@@ -1,6 +1,7 @@
 //! Servers of each backend over a fresh database, and a small HTTP client.
 
 use std::net::SocketAddr;
+use std::path::Path;
 
 use bytes::Bytes;
 use coherent_tasks::app::{self, DbConfig, LiveBackend};
@@ -129,6 +130,25 @@ pub(crate) async fn live_tier(addrs: &[SocketAddr]) -> Server {
         client: Http::new(),
         http,
         backend: None,
+        grpc: None,
+    }
+}
+
+/// A tier of the `coherent` backend with that backend in-process, serving the web router
+/// (the live page's files from `web`) beside the API, as `tasks serve` does.
+pub(crate) async fn live_with_web(db: &DbConfig, web: &Path) -> Server {
+    let backend = live_backend(db).await;
+    let router = app::live_router(&[backend.addr])
+        .await
+        .unwrap()
+        .merge(backend.web_router_in(web.to_owned()));
+    let (base, http) = serve(router).await;
+    Server {
+        kind: Kind::Coherent,
+        base,
+        client: Http::new(),
+        http,
+        backend: Some(backend),
         grpc: None,
     }
 }

@@ -1,8 +1,9 @@
 //! The Tasks API over HTTP: one table of expectations run against every backend, on SQLite
 //! and (with `DATABASE_URL`) PostgreSQL; pagination under concurrent inserts; a write
-//! through one tier seen by the next read on another.
+//! through one tier seen by the next read on another; the live page's routes (`web`).
 
 mod harness;
+mod web;
 
 use std::collections::HashSet;
 
