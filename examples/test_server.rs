@@ -217,6 +217,8 @@ pub struct Options {
     pub token: String,
     /// The counters' starting values.
     pub initial: Vec<(String, i64)>,
+    /// The endpoint's settings (its handshake's limits, its keep-alive).
+    pub config: coherent::rpc::Config,
 }
 
 impl Default for Options {
@@ -224,6 +226,7 @@ impl Default for Options {
         Self {
             token: "secret".to_owned(),
             initial: Vec::new(),
+            config: coherent::rpc::Config::default(),
         }
     }
 }
@@ -253,6 +256,7 @@ impl TestServer {
         let endpoint = Endpoint::builder()
             .service(WithFail(CalcServer::new(calc)))
             .service(remote.service())
+            .config(options.config)
             .authenticate(move |presented| {
                 let ok = *presented == *token;
                 async move {

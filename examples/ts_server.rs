@@ -3,8 +3,13 @@
 //!
 //! ```sh
 //! cargo run -p coherent-examples --example ts_server -- \
-//!     [--listen 127.0.0.1:0] [--token secret] [--initial NAME=VALUE]...
+//!     [--listen 127.0.0.1:0] [--token secret] [--initial NAME=VALUE]... \
+//!     [--max-message-size 4194304] [--stream-window 256]
 //! ```
+//!
+//! The endpoint's `HelloAck` announces the format the client chose, LZ4 and zstd,
+//! `max_message_size` 4 MiB and `stream_window` 256 unless given, `max_inbound_calls` 1024;
+//! it pings every 20 s and closes a connection silent for 60 s (the crate's defaults).
 //!
 //! # Stdout
 //!
@@ -31,8 +36,8 @@
 //!     kind 15, which does not exist (`UnknownKind`).
 //!   - `toolarge`: the `HelloAck`, then the envelope of an `Ok` frame (call 1, or the
 //!     client's first call with `after=call`) whose length field is the client's announced
-//!     `max_message_size` + 1, followed by 16 zero bytes (`TooLarge` as soon as the length
-//!     is read).
+//!     `max_message_size` + 1 (at most 2^32 - 1), followed by 16 zero bytes (`TooLarge` as
+//!     soon as the length is read).
 //!   - `badack`: no `HelloAck`: the first frame is `Ok` for call 1 with the payload `c0`
 //!     (`Protocol`: the first frame must be `HelloAck` or `Close`).
 //!   - `garbage-batch`: the `HelloAck`; then, once the client's first `Call` arrives (any
@@ -77,6 +82,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 
 use clap::Parser;
+use coherent::rpc::Config;
 use coherent_examples::test_server::{Options, TestServer};
 
 #[derive(Parser)]
@@ -94,6 +100,12 @@ struct Cli {
     /// A counter's starting value, `NAME=VALUE` (repeatable).
     #[arg(long, value_parser = parse_initial)]
     initial: Vec<(String, i64)>,
+    /// The largest payload `/rpc` accepts (its `HelloAck`'s `max_message_size`).
+    #[arg(long, default_value_t = 4 << 20)]
+    max_message_size: u32,
+    /// The stream window `/rpc` grants uploads (its `HelloAck`'s `stream_window`).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    stream_window: u32,
 }
 
 fn parse_initial(s: &str) -> Result<(String, i64), String> {
@@ -112,6 +124,9 @@ async fn main() -> anyhow::Result<()> {
     let server = TestServer::new(Options {
         token: cli.token,
         initial: cli.initial,
+        config: Config::default()
+            .max_message_size(cli.max_message_size)
+            .stream_window(cli.stream_window),
     });
     let listener = tokio::net::TcpListener::bind(cli.listen).await?;
     let addr = listener.local_addr()?;

@@ -111,6 +111,7 @@ async fn replicas_are_invalidated_by_bump_and_the_gateway_answers() {
     let (server, addr) = start(Options {
         token: String::new(),
         initial: vec![("a".into(), 1), ("b".into(), 10)],
+        ..Options::default()
     })
     .await;
     let url = format!("ws://{addr}/rpc");
