@@ -61,9 +61,9 @@ enum Cmd {
         /// Where its RPC endpoint listens (TCP).
         #[arg(long, default_value = "127.0.0.1:7070")]
         listen: SocketAddr,
-        /// Also serve HTTP here: the live page (`/`), the endpoint over WebSocket (`/rpc`)
-        /// and the compute methods as JSON (`/gateway`); not the API (`/api`: that is
-        /// `serve --connect`).
+        /// Also serve HTTP here: the live page (`/`), the API (`/api`, a tier of this
+        /// backend), the endpoint over WebSocket (`/rpc`) and the compute methods as JSON
+        /// (`/gateway`).
         #[arg(long)]
         http: Option<SocketAddr>,
         /// The live page's files, as for `serve`.
@@ -172,10 +172,13 @@ async fn main() -> anyhow::Result<()> {
             if let Some(http) = http {
                 let listener = TcpListener::bind(http).await?;
                 eprintln!(
-                    "tasks: serving http://{}/ (the live page), /rpc and /gateway",
+                    "tasks: serving http://{}/ (the live page), /api, /rpc and /gateway",
                     listener.local_addr()?
                 );
-                let router = b.web_router_in(web::dir(web));
+                // The page writes through /api: a tier of this backend beside its routes.
+                let router = app::live_router(&[b.addr])
+                    .await?
+                    .merge(b.web_router_in(web::dir(web)));
                 tokio::spawn(async move {
                     if let Err(e) = app::serve_http(listener, router).await {
                         tracing::error!(error = %format!("{e:#}"), "the backend's HTTP stopped");
