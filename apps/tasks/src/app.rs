@@ -179,6 +179,12 @@ pub async fn direct_router(db: &DbConfig) -> anyhow::Result<axum::Router> {
 
 /// Serves `router` on `listener` until the process ends.
 pub async fn serve_http(listener: TcpListener, router: axum::Router) -> anyhow::Result<()> {
+    use axum::serve::ListenerExt;
+    // No Nagle: a WebSocket's small frames (an invalidation, an answer) would otherwise
+    // wait for the peer's delayed ACK, 40 ms on Linux, behind an earlier one.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router).await?;
     Ok(())
 }
