@@ -23,7 +23,11 @@ use syn::{
 use crate::duration;
 
 pub(crate) fn expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
-    let Args { krate, local } = parse_args(attr)?;
+    let Args {
+        krate,
+        local,
+        typescript,
+    } = parse_args(attr)?;
     let item = syn::parse2::<Item>(item)?;
     if let (Some(local), Item::Impl(_)) = (&local, &item) {
         return Err(syn::Error::new_spanned(
@@ -31,8 +35,20 @@ pub(crate) fn expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenS
             "`local` goes on the trait: it leaves out the trait's client stub and server",
         ));
     }
+    if let (Some(typescript), Item::Impl(_)) = (&typescript, &item) {
+        return Err(syn::Error::new_spanned(
+            typescript,
+            "`typescript` goes on the trait: it describes the methods its server exposes",
+        ));
+    }
+    if let (Some(_), Some(typescript)) = (&local, &typescript) {
+        return Err(syn::Error::new_spanned(
+            typescript,
+            "`typescript` describes the methods `<Trait>Server` exposes, and a `local` trait has none",
+        ));
+    }
     match item {
-        Item::Trait(t) => expand_trait(t, &krate, local.is_some()),
+        Item::Trait(t) => expand_trait(t, &krate, local.is_some(), typescript.is_some()),
         Item::Impl(imp) if imp.trait_.is_some() => expand_trait_impl(imp, &krate, None),
         Item::Impl(imp) => expand_inherent(imp, &krate),
         other => Err(syn::Error::new_spanned(
@@ -136,16 +152,19 @@ fn expand_trait_impl(
 }
 
 /// The macro's arguments: `crate = "path"` (where the generated code finds the facade) and,
-/// on a trait, `local` (no client stub or server).
+/// on a trait, `local` (no client stub or server) or `typescript` (`<Trait>Server::typescript()`,
+/// the methods described for TypeScript).
 struct Args {
     krate: Path,
     local: Option<Path>,
+    typescript: Option<Path>,
 }
 
 fn parse_args(attr: TokenStream) -> syn::Result<Args> {
     let mut args = Args {
         krate: syn::parse_quote!(::coherent),
         local: None,
+        typescript: None,
     };
     let metas = Punctuated::<Meta, Token![,]>::parse_terminated.parse2(attr)?;
     for meta in metas {
@@ -161,10 +180,11 @@ fn parse_args(attr: TokenStream) -> syn::Result<Args> {
                 args.krate = lit.parse::<Path>()?;
             }
             Meta::Path(p) if p.is_ident("local") => args.local = Some(p.clone()),
+            Meta::Path(p) if p.is_ident("typescript") => args.typescript = Some(p.clone()),
             other => {
                 return Err(syn::Error::new_spanned(
                     other,
-                    "unknown argument: expected `crate = \"path\"` or, on a trait, `local`",
+                    "unknown argument: expected `crate = \"path\"` or, on a trait, `local` or `typescript`",
                 ))
             }
         }
@@ -438,8 +458,14 @@ struct TraitMethod {
 
 /// A trait that defines a compute service: the trait with `Send` futures and each
 /// method's `_computed` and `invalidate_`; behind `__if_remote!`, its client stub and its
-/// server-side exposure.
-fn expand_trait(mut t: ItemTrait, krate: &Path, local: bool) -> syn::Result<TokenStream> {
+/// server-side exposure; with `typescript`, behind `__if_typescript!`, the description of its
+/// methods for TypeScript.
+fn expand_trait(
+    mut t: ItemTrait,
+    krate: &Path,
+    local: bool,
+    typescript: bool,
+) -> syn::Result<TokenStream> {
     if !t.generics.params.is_empty() {
         return Err(syn::Error::new_spanned(
             &t.generics,
@@ -508,12 +534,76 @@ fn expand_trait(mut t: ItemTrait, krate: &Path, local: bool) -> syn::Result<Toke
         return Ok(quote!(#t));
     }
     let remote = expand_remote(trait_name, vis, &methods, krate)?;
+    // Outside `__if_remote!`: without the `typescript` feature it is a compile error, not
+    // nothing (the feature turns `remote` on, so the server is there where it is on).
+    let typescript = typescript.then(|| {
+        let ts = expand_typescript(trait_name, vis, &methods, krate);
+        quote! {
+            #krate::__if_typescript! {
+                #ts
+            }
+        }
+    });
     Ok(quote! {
         #t
         #krate::__if_remote! {
             #remote
         }
+        #typescript
     })
+}
+
+/// `<Trait>Server::typescript()`: every method's wire name, id, documentation, argument
+/// types and result type, for `coherent::typescript::Module`.
+fn expand_typescript(
+    trait_name: &Ident,
+    vis: &syn::Visibility,
+    methods: &[TraitMethod],
+    krate: &Path,
+) -> TokenStream {
+    let server = format_ident!("{}Server", trait_name);
+    let ts = quote!(#krate::typescript);
+    let rpc = quote!(#krate::__private::rpc);
+    let service = trait_name.to_string();
+    let described = methods.iter().map(|m| {
+        let wire = format!("{trait_name}.{}", m.name);
+        let docs = m.attrs.iter().filter_map(|a| match &a.meta {
+            Meta::NameValue(nv) if nv.path.is_ident("doc") => {
+                let value = &nv.value;
+                Some(quote!(.doc(#value)))
+            }
+            _ => None,
+        });
+        // Spanned so that a type without `TS` is pointed at in the trait.
+        let args = m.args.iter().map(|(name, ty)| {
+            let name = name.to_string();
+            quote_spanned!(ty.span()=> .arg::<#ty>(#name))
+        });
+        let output = &m.output;
+        let returns = quote_spanned!(output.span()=> .returns::<#output>());
+        quote! {
+            .method(
+                #ts::Method::new(#wire, #rpc::method_id(#wire))
+                    #(#docs)*
+                    #(#args)*
+                    #returns
+            )
+        }
+    });
+    let doc = format!(
+        "The methods of [`{trait_name}`] as TypeScript sees them (wire name, id, argument and \
+         result types), for `coherent::typescript::Module`."
+    );
+    quote! {
+        impl #server<()> {
+            #[doc = #doc]
+            #[allow(dead_code)]
+            #vis fn typescript() -> #ts::Service {
+                #ts::Service::new(#service)
+                    #(#described)*
+            }
+        }
+    }
 }
 
 fn parse_trait_method(f: &syn::TraitItemFn, local: bool) -> syn::Result<TraitMethod> {

@@ -7,7 +7,9 @@
 //!
 //! `#[compute_service]` on a trait defines a compute service (and, with the facade's `remote`
 //! feature, its `<Trait>Client` stub and `<Trait>Server` exposure; `#[compute_service(local)]`
-//! leaves them out); on `impl Trait for Type` it memoizes every method of such a trait.
+//! leaves them out, `#[compute_service(typescript)]` adds `<Trait>Server::typescript()`, the
+//! methods described for TypeScript); on `impl Trait for Type` it memoizes every method of
+//! such a trait.
 //!
 //! Generated code names only `::coherent` (its public types, `plumbing`, `__private` and
 //! `__if_remote!`), so the crate path can be changed with
@@ -27,6 +29,9 @@ use proc_macro::TokenStream;
 /// feature of `coherent`, `<Trait>Server<S>` (for `RemoteServer::expose_service`) and
 /// `<Trait>Client` (a stub implementing the trait with replicas) come with it, unless the
 /// trait is marked `#[compute_service(local)]`, which also lifts the `Result` rule.
+/// `#[compute_service(typescript)]` on a trait (with the facade's `typescript` feature) also
+/// generates `<Trait>Server::typescript()`: each method's wire name, id, documentation,
+/// argument types and result type, every type implementing `coherent::typescript::TS`.
 ///
 /// For a method `async fn get(&self, id: u64) -> R` it generates, next to `get` itself (now
 /// memoized): `get_computed(&self, id) -> Computed<R>`, which answers with the computed behind

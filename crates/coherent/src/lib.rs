@@ -117,9 +117,11 @@
 //! protocol, plain RPC services with `#[rpc::service]`), [`remote`] (`remote`: replicas and
 //! the HTTP gateway with `http`, a persistent client cache with `persistent`), the
 //! transports `tls` and `websocket`, `ops` (commands, the operation log and
-//! invalidation across the hosts of a cluster, with `nats` for the NATS notifier), and
-//! [`metrics`] (`metrics`: the counters through the
-//! `metrics` facade). Defaults: `remote`, `http`, `tls`, `metrics`. The
+//! invalidation across the hosts of a cluster, with `nats` for the NATS notifier),
+//! [`metrics`] (`metrics`: the counters through the `metrics` facade), and `typescript`
+//! (`coherent::typescript`: TypeScript declarations of a compute service's methods and
+//! types, through ts-rs, for clients calling it over MessagePack; see
+//! `#[compute_service(typescript)]`). Defaults: `remote`, `http`, `tls`, `metrics`. The
 //! [`prelude`] imports what a service and its clients use.
 //!
 //! See the README for a tour and ARCHITECTURE.md for how it works.
@@ -154,6 +156,9 @@ pub use coherent_ops as ops;
 
 #[cfg(feature = "metrics")]
 pub mod metrics;
+
+#[cfg(feature = "typescript")]
+pub mod typescript;
 
 /// What a compute service, its server and its clients use: `use coherent::prelude::*;`.
 pub mod prelude {
@@ -196,6 +201,27 @@ macro_rules! __if_remote {
 #[macro_export]
 macro_rules! __if_remote {
     ($($item:tt)*) => {};
+}
+
+/// Keeps its input where the `typescript` feature is on: the `<Trait>Server::typescript()`
+/// that `#[compute_service(typescript)]` generates.
+#[doc(hidden)]
+#[cfg(feature = "typescript")]
+#[macro_export]
+macro_rules! __if_typescript {
+    ($($item:tt)*) => { $($item)* };
+}
+
+/// Refuses its input: `#[compute_service(typescript)]` without the `typescript` feature.
+#[doc(hidden)]
+#[cfg(not(feature = "typescript"))]
+#[macro_export]
+macro_rules! __if_typescript {
+    ($($item:tt)*) => {
+        ::core::compile_error!(
+            "#[compute_service(typescript)] needs the `typescript` feature of `coherent`"
+        );
+    };
 }
 
 /// The README's code blocks, compiled and run as doc tests.
