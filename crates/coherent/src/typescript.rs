@@ -106,7 +106,7 @@ impl TypeVisitor for Collector<'_> {
         let name = <T as TS>::ident(self.config);
         let mut decl = <T as TS>::docs().unwrap_or_default();
         decl.push_str("export ");
-        decl.push_str(&<T as TS>::decl(self.config));
+        decl.push_str(&one_field_a_line(&<T as TS>::decl(self.config)));
         let rust = std::any::type_name::<T>();
         if let Some((seen, other)) = self.decls.get(&name) {
             assert!(
@@ -120,6 +120,84 @@ impl TypeVisitor for Collector<'_> {
         <T as TS>::visit_dependencies(self);
         <T as TS>::visit_generics(self);
     }
+}
+
+/// A struct's declaration with one field a line, indented: ts-rs writes its fields on as few
+/// lines as their doc comments allow (`type T = { \n/** A. */\na: A, b: B, };`). Anything
+/// else, or anything it does not follow, is returned as it is.
+fn one_field_a_line(decl: &str) -> String {
+    let Some((head, rest)) = decl.split_once(" = {") else {
+        return decl.to_owned();
+    };
+    let Some(body) = rest.strip_suffix("};") else {
+        return decl.to_owned();
+    };
+    if !head.starts_with("type ") || head.contains(['{', '\n', '"']) {
+        return decl.to_owned();
+    }
+    // The fields: the body split at commas outside brackets, strings and comments.
+    let mut fields = Vec::new();
+    let mut field = String::new();
+    let mut depth = 0_usize;
+    let mut chars = body.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => {
+                field.push(c);
+                loop {
+                    let Some(c) = chars.next() else {
+                        return decl.to_owned();
+                    };
+                    field.push(c);
+                    match c {
+                        '\\' => field.extend(chars.next()),
+                        '"' => break,
+                        _ => {}
+                    }
+                }
+            }
+            '/' if chars.peek() == Some(&'*') => {
+                field.push(c);
+                loop {
+                    let Some(c) = chars.next() else {
+                        return decl.to_owned();
+                    };
+                    field.push(c);
+                    if field.ends_with("*/") {
+                        break;
+                    }
+                }
+            }
+            '{' | '[' | '<' | '(' => {
+                depth += 1;
+                field.push(c);
+            }
+            '}' | ']' | '>' | ')' => {
+                let Some(d) = depth.checked_sub(1) else {
+                    return decl.to_owned();
+                };
+                depth = d;
+                field.push(c);
+            }
+            ',' if depth == 0 => fields.push(std::mem::take(&mut field)),
+            c => field.push(c),
+        }
+    }
+    fields.push(field);
+    fields.retain(|f| !f.trim().is_empty());
+    if depth != 0 || fields.is_empty() {
+        return decl.to_owned();
+    }
+    let mut out = format!("{head} = {{\n");
+    for field in fields {
+        for line in field.trim().lines() {
+            let _ = writeln!(out, "  {}", line.trim_end());
+        }
+        out.pop();
+        out.push_str(",\n");
+    }
+    out.push_str("};");
+    out
 }
 
 /// Collects `T` (where it is declared) and every declared type it names.

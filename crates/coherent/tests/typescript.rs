@@ -76,11 +76,16 @@ const EXPECTED: &str = r#"// Generated. Do not edit.
 /**
  * What the service hands out.
  */
-export type Account = { 
-/**
- * Its number.
- */
-id: number, holder: string, cents: number, kind: Kind, closed_at: number | null, };
+export type Account = {
+  /**
+   * Its number.
+   */
+  id: number,
+  holder: string,
+  cents: number,
+  kind: Kind,
+  closed_at: number | null,
+};
 
 /**
  * The service's own error.
@@ -90,7 +95,9 @@ export type BankError = { "NoSuchAccount": number } | { "Closed": { since: numbe
 /**
  * Declared by the module though no method names it.
  */
-export type Extra = { account: Account, };
+export type Extra = {
+  account: Account,
+};
 
 /**
  * Which kind of account.
@@ -181,8 +188,50 @@ fn large_integers_are_numbers_unless_configured() {
         .render();
     assert!(bigint.contains("args: [id: bigint]"), "{bigint}");
     assert!(
-        bigint.contains("id: bigint, holder: string, cents: bigint"),
+        bigint.contains("  id: bigint,\n  holder: string,\n  cents: bigint,\n"),
         "{bigint}"
+    );
+}
+
+/// Commas and brackets in names, types and doc comments.
+#[derive(Serialize, TS)]
+#[ts(crate = "coherent::typescript")]
+pub(crate) struct Tricky {
+    /// A doc with a comma, a `{` and a `<`.
+    #[serde(rename = "a, b")]
+    pair: (u8, Option<Vec<u16>>),
+    map: std::collections::HashMap<String, [u8; 2]>,
+    /// One line.
+    ///
+    /// Another, after a blank one.
+    inline: BankError,
+}
+
+#[test]
+fn struct_declarations_have_one_field_a_line() {
+    let ts = Module::new().declare::<Tricky>().render();
+    let tricky = ts
+        .split("\n\n")
+        .find(|d| d.contains("export type Tricky"))
+        .expect("Tricky is declared");
+    assert_eq!(
+        tricky.trim_end(),
+        r#"/**
+ * Commas and brackets in names, types and doc comments.
+ */
+export type Tricky = {
+  /**
+   * A doc with a comma, a `{` and a `<`.
+   */
+  "a, b": [number, Array<number> | null],
+  map: { [key in string]: [number, number] },
+  /**
+   * One line.
+   *
+   * Another, after a blank one.
+   */
+  inline: BankError,
+};"#
     );
 }
 
