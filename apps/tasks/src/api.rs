@@ -11,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use bytes::Bytes;
+use coherent::typescript::TS;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -68,7 +69,8 @@ fn to_json<T: Serialize>(value: &T) -> Result<Bytes, ApiError> {
 
 /// What a request can fail with; answered as `{"error": ..., "field": ...}` with the status
 /// each variant names.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error, TS)]
+#[ts(crate = "coherent::typescript")]
 pub enum ApiError {
     /// 400: an input breaks a rule; the body names the field.
     #[error("{}: {}", .0.field, .0.message)]

@@ -10,6 +10,8 @@
 //!
 //! The `coherent` backend also serves a live page ([`web`], `LiveBackend::web_router`):
 //! the browser holds replicas of the backend's compute methods over WebSocket.
+//! [`typescript`] declares the compute service's methods and types for the TypeScript client
+//! (the page's `web/src/generated/tasks.ts`).
 //!
 //! See the README for the commands, and `coherent-bench tasks` for the measurements.
 
@@ -21,4 +23,5 @@ pub mod live;
 pub mod model;
 pub mod openapi;
 pub mod store;
+pub mod typescript;
 pub mod web;

@@ -29,7 +29,10 @@ use crate::model::{
 use crate::store::{lite, pg, Store, StoreError};
 
 /// The Tasks API as a compute service: every read a client may hold a replica of.
-#[compute_service]
+///
+/// `typescript`: `TasksServiceServer::typescript()` describes the methods for the TypeScript
+/// client (see [`crate::typescript`]).
+#[compute_service(typescript)]
 pub trait TasksService {
     /// One task, or `None`.
     async fn task(&self, id: Uuid) -> Result<Option<Arc<Task>>, ApiError>;

@@ -4,6 +4,7 @@
 //! cargo run --release -p coherent-tasks -- serve            # SQLite file tasks.db, coherent;
 //!                                                          # the live page at http://127.0.0.1:8080/
 //! DATABASE_URL=postgres://... cargo run --release -p coherent-tasks -- seed --tasks 10000
+//! cargo run -p coherent-tasks -- typescript --out apps/tasks/web/src/generated/tasks.ts
 //! ```
 
 use std::net::SocketAddr;
@@ -88,6 +89,14 @@ enum Cmd {
     },
     /// Prints the OpenAPI document.
     Openapi,
+    /// Prints the TypeScript declarations of the compute service's methods and types (what
+    /// the TypeScript client calls over MessagePack), or writes them to a file.
+    Typescript {
+        /// The file to write (`apps/tasks/web/src/generated/tasks.ts` is the checked-in one);
+        /// standard output when absent.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -206,6 +215,20 @@ async fn main() -> anyhow::Result<()> {
         }
         Cmd::Openapi => {
             println!("{}", coherent_tasks::openapi::document());
+            Ok(())
+        }
+        Cmd::Typescript { out } => {
+            let ts = coherent_tasks::typescript::declarations();
+            match out {
+                Some(path) => {
+                    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                        std::fs::create_dir_all(dir)?;
+                    }
+                    std::fs::write(&path, ts)?;
+                    eprintln!("tasks: wrote {}", path.display());
+                }
+                None => print!("{ts}"),
+            }
             Ok(())
         }
     }

@@ -3,12 +3,14 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use coherent::typescript::TS;
 use serde::{Deserialize, Deserializer, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
 /// How urgent a task is. Stored as a small integer (its index here).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema, TS)]
+#[ts(crate = "coherent::typescript")]
 #[serde(rename_all = "snake_case")]
 pub enum Priority {
     /// Whenever.
@@ -22,7 +24,8 @@ pub enum Priority {
 }
 
 /// Where a task stands. Stored as a small integer (its index here).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema, TS)]
+#[ts(crate = "coherent::typescript")]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
     /// Not started (the default).
@@ -82,7 +85,8 @@ impl Status {
 
 /// A task. Its id is a UUID v7, so ids sort by creation time: lists are ordered by id,
 /// newest first, and paginated by the last id seen.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema, TS)]
+#[ts(crate = "coherent::typescript")]
 pub struct Task {
     /// UUID v7, chosen by the server.
     pub id: Uuid,
@@ -105,7 +109,8 @@ pub struct Task {
 }
 
 /// A project: a named group of tasks.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema, TS)]
+#[ts(crate = "coherent::typescript")]
 pub struct Project {
     /// UUID v7, chosen by the server.
     pub id: Uuid,
@@ -116,7 +121,8 @@ pub struct Project {
 }
 
 /// How many tasks of a project stand where.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema, TS)]
+#[ts(crate = "coherent::typescript")]
 pub struct Summary {
     /// The project.
     pub project: Uuid,
@@ -147,7 +153,8 @@ impl Summary {
 }
 
 /// One page of a list, newest first.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema, TS)]
+#[ts(crate = "coherent::typescript")]
 pub struct Page {
     /// At most the requested number of tasks.
     pub items: Vec<Task>,
@@ -156,7 +163,8 @@ pub struct Page {
 }
 
 /// Which tasks a list shows: filters, the page size and where the page starts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, TS)]
+#[ts(crate = "coherent::typescript")]
 pub struct ListQuery {
     /// Only this project's tasks.
     pub project: Option<Uuid>,
@@ -253,7 +261,8 @@ pub struct NewProject {
 }
 
 /// An input that breaks a rule: which field, and why.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, TS)]
+#[ts(crate = "coherent::typescript")]
 pub struct Invalid {
     /// The field, as named in the request (`title`, `limit`, ...).
     pub field: String,
