@@ -56,6 +56,10 @@ enum Cmd {
         /// apps/tasks/web/dist, else the one beside this crate's sources].
         #[arg(long, env = "TASKS_WEB")]
         web: Option<PathBuf>,
+        /// Seed this many tasks (in 20 projects) first, if the database has no project yet:
+        /// a demo in one command.
+        #[arg(long, value_name = "TASKS")]
+        seed: Option<usize>,
     },
     /// Runs a Coherent backend alone (HTTP tiers connect to it with `serve --connect`).
     Backend {
@@ -134,7 +138,15 @@ async fn main() -> anyhow::Result<()> {
             backend,
             connect,
             web,
+            seed,
         } => {
+            if let Some(tasks) = seed {
+                let store = db.open(2).await?;
+                if store.projects().await?.is_empty() {
+                    let ids = app::seed(&store, 20, tasks).await?;
+                    eprintln!("tasks: seeded {tasks} tasks in {} projects", ids.len());
+                }
+            }
             // A backend started here serves as long as this process.
             let mut in_process = None;
             let router = match backend {

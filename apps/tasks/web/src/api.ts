@@ -25,6 +25,8 @@ export function ok<T>(r: { Ok: T } | { Err: ApiError } | undefined): T | undefin
 }
 
 function describe(e: ApiError): string {
+  // A unit variant is its name; the others are a one-entry map from the name to the data.
+  if (typeof e === "string") return e;
   const [[kind, detail]] = Object.entries(e) as [[string, unknown]];
   return typeof detail === "string" ? `${kind}: ${detail}` : `${kind}: ${JSON.stringify(detail)}`;
 }

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The TypeScript client's tests (against a real Rust server) and the live page's tests in
+# headless Chromium. Installs what they need where it is missing: Node.js and Chromium from
+# Debian (apt-get), the npm packages (npm ci). Run from anywhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v node >/dev/null || need_apt+=(nodejs npm)
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && [ -z "${CHROMIUM:-}" ]; then
+  need_apt+=(chromium)
+fi
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "installing ${need_apt[*]} (apt-get)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+# Vite 7 needs Node 20.19 or later.
+node -e 'const [a,b]=process.versions.node.split(".").map(Number); if (a<20||(a===20&&b<19)) { console.error(`Node ${process.version} is too old: 20.19 or later`); process.exit(1) }'
+
+npm ci --no-audit --no-fund --loglevel=error
+# The client's unit and conformance tests, then against examples/ts_server (built by cargo).
+npm test -w clients/typescript
+# The page, built from its sources, then driven in Chromium against `tasks serve`.
+REBUILD_PAGE=1 npm test -w apps/tasks/web
