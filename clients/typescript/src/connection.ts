@@ -160,7 +160,7 @@ export class Connection {
         return;
       }
       ws.binaryType = "arraybuffer";
-      const reader = new FrameReader(Math.max(opts.maxMessageSize, 64 * 1024));
+      const reader = new FrameReader(opts.maxMessageSize);
       let done = false;
       const fail = (e: RpcError, code = 1000) => {
         if (done) return;
