@@ -152,12 +152,25 @@ export class Replica<T> implements Observable {
     return this.listeners.add(listener);
   }
 
-  /** The current value: at once when it is current, otherwise after the fetch it starts. */
+  /**
+   * The current value: at once when it is current and the client is live; otherwise once
+   * the client is live again and has checked it, or after the fetch this starts. Rejects
+   * with the server's error when the replica is in `"error"` (see {@link refresh}).
+   */
   get(): Promise<T> {
-    if (this.state === "current") return Promise.resolve(this.current as T);
+    if (this.state === "error") return Promise.reject(this.failure);
+    if (this.state === "current" && this.client.isLive) return Promise.resolve(this.current as T);
     const p = new Promise<T>((resolve, reject) => this.waiters.push({ resolve, reject }));
     this.client.touch(this);
     return p;
+  }
+
+  /** @internal The client is live again and this replica was confirmed current. */
+  confirm(): void {
+    if (this.state !== "current") return;
+    const w = this.waiters;
+    this.waiters = [];
+    for (const x of w) x.resolve(this.current as T);
   }
 
   /** @internal A value arrived. */
@@ -166,7 +179,7 @@ export class Replica<T> implements Observable {
     this.hash = hash;
     this.failure = undefined;
     this.state = stillCurrent ? "current" : "invalidated";
-    if (stillCurrent) {
+    if (stillCurrent && this.client.isLive) {
       const w = this.waiters;
       this.waiters = [];
       for (const x of w) x.resolve(value);
@@ -211,7 +224,18 @@ export class Replica<T> implements Observable {
   refresh(): void {
     if (this.state === "error") {
       this.state = "loading";
+      this.changed();
       this.client.touch(this);
+    }
+  }
+
+  /** @internal Dropped by the client: no longer watched by the server. */
+  released(): void {
+    this.fetching = false;
+    this.watchId = undefined;
+    if (this.state === "current" || this.state === "loading") {
+      this.state = this.current === undefined ? "loading" : "invalidated";
+      this.changed();
     }
   }
 
@@ -274,13 +298,28 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     return this.lastFailure;
   }
 
+  /** Whether the client is `live` (read without recording a dependency). */
+  get isLive(): boolean {
+    return this.currentState === "live";
+  }
+
   /** Calls `listener` after each change of {@link state}. */
   onStateChange(listener: (state: ClientState) => void): () => void {
     return this.stateListeners.add(() => listener(this.currentState));
   }
 
+  private stateChanges = 0;
+
   /** The state as an observable, for `computed` and `useComputed`. */
-  readonly stateSource: Observable = { subscribe: (l) => this.stateListeners.add(l) };
+  readonly stateSource: Observable = (() => {
+    const self = this;
+    return {
+      subscribe: (l: () => void) => self.stateListeners.add(l),
+      get version() {
+        return self.stateChanges;
+      },
+    };
+  })();
 
   /** Resolves once the client is `live` (rejects if it is closed first). */
   ready(): Promise<void> {
@@ -306,8 +345,9 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
    */
   async call<R = unknown>(method: string, args: readonly unknown[] = [], options: CallOptions = {}): Promise<R> {
     const bytes = encodeArgs(args);
+    const deadline = options.timeoutMs === undefined ? undefined : Date.now() + options.timeoutMs;
     const conn = await this.connection(options);
-    return decode(await conn.call(methodId(method), bytes, options)) as R;
+    return decode(await conn.call(methodId(method), bytes, remaining(options, deadline))) as R;
   }
 
   /** Sends a one-way call (no answer; nothing is sent while disconnected). */
@@ -318,8 +358,9 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
   /** Calls a method that answers a stream; iterate it with `for await`. Breaking out cancels it. */
   async *stream<R = unknown>(method: string, args: readonly unknown[] = [], options: CallOptions = {}): AsyncGenerator<R> {
     const bytes = encodeArgs(args);
+    const deadline = options.timeoutMs === undefined ? undefined : Date.now() + options.timeoutMs;
     const conn = await this.connection(options);
-    const items = conn.stream(methodId(method), bytes, options);
+    const items = conn.stream(methodId(method), bytes, remaining(options, deadline));
     try {
       for await (const item of items) yield decode(item) as R;
     } finally {
@@ -345,6 +386,8 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     if (r === undefined) {
       r = new Replica(this as Client<ComputeMethods>, method, args, key, argBytes);
       this.replicas.set(key, r);
+      // One that is never read nor watched goes too.
+      this.unobserved(r);
     }
     return r as Replica<S[M]["result"]>;
   }
@@ -374,7 +417,12 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
   private setState(s: ClientState): void {
     if (this.currentState === s || this.currentState === "closed") return;
     this.currentState = s;
+    this.stateChanges++;
     this.stateListeners.notify();
+    if (s === "live") {
+      // Waiters of `get()` on replicas confirmed current by the revalidation.
+      for (const r of [...this.replicas.values()]) if (r.hasWaiters) r.confirm();
+    }
   }
 
   private connection(options: CallOptions): Promise<Connection> {
@@ -401,9 +449,16 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
           done(c);
         };
       }
-      options.signal?.addEventListener("abort", () => drop(new RpcError(ErrorCode.Cancelled, "the call was cancelled")), {
-        once: true,
-      });
+      const signal = options.signal;
+      if (signal !== undefined) {
+        const onAbort = () => drop(new RpcError(ErrorCode.Cancelled, "the call was cancelled"));
+        signal.addEventListener("abort", onAbort, { once: true });
+        const done = waiter.resolve;
+        waiter.resolve = (c) => {
+          signal.removeEventListener("abort", onAbort);
+          done(c);
+        };
+      }
     });
   }
 
@@ -420,7 +475,9 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
       } catch (e) {
         this.lastFailure = asRpcError(e);
         if (this.closedByUser) return;
-        if (reconnect === false) {
+        // A refused token or version will be refused again: stop, as the Rust client does.
+        const code = this.lastFailure.code;
+        if (reconnect === false || code === ErrorCode.Unauthenticated || code === ErrorCode.UnsupportedVersion) {
           this.close();
           return;
         }
@@ -485,13 +542,21 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
       }
     }
     if (held.length > 0) {
+      let changed: number[];
       try {
-        const changed = decode(await conn.call(REPLICA_HOST.revalidate, encodeWide([held]))) as number[];
-        this.invalidateIds(changed);
+        const answer = decode(await conn.call(REPLICA_HOST.revalidate, encodeWide([held])));
+        if (!Array.isArray(answer)) throw new RpcError(ErrorCode.Protocol, "a revalidation answer that is not a list");
+        changed = answer as number[];
       } catch {
         // The connection went again: the next one revalidates.
-        return;
+        if (!conn.isOpen) return;
+        // Otherwise (Overloaded, TooLarge, a bad answer), none of them can be trusted.
+        changed = held.map(([id]) => id);
       }
+      // Ids released while the answer was on its way are watched again there: release them.
+      const gone = held.map(([id]) => id).filter((id) => this.watched.get(id)?.watchId !== id);
+      if (gone.length > 0) this.releaseIds(gone);
+      this.invalidateIds(changed);
     }
     for (const r of refetch) this.fetch(r);
   }
@@ -502,7 +567,13 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
   observed(r: Replica<unknown>): void {
     clearTimeout(r.releaseTimer);
     r.releaseTimer = undefined;
+    this.adopt(r);
     if (needsFetch(r)) this.fetch(r);
+  }
+
+  /** A replica object kept by its user after its release belongs to the client again. */
+  private adopt(r: Replica<unknown>): void {
+    if (!this.replicas.has(r.key)) this.replicas.set(r.key, r);
   }
 
   /** @internal A replica lost its last watcher. */
@@ -514,6 +585,7 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
 
   /** @internal A replica was read: fetch it if it has no current value. */
   touch(r: Replica<unknown>): void {
+    this.adopt(r);
     if (needsFetch(r)) this.fetch(r);
     if (!r.isWatched && r.releaseTimer === undefined) this.unobserved(r);
   }
@@ -521,18 +593,25 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
   private release(r: Replica<unknown>): void {
     r.releaseTimer = undefined;
     if (r.isWatched || r.hasWaiters) return;
-    this.replicas.delete(r.key);
+    // Only this object: a newer replica of the same key may have taken its place.
+    if (this.replicas.get(r.key) === r) this.replicas.delete(r.key);
     if (r.watchId !== undefined) {
       this.watched.delete(r.watchId);
-      this.toRelease.push(r.watchId);
-      r.watchId = undefined;
-      if (this.toRelease.length === 1) {
-        queueMicrotask(() => {
-          const ids = this.toRelease;
-          this.toRelease = [];
-          this.conn?.oneway(REPLICA_HOST.release, encode([ids]));
-        });
-      }
+      this.releaseIds([r.watchId]);
+    }
+    r.released();
+  }
+
+  /** Tells the server to stop watching `ids` (batched within a turn of the event loop). */
+  private releaseIds(ids: readonly number[]): void {
+    const first = this.toRelease.length === 0;
+    this.toRelease.push(...ids);
+    if (first) {
+      queueMicrotask(() => {
+        const batch = this.toRelease;
+        this.toRelease = [];
+        this.conn?.oneway(REPLICA_HOST.release, encode([batch]));
+      });
     }
   }
 
@@ -549,7 +628,12 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     this.watched.set(id, r);
     conn.call(REPLICA_HOST.fetch, encode([r.methodId, r.argBytes, id])).then(
       (answer) => {
-        if (r.watchId !== id) return;
+        if (r.watchId !== id) {
+          // Superseded or released meanwhile: the server may watch it now; stop that.
+          this.watched.delete(id);
+          this.releaseIds([id]);
+          return;
+        }
         r.fetching = false;
         let bytes: Uint8Array;
         try {
@@ -561,7 +645,10 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
           return;
         }
         const stillCurrent = !r.invalidatedWhileLoading;
-        if (!stillCurrent) r.watchId = undefined;
+        if (!stillCurrent) {
+          this.watched.delete(id);
+          r.watchId = undefined;
+        }
         let value: unknown;
         try {
           value = decode(bytes);
@@ -585,9 +672,11 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
   }
 
   private onInvalidated(payload: Uint8Array): Uint8Array {
-    const [ids] = decode(payload) as [number[]];
-    if (!Array.isArray(ids)) throw new RpcError(ErrorCode.BadArguments, "ReplicaSink.invalidated takes a list of ids");
-    this.invalidateIds(ids);
+    const args = decode(payload);
+    if (!Array.isArray(args) || !Array.isArray(args[0])) {
+      throw new RpcError(ErrorCode.BadArguments, "ReplicaSink.invalidated takes a tuple of one list of ids");
+    }
+    this.invalidateIds(args[0] as number[]);
     return NIL;
   }
 
@@ -606,6 +695,12 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
       if (r.isWatched || r.hasWaiters) this.fetch(r);
     }
   }
+}
+
+/** `options` with the time left before `deadline` (one deadline covers the wait and the call). */
+function remaining(options: CallOptions, deadline: number | undefined): CallOptions {
+  if (deadline === undefined) return options;
+  return { ...options, timeoutMs: Math.max(0, deadline - Date.now()) };
 }
 
 /** Loading or invalidated, and no fetch under way (an error waits for `refresh`). */

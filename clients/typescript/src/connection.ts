@@ -284,7 +284,7 @@ export class Connection {
       },
       async next(): Promise<IteratorResult<Uint8Array>> {
         for (;;) {
-          if (failure !== undefined) throw failure;
+          // Items that arrived before an error are still delivered.
           const item = state.items.shift();
           if (item !== undefined) {
             if (++state.unacked >= half && id !== undefined && self.calls.has(id)) {
@@ -295,6 +295,7 @@ export class Connection {
             }
             return { value: item, done: false };
           }
+          if (failure !== undefined) throw failure;
           if (state.error !== undefined) throw state.error;
           if (state.ended) return { value: undefined, done: true };
           await new Promise<void>((wake) => (state.wake = wake));
@@ -304,6 +305,8 @@ export class Connection {
         finish();
         state.ended = true;
         state.items.length = 0;
+        // A `next()` still waiting ends too.
+        state.wake?.();
         return { value: undefined, done: true };
       },
     };
@@ -517,10 +520,9 @@ export class Connection {
     const stream = pending.stream;
     switch (f.kind) {
       case Kind.Ok:
+        // (The call stays in the table, so that closing fails it with the reason.)
+        if (stream) throw new RpcError(ErrorCode.Protocol, "an Ok frame for a stream");
         this.calls.delete(f.callId);
-        if (stream) {
-          throw new RpcError(ErrorCode.Protocol, "an Ok frame for a stream");
-        }
         pending.resolve(f.payload);
         return;
       case Kind.Error:
@@ -536,8 +538,10 @@ export class Connection {
         return;
       default: {
         if (!stream) throw new RpcError(ErrorCode.Protocol, `a ${kindName(f.kind)} for a unary call`);
+        // Never more than the window: a batch is cut off past it, not decoded whole.
+        const room = this.opts.streamWindow - stream.items.length;
         if (f.kind === Kind.StreamItem) stream.items.push(f.payload);
-        else stream.items.push(...decodeBatch(f.payload));
+        else for (const item of decodeBatch(f.payload, room + 1)) stream.items.push(item);
         if (stream.items.length > this.opts.streamWindow) {
           throw new RpcError(
             ErrorCode.Protocol,

@@ -277,13 +277,17 @@ export class FrameReader {
   }
 }
 
-/** The items of a `StreamBatch` payload: each a varint length, then its bytes. */
-export function decodeBatch(payload: Uint8Array): Uint8Array[] {
+/**
+ * The items of a `StreamBatch` payload: each a varint length, then its bytes. Stops after
+ * `maxItems` (the caller's room in its window, plus one to see that it overflows), so that
+ * a hostile batch of millions of empty items costs nothing.
+ */
+export function decodeBatch(payload: Uint8Array, maxItems = Infinity): Uint8Array[] {
   if (payload.length === 0) throw new FrameError("BadBatch", "an empty stream batch");
   const items: Uint8Array[] = [];
   let at = 0;
   try {
-    while (at < payload.length) {
+    while (at < payload.length && items.length < maxItems) {
       const len = readVarint(payload, at);
       if (len === undefined) throw new FrameError("BadBatch", "a stream batch ends inside a length");
       const [n, next] = len;

@@ -4,10 +4,10 @@
  * @module
  */
 
-import { useMemo, useSyncExternalStore } from "react";
+import { useCallback, useMemo, useSyncExternalStore } from "react";
 
 import type { Client, ClientState, ComputeMethods, Replica } from "./client.js";
-import { Computed } from "./reactive.js";
+import { Computed, type Listener } from "./reactive.js";
 
 /**
  * The value of `fn`, which reads replicas (`replica.value`) and computeds: the component
@@ -17,14 +17,14 @@ import { Computed } from "./reactive.js";
 export function useComputed<T>(fn: () => T, deps: readonly unknown[] = []): T {
   // eslint-disable-next-line react-hooks/exhaustive-deps
   const c = useMemo(() => new Computed(fn), deps);
-  return useSyncExternalStore(
-    (onChange) => c.subscribe(onChange),
-    () => c.value,
-    () => c.value,
-  );
+  // Stable functions: new ones would make React resubscribe after every render.
+  const subscribe = useCallback((onChange: Listener) => c.subscribe(onChange), [c]);
+  // The same value until a dependency changes (a computed caches it).
+  const snapshot = useCallback(() => c.value, [c]);
+  return useSyncExternalStore(subscribe, snapshot, snapshot);
 }
 
-/** The value of a replica (`undefined` while loading), re-rendered when it changes. */
+/** The replica of `method` for `args`, re-rendered when its value or status changes. */
 export function useReplica<S extends ComputeMethods<S>, M extends keyof S & string>(
   client: Client<S>,
   method: M,
@@ -33,19 +33,15 @@ export function useReplica<S extends ComputeMethods<S>, M extends keyof S & stri
   const key = JSON.stringify(args);
   // eslint-disable-next-line react-hooks/exhaustive-deps
   const replica = useMemo(() => client.replica(method, ...args), [client, method, key]);
-  useSyncExternalStore(
-    (onChange) => replica.subscribe(onChange),
-    () => replica.version,
-    () => replica.version,
-  );
+  const subscribe = useCallback((onChange: Listener) => replica.subscribe(onChange), [replica]);
+  const snapshot = useCallback(() => replica.version, [replica]);
+  useSyncExternalStore(subscribe, snapshot, snapshot);
   return replica;
 }
 
 /** The client's connection state (`live`, `reconnecting`, `offline`, ...), re-rendered as it changes. */
 export function useClientState<S extends ComputeMethods<S>>(client: Client<S>): ClientState {
-  return useSyncExternalStore(
-    (onChange) => client.onStateChange(onChange),
-    () => client.state,
-    () => client.state,
-  );
+  const subscribe = useCallback((onChange: Listener) => client.onStateChange(onChange), [client]);
+  const snapshot = useCallback(() => client.state, [client]);
+  return useSyncExternalStore(subscribe, snapshot, snapshot);
 }

@@ -12,6 +12,11 @@ export type Listener = () => void;
 export interface Observable {
   /** Calls `listener` after each change until the returned function is called. */
   subscribe(listener: Listener): () => void;
+  /**
+   * A number that changes with the value (read without recording a dependency): how a
+   * computed that nobody watches knows, without subscribing, whether to recompute.
+   */
+  readonly version: number;
 }
 
 interface Collector {
@@ -82,8 +87,14 @@ export class Listeners {
 export class Computed<T> implements Observable {
   private readonly fn: () => T;
   private current: { ok: true; value: T } | { ok: false; error: unknown } | undefined;
+  /** Set by a dependency's notification while watched. */
   private dirty = true;
-  private deps = new Map<Observable, (() => void) | undefined>();
+  private evaluating = false;
+  /** Whether it watches its dependencies (it has listeners). */
+  private watched = false;
+  private changes = 0;
+  /** What the last run read: each dependency's version then, and its subscription while watched. */
+  private deps = new Map<Observable, { version: number; unsubscribe: (() => void) | undefined }>();
   private readonly listeners = new Listeners(
     () => this.watchDeps(),
     () => this.unwatchDeps(),
@@ -106,9 +117,10 @@ export class Computed<T> implements Observable {
     return untracked(() => this.value);
   }
 
-  /** Whether a dependency changed since the value was last computed. */
-  get isDirty(): boolean {
-    return this.dirty;
+  /** Changes each time the value is computed again (brings it up to date first). */
+  get version(): number {
+    this.evaluate();
+    return this.changes;
   }
 
   /** Calls `listener` after each change of a dependency. Subscribing keeps the dependencies watched. */
@@ -116,27 +128,38 @@ export class Computed<T> implements Observable {
     return this.listeners.add(listener);
   }
 
+  private get stale(): boolean {
+    if (this.current === undefined) return true;
+    if (this.watched) return this.dirty;
+    // Unwatched, nothing notifies it: compare what it read with what there is now.
+    for (const [dep, seen] of this.deps) if (dep.version !== seen.version) return true;
+    return false;
+  }
+
   private evaluate(): { ok: true; value: T } | { ok: false; error: unknown } {
-    if (!this.dirty && this.current !== undefined) return this.current;
+    if (this.evaluating || !this.stale) return this.current ?? { ok: false, error: new Error("a computed read itself") };
     const read = new Set<Observable>();
     const saved = collector;
     collector = { read: (s) => s !== this && read.add(s) };
+    this.evaluating = true;
     try {
       this.current = { ok: true, value: this.fn() };
     } catch (error) {
       this.current = { ok: false, error };
     } finally {
       collector = saved;
+      this.evaluating = false;
     }
     this.dirty = false;
-    const watching = this.listeners.size > 0;
-    for (const [dep, unsubscribe] of this.deps) {
-      if (!read.has(dep)) unsubscribe?.();
+    this.changes++;
+    const watching = this.watched;
+    for (const [dep, seen] of this.deps) {
+      if (!read.has(dep)) seen.unsubscribe?.();
     }
-    const next = new Map<Observable, (() => void) | undefined>();
+    const next = new Map<Observable, { version: number; unsubscribe: (() => void) | undefined }>();
     for (const dep of read) {
-      const existing = this.deps.get(dep);
-      next.set(dep, existing ?? (watching ? dep.subscribe(this.changed) : undefined));
+      const unsubscribe = this.deps.get(dep)?.unsubscribe ?? (watching ? dep.subscribe(this.changed) : undefined);
+      next.set(dep, { version: dep.version, unsubscribe });
     }
     this.deps = next;
     return this.current;
@@ -149,20 +172,19 @@ export class Computed<T> implements Observable {
   };
 
   private watchDeps(): void {
-    // Know the dependencies before watching them.
-    if (this.dirty) this.evaluate();
-    for (const [dep, unsubscribe] of this.deps) {
-      if (unsubscribe === undefined) this.deps.set(dep, dep.subscribe(this.changed));
-    }
+    // Know the dependencies, up to date, before watching them.
+    this.evaluate();
+    for (const [dep, seen] of this.deps) seen.unsubscribe = dep.subscribe(this.changed);
+    this.watched = true;
+    this.dirty = false;
   }
 
   private unwatchDeps(): void {
-    for (const [dep, unsubscribe] of this.deps) {
-      unsubscribe?.();
-      this.deps.set(dep, undefined);
+    this.watched = false;
+    for (const seen of this.deps.values()) {
+      seen.unsubscribe?.();
+      seen.unsubscribe = undefined;
     }
-    // Unwatched, a change would go unnoticed: recompute on the next read.
-    this.dirty = true;
   }
 }
 
@@ -186,13 +208,19 @@ export function effect(fn: () => void): () => void {
       c.value;
     });
   });
-  c.value;
+  try {
+    c.value;
+  } catch (e) {
+    unsubscribe();
+    throw e;
+  }
   return unsubscribe;
 }
 
 /** A writable value of the reactive core (local UI state beside replicas). */
 export class State<T> implements Observable {
   private current: T;
+  private changes = 0;
   private readonly listeners = new Listeners();
 
   constructor(value: T) {
@@ -208,7 +236,13 @@ export class State<T> implements Observable {
   set value(v: T) {
     if (Object.is(v, this.current)) return;
     this.current = v;
+    this.changes++;
     this.listeners.notify();
+  }
+
+  /** Changes with the value. */
+  get version(): number {
+    return this.changes;
   }
 
   /** Calls `listener` after each change. */

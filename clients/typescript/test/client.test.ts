@@ -109,7 +109,8 @@ describe("calls", () => {
   });
 
   test("a wrong token is refused with the server's reason", async () => {
-    const bad = new Client(server.ws(), { ...base, token: "wrong", reconnect: false });
+    // No `reconnect: false`: a refused token is not retried (it would be refused again).
+    const bad = new Client(server.ws(), { ...base, token: "wrong" });
     await assert.rejects(bad.ready(), isRpc(ErrorCode.Disconnected));
     assert.equal(bad.state, "closed");
     assert.ok(bad.lastError && bad.lastError.code === ErrorCode.Unauthenticated, String(bad.lastError));
@@ -175,6 +176,34 @@ describe("replicas", () => {
     } finally {
       stop();
     }
+  });
+
+  test("a released replica object, read or watched again, is fetched again: never stale", async () => {
+    const c = new Client<Counters>(server.ws(), { ...base, releaseDelayMs: 20 });
+    try {
+      await c.ready();
+      const r = c.replica("Counters.get", "kept");
+      assert.equal(ok(await r.get()), 0);
+      await until(() => c.replicaCount === 0, 2_000, "the release");
+      assert.notEqual(r.status, "current", "a released replica does not claim to be current");
+      const now = await c.call<number>("Calc.bump", ["kept", 3]);
+      const stop = r.subscribe(() => {});
+      try {
+        assert.equal(ok(await r.get()), now);
+        assert.equal(c.replicaCount, 1);
+      } finally {
+        stop();
+      }
+    } finally {
+      c.close();
+    }
+  });
+
+  test("get() of a replica whose method fails rejects with the error, and refresh() retries", async () => {
+    const r = client.replica("Counters.nope" as "Counters.get", "x");
+    await assert.rejects(r.get(), isRpc(ErrorCode.UnknownMethod));
+    assert.equal(r.status, "error");
+    await assert.rejects(r.get(), isRpc(ErrorCode.UnknownMethod));
   });
 
   test("a replica nobody watches is released", async () => {

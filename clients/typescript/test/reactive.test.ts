@@ -87,3 +87,22 @@ test("an error in a computed is rethrown to its readers, and recovers", () => {
   assert.equal(inv.value, 0.25);
   stop();
 });
+
+test("a computed nobody watches still sees a change (by versions, without subscribing)", () => {
+  const a = state(1);
+  let runs = 0;
+  const c = computed(() => {
+    runs++;
+    return { x: a.value };
+  });
+  const first = c.value;
+  assert.equal(c.value, first, "the same object until a dependency changes");
+  assert.equal(runs, 1);
+  a.value = 10;
+  assert.equal(c.value.x, 10);
+  // Subscribing after a change it has not seen brings it up to date first.
+  a.value = 20;
+  const stop = c.subscribe(() => {});
+  assert.equal(c.value.x, 20);
+  stop();
+});
