@@ -8,7 +8,7 @@ import { decode, encode, encodeArgs, encodeWide } from "./codec.js";
 import { type CallOptions, Connection, type ConnectionOptions, type Handler, asRpcError } from "./connection.js";
 import { ErrorCode, RpcError } from "./errors.js";
 import { methodId, valueHash } from "./hash.js";
-import { Listeners, type Observable, track } from "./reactive.js";
+import { Listeners, type Observable, batch, track } from "./reactive.js";
 
 /**
  * What a service's declarations (generated from Rust) say about its compute methods: for
@@ -556,9 +556,11 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
       // Ids released while the answer was on its way are watched again there: release them.
       const gone = held.map(([id]) => id).filter((id) => this.watched.get(id)?.watchId !== id);
       if (gone.length > 0) this.releaseIds(gone);
-      this.invalidateIds(changed);
+      // What changed while away and what had no value: fetched, and shown, together.
+      this.invalidateIds(changed, refetch);
+      return;
     }
-    for (const r of refetch) this.fetch(r);
+    this.fetchAll(refetch);
   }
 
   // ---- replicas ----
@@ -615,19 +617,46 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     }
   }
 
-  private fetch(r: Replica<unknown>): void {
-    if (r.fetching || this.closedByUser) return;
+  /**
+   * Fetches `rs` as one group: their new values are applied together, once every answer is
+   * in, so that what one change invalidated (a task leaving one list for another) never
+   * shows half applied.
+   */
+  private fetchAll(rs: readonly Replica<unknown>[]): void {
+    if (rs.length <= 1) {
+      for (const r of rs) this.fetch(r);
+      return;
+    }
+    const group: FetchGroup = { waiting: 0, ready: [] };
+    for (const r of rs) if (this.fetch(r, group)) group.waiting++;
+  }
+
+  /** Starts fetching `r` (in `group`, whose answers are applied together); answers whether it did. */
+  private fetch(r: Replica<unknown>, group?: FetchGroup): boolean {
+    if (r.fetching || this.closedByUser) return false;
     const conn = this.conn;
     // Not connected: the reconnect fetches what is watched or awaited.
-    if (conn === undefined || !conn.isOpen) return;
+    if (conn === undefined || !conn.isOpen) return false;
     r.fetching = true;
     const id = this.nextReplicaId++;
     if (r.watchId !== undefined) this.watched.delete(r.watchId);
     r.watchId = id;
     r.invalidatedWhileLoading = false;
     this.watched.set(id, r);
+    // Applied at once, or when the last answer of the group is in.
+    const then = (apply: () => void) => {
+      if (group === undefined) return apply();
+      group.ready.push(apply);
+      if (group.ready.length === group.waiting) {
+        const all = group.ready.splice(0);
+        // Listeners see the whole group applied, never part of it.
+        batch(() => {
+          for (const f of all) f();
+        });
+      }
+    };
     conn.call(REPLICA_HOST.fetch, encode([r.methodId, r.argBytes, id])).then(
-      (answer) => {
+      (answer) => then(() => {
         if (r.watchId !== id) {
           // Superseded or released meanwhile: the server may watch it now; stop that.
           this.watched.delete(id);
@@ -658,8 +687,8 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
         }
         r.settle(value, valueHash(bytes), stillCurrent);
         if (!stillCurrent && (r.isWatched || r.hasWaiters)) this.fetch(r);
-      },
-      (e: unknown) => {
+      }),
+      (e: unknown) => then(() => {
         if (r.watchId !== id) return;
         r.fetching = false;
         this.watched.delete(id);
@@ -667,8 +696,9 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
         const err = asRpcError(e);
         // A lost connection is not the value's failure: the reconnect fetches it again.
         if (err.code !== ErrorCode.Disconnected) r.fail(err);
-      },
+      }),
     );
+    return true;
   }
 
   private onInvalidated(payload: Uint8Array): Uint8Array {
@@ -680,7 +710,12 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     return NIL;
   }
 
-  private invalidateIds(ids: readonly number[]): void {
+  private invalidateIds(ids: readonly number[], alsoFetch: readonly Replica<unknown>[] = []): void {
+    batch(() => this.invalidateNow(ids, alsoFetch));
+  }
+
+  private invalidateNow(ids: readonly number[], alsoFetch: readonly Replica<unknown>[]): void {
+    const refetch: Replica<unknown>[] = [...alsoFetch];
     for (const id of ids) {
       const r = this.watched.get(id);
       if (r === undefined || r.watchId !== id) continue;
@@ -692,9 +727,18 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
       this.watched.delete(id);
       r.watchId = undefined;
       r.invalidate();
-      if (r.isWatched || r.hasWaiters) this.fetch(r);
+      if (r.isWatched || r.hasWaiters) refetch.push(r);
     }
+    this.fetchAll(refetch);
   }
+}
+
+/** Fetches whose answers are applied together. */
+interface FetchGroup {
+  /** How many were started. */
+  waiting: number;
+  /** The answers in, waiting to be applied. */
+  ready: (() => void)[];
 }
 
 /** `options` with the time left before `deadline` (one deadline covers the wait and the call). */

@@ -10,7 +10,7 @@ export type { ClientOptions, ClientState, ComputeMethods, MethodShape, Reconnect
 export { Connection } from "./connection.js";
 export type { CallOptions, ConnectionOptions, WebSocketFactory, WebSocketLike } from "./connection.js";
 export { ErrorCode, RpcError, errorCodeName } from "./errors.js";
-export { Computed, Listeners, State, computed, effect, state, track, untracked } from "./reactive.js";
+export { Computed, Listeners, State, batch, computed, effect, state, track, untracked } from "./reactive.js";
 export type { Listener, Observable } from "./reactive.js";
 export { methodId, valueHash } from "./hash.js";
 export { decode, encode, encodeArgs } from "./codec.js";

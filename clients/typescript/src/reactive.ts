@@ -41,6 +41,34 @@ export function untracked<T>(fn: () => T): T {
   }
 }
 
+let batched: Set<Listeners> | undefined;
+
+/**
+ * Runs `fn`, holding back the notifications of what it changes until it returns, so that
+ * listeners see all of its changes at once, never some of them.
+ */
+export function batch<T>(fn: () => T): T {
+  if (batched !== undefined) return fn();
+  let held = new Set<Listeners>();
+  batched = held;
+  try {
+    return fn();
+  } finally {
+    // In rounds: what the first round's listeners notify in turn (a computed telling its
+    // own listeners) is gathered and told once in the next, after every source is marked.
+    while (held.size > 0) {
+      const next = new Set<Listeners>();
+      batched = next;
+      try {
+        for (const l of held) l.notifyNow();
+      } finally {
+        batched = undefined;
+      }
+      held = next;
+    }
+  }
+}
+
 /** A set of listeners with the subscribe/notify plumbing, for values built on this core. */
 export class Listeners {
   private readonly set = new Set<Listener>();
@@ -69,8 +97,17 @@ export class Listeners {
     };
   }
 
-  /** Calls every listener; one that throws does not stop the others. */
+  /** Calls every listener (at the end of the {@link batch} running now, if one is); one that throws does not stop the others. */
   notify(): void {
+    if (batched !== undefined) {
+      batched.add(this);
+      return;
+    }
+    this.notifyNow();
+  }
+
+  /** @internal Calls every listener now. */
+  notifyNow(): void {
     for (const l of [...this.set]) {
       try {
         l();

@@ -206,6 +206,28 @@ describe("replicas", () => {
     await assert.rejects(r.get(), isRpc(ErrorCode.UnknownMethod));
   });
 
+  test("what one write invalidates is refetched and applied together: no half-applied state", async () => {
+    const g = client.replica("Counters.get", "g");
+    const sum = client.replica("Counters.sum", ["g", "h"]);
+    const pair = computed(() => [ok(g.value), ok(sum.value)] as const);
+    const torn: string[] = [];
+    const stop = pair.subscribe(() => {
+      const [x, total] = pair.value;
+      // h stays 0: the sum is g's value whenever both are in.
+      if (x !== undefined && total !== undefined && total !== x) torn.push(`g=${x} sum=${total}`);
+    });
+    try {
+      await until(() => g.status === "current" && sum.status === "current", 5_000, "both replicas");
+      for (let i = 0; i < 30; i++) {
+        const now = await client.call<number>("Calc.bump", ["g", 1]);
+        await until(() => ok(g.value) === now && ok(sum.value) === now && g.status === "current", 5_000, `round ${i}`);
+      }
+      assert.deepEqual(torn, []);
+    } finally {
+      stop();
+    }
+  });
+
   test("a replica nobody watches is released", async () => {
     const c = new Client<Counters>(server.ws(), { ...base, releaseDelayMs: 20 });
     try {

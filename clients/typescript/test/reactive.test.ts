@@ -3,7 +3,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { computed, effect, state, untracked } from "../src/reactive.js";
+import { batch, computed, effect, state, untracked } from "../src/reactive.js";
 
 test("a computed recomputes after a dependency changes, and only then", () => {
   const a = state(1);
@@ -104,5 +104,20 @@ test("a computed nobody watches still sees a change (by versions, without subscr
   a.value = 20;
   const stop = c.subscribe(() => {});
   assert.equal(c.value.x, 20);
+  stop();
+});
+
+test("batch holds notifications back until it ends, then sends each once", () => {
+  const a = state(1);
+  const b = state(2);
+  const sum = computed(() => a.value + b.value);
+  const seen: number[] = [];
+  const stop = sum.subscribe(() => seen.push(sum.value));
+  batch(() => {
+    a.value = 10;
+    b.value = 20;
+    assert.deepEqual(seen, [], "nothing is told inside the batch");
+  });
+  assert.deepEqual(seen, [30]);
   stop();
 });
