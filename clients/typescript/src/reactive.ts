@@ -54,6 +54,7 @@ export function batch<T>(fn: () => T): T {
   try {
     return fn();
   } finally {
+    batched = undefined;
     // In rounds: what the first round's listeners notify in turn (a computed telling its
     // own listeners) is gathered and told once in the next, after every source is marked.
     while (held.size > 0) {

@@ -121,3 +121,17 @@ test("batch holds notifications back until it ends, then sends each once", () =>
   assert.deepEqual(seen, [30]);
   stop();
 });
+
+test("a batch that changes nothing leaves notifications working", () => {
+  // (It once left its empty set installed: every later notification went into it, unsent.)
+  const a = state(1);
+  const seen: number[] = [];
+  const stop = a.subscribe(() => seen.push(a.value));
+  batch(() => {});
+  a.value = 2;
+  batch(() => {
+    a.value = 3;
+  });
+  assert.deepEqual(seen, [2, 3]);
+  stop();
+});

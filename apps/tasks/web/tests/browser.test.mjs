@@ -37,6 +37,42 @@ async function openBoard(url) {
 
 const card = (status, id) => `[data-status="${status}"] [data-task="${id}"]`;
 
+/** What a page shows and what its client holds: said when a wait fails. */
+function describe(page, sel) {
+  return page.evaluate((sel) => {
+    const client = globalThis.coherent;
+    const replicas = [...client.replicas.values()].map((r) => ({
+      method: r.method,
+      args: JSON.stringify(r.args),
+      status: r.statusNow,
+      fetching: r.fetching,
+      watchId: r.watchId,
+      invalidatedWhileLoading: r.invalidatedWhileLoading,
+      watched: r.isWatched,
+      version: r.version,
+      items: r.current?.Ok?.items?.map((t) => `${t.id.slice(-6)} ${t.title}`),
+    }));
+    const columns = Object.fromEntries(
+      [...document.querySelectorAll("[data-status]")].map((c) => [
+        c.getAttribute("data-status"),
+        [...c.querySelectorAll("[data-task]")].map((t) => `${t.getAttribute("data-task").slice(-6)} ${t.querySelector(".title")?.textContent}`),
+      ]),
+    );
+    return JSON.stringify({ title: document.querySelector(sel)?.textContent ?? null, state: client.state, replicas, columns }, null, 1);
+  }, sel);
+}
+
+/** Waits until the card `sel` shows `title`; on a timeout, fails with what the page holds. */
+async function waitForTitle(name, page, sel, title) {
+  try {
+    await page.waitForFunction(([s, t]) => document.querySelector(`${s} .title`)?.textContent === t, [sel, title], {
+      timeout: 20_000,
+    });
+  } catch (e) {
+    throw new Error(`page ${name} never showed ${JSON.stringify(title)}: ${await describe(page, sel)}`, { cause: e });
+  }
+}
+
 test("a change in one context shows in the other; offline, then live and current after a restart", async () => {
   const a = await openBoard(server.url("/"));
   const b = await openBoard(server.url("/"));
@@ -51,12 +87,7 @@ test("a change in one context shows in the other; offline, then live and current
 
   // A write from outside the browser (as curl would) shows in both.
   await api(server, "PATCH", `/api/tasks/${id}`, { title: "Renamed by curl" });
-  for (const page of [a, b]) {
-    await page.waitForFunction(
-      ([sel]) => document.querySelector(sel)?.textContent === "Renamed by curl",
-      [`${card("in_progress", id)} .title`],
-    );
-  }
+  for (const [name, page] of [["A", a], ["B", b]]) await waitForTitle(name, page, card("in_progress", id), "Renamed by curl");
   await b.screenshot({ path: join(shots, "2-changed.png") });
 
   // The server stops: the indicator says offline (after its first failed attempt to reconnect).
@@ -73,12 +104,9 @@ test("a change in one context shows in the other; offline, then live and current
 
   // Restarted on the same port: both pages come back live, and show the current title.
   server = await startTasks(db, { listen: `127.0.0.1:${port}` });
-  for (const page of [a, b]) {
+  for (const [name, page] of [["A", a], ["B", b]]) {
     await page.waitForSelector('[data-testid="connection"][data-state="live"]', { timeout: 15_000 });
-    await page.waitForFunction(
-      ([sel]) => document.querySelector(sel)?.textContent === "Changed while offline",
-      [`${card("in_progress", id)} .title`],
-    );
+    await waitForTitle(name, page, card("in_progress", id), "Changed while offline");
   }
   await b.screenshot({ path: join(shots, "4-live-again.png") });
 
