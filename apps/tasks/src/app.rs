@@ -147,6 +147,14 @@ impl LiveBackend {
             .merge(web::files(dir))
     }
 
+    /// Everything this backend serves over HTTP: the API (`/api`, a tier of this backend,
+    /// since the page writes through it) beside [`web_router_in`](Self::web_router_in)`(dir)`.
+    pub async fn http_router(&self, dir: PathBuf) -> anyhow::Result<axum::Router> {
+        Ok(live_router(&[self.addr])
+            .await?
+            .merge(self.web_router_in(dir)))
+    }
+
     /// Stops serving and leaves the cluster.
     pub async fn stop(self) {
         self.serving.abort();

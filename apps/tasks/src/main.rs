@@ -168,9 +168,7 @@ async fn main() -> anyhow::Result<()> {
                 Kind::Coherent if connect.is_empty() => {
                     let listener = TcpListener::bind("127.0.0.1:0").await?;
                     let b = LiveBackend::start(&db, listener, None).await?;
-                    let router = app::live_router(&[b.addr])
-                        .await?
-                        .merge(b.web_router_in(web::dir(web)));
+                    let router = b.http_router(web::dir(web)).await?;
                     in_process = Some(b);
                     router
                 }
@@ -196,10 +194,7 @@ async fn main() -> anyhow::Result<()> {
                     "tasks: serving http://{}/ (the live page), /api, /rpc and /gateway",
                     listener.local_addr()?
                 );
-                // The page writes through /api: a tier of this backend beside its routes.
-                let router = app::live_router(&[b.addr])
-                    .await?
-                    .merge(b.web_router_in(web::dir(web)));
+                let router = b.http_router(web::dir(web)).await?;
                 tokio::spawn(async move {
                     if let Err(e) = app::serve_http(listener, router).await {
                         tracing::error!(error = %format!("{e:#}"), "the backend's HTTP stopped");

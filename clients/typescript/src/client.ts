@@ -165,9 +165,9 @@ export class Replica<T> implements Observable {
     return p;
   }
 
-  /** @internal The client is live again and this replica was confirmed current. */
+  /** @internal Resolves the waiters of `get()` when the value is current and the client live. */
   confirm(): void {
-    if (this.state !== "current") return;
+    if (this.state !== "current" || !this.client.isLive) return;
     const w = this.waiters;
     this.waiters = [];
     for (const x of w) x.resolve(this.current as T);
@@ -179,11 +179,7 @@ export class Replica<T> implements Observable {
     this.hash = hash;
     this.failure = undefined;
     this.state = stillCurrent ? "current" : "invalidated";
-    if (stillCurrent && this.client.isLive) {
-      const w = this.waiters;
-      this.waiters = [];
-      for (const x of w) x.resolve(value);
-    }
+    if (stillCurrent) this.confirm();
     this.changed();
   }
 
@@ -192,9 +188,7 @@ export class Replica<T> implements Observable {
     this.failure = error;
     this.state = "error";
     this.hash = undefined;
-    const w = this.waiters;
-    this.waiters = [];
-    for (const x of w) x.reject(error);
+    this.abandon(error);
     this.changed();
   }
 
@@ -239,7 +233,7 @@ export class Replica<T> implements Observable {
     }
   }
 
-  /** @internal The client closed. */
+  /** @internal Rejects the waiters of `get()` (the server's error, or the client closed). */
   abandon(error: RpcError): void {
     const w = this.waiters;
     this.waiters = [];

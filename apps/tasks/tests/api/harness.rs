@@ -138,10 +138,7 @@ pub(crate) async fn live_tier(addrs: &[SocketAddr]) -> Server {
 /// (the live page's files from `web`) beside the API, as `tasks serve` does.
 pub(crate) async fn live_with_web(db: &DbConfig, web: &Path) -> Server {
     let backend = live_backend(db).await;
-    let router = app::live_router(&[backend.addr])
-        .await
-        .unwrap()
-        .merge(backend.web_router_in(web.to_owned()));
+    let router = backend.http_router(web.to_owned()).await.unwrap();
     let (base, http) = serve(router).await;
     Server {
         kind: Kind::Coherent,
