@@ -43,6 +43,11 @@ pub trait Command: Serialize + DeserializeOwned + Send + Sync + 'static {
 ///
 /// The invalidation must depend only on the command and its output, never on the database
 /// or on local state: every host runs it, at another time.
+///
+/// `execute` may run more than once for one command: commands that wait together share a
+/// transaction, and when one of them fails the others run again, each in a transaction of
+/// its own (see [`HostBuilder::max_batch`](crate::HostBuilder::max_batch)). So it must act
+/// only through its transaction: no mail sent, no counter bumped outside it.
 pub trait Handler<C: Command>: Send + Sync + 'static {
     /// The writes. An error rolls the transaction back: nothing is written, nothing logged.
     fn execute(

@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::command::{Command, DynHandler};
+use crate::command::BoxFuture;
 use crate::error::{CommandError, ErrorKind};
 
 /// Microseconds since the Unix epoch, by the wall clock.
@@ -247,47 +247,53 @@ impl Database {
             .collect()
     }
 
-    /// Runs `handler` on `command` in a transaction and appends the operation (`row`) in
-    /// the same transaction, then commits. On PostgreSQL the operation's row and the commit
-    /// go in one message (one round trip). On failure, says whether the commit was
-    /// attempted (then the outcome is unknown).
-    pub(crate) async fn transact<C: Command>(
+    /// Runs the handlers of `jobs` one after the other in one transaction, appends their
+    /// operations in the same transaction, then commits: the commands of a batch commit
+    /// together or not at all. On PostgreSQL, `BEGIN` goes out with the first handler's
+    /// first statement, and the operations' rows with the commit (one round trip each).
+    /// Answers each job's operation id and position, in the order of `jobs`. On failure,
+    /// says whether the commit was attempted (then the outcome is unknown); a handler's
+    /// error rolls back the whole batch.
+    pub(crate) async fn transact<J: Execute + ?Sized>(
         &self,
-        handler: &dyn DynHandler<C>,
-        command: &C,
-        row: impl FnOnce(&C::Output) -> Result<Append, CommandError> + Send,
-    ) -> Result<(C::Output, i64, u64), (CommandError, bool)> {
+        jobs: &mut [Box<J>],
+    ) -> Result<Vec<(i64, u64)>, (CommandError, bool)> {
         match &*self.inner {
             Engine::Sqlite(s) => {
-                let mut conn = s.writer.lock().await;
+                let mut guard = SqliteTransaction(s.writer.lock().await);
+                let conn = &mut *guard.0;
                 conn.execute_batch("BEGIN IMMEDIATE")
                     .map_err(|e| (e.into(), false))?;
                 let result = async {
-                    let mut tx = Tx {
-                        inner: TxInner::Sqlite(&mut conn),
-                    };
-                    let output = handler.execute(command, &mut tx).await?;
-                    let row = row(&output)?;
-                    let id: i64 = conn.query_row(
-                        "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
-                         VALUES (?1, ?2, ?3, ?4, ?5) RETURNING id",
-                        params![row.host, now_micros(), row.kind, row.command, row.output],
-                        |r| r.get(0),
-                    )?;
-                    Ok::<_, CommandError>((output, id))
+                    let mut ids = Vec::with_capacity(jobs.len());
+                    for job in jobs.iter_mut() {
+                        let mut tx = Tx {
+                            inner: TxInner::Sqlite(conn),
+                        };
+                        let row = run_handler(job.execute(&mut tx)).await?;
+                        let id: i64 = conn
+                            .prepare_cached(
+                                "INSERT INTO coherent_operations \
+                                 (host, logged_at, kind, command, output) \
+                                 VALUES (?1, ?2, ?3, ?4, ?5) RETURNING id",
+                            )?
+                            .query_row(
+                                params![row.host, now_micros(), row.kind, row.command, row.output],
+                                |r| r.get(0),
+                            )?;
+                        ids.push((id, u64::try_from(id).unwrap_or(0)));
+                    }
+                    Ok::<_, CommandError>(ids)
                 }
                 .await;
-                let result = match result {
-                    Ok((output, id)) => conn
+                // On an error the guard rolls back.
+                match result {
+                    Ok(ids) => conn
                         .execute_batch("COMMIT")
-                        .map(|()| (output, id, u64::try_from(id).unwrap_or(0)))
+                        .map(|()| ids)
                         .map_err(|e| (e.into(), true)),
                     Err(e) => Err((e, false)),
-                };
-                if result.is_err() && !conn.is_autocommit() {
-                    let _ = conn.execute_batch("ROLLBACK");
                 }
-                result
             }
             Engine::Postgres(pg) => {
                 let client = pg.pool.get().await.map_err(|e| (e.into(), false))?;
@@ -303,28 +309,43 @@ impl Database {
                 // answer: one round trip fewer. `BEGIN` cannot fail while the statements
                 // after it succeed (only a broken or aborted connection fails it, and
                 // those fail them too); if it fails anyway, the connection is closed.
-                let mut begin = std::pin::pin!(client.batch_execute("BEGIN"));
+                //
+                // A batch of several commands waits at most `BATCH_LOCK_TIMEOUT` for a
+                // lock: two batches that lock rows in opposite orders would otherwise wait
+                // for PostgreSQL's deadlock check (a second by default). The batch then
+                // fails, and its commands run again one at a time, without the limit.
+                let begin_sql = if jobs.len() > 1 { BATCH_BEGIN } else { "BEGIN" };
+                let mut begin = std::pin::pin!(client.batch_execute(begin_sql));
                 let begun = match futures::poll!(begin.as_mut()) {
                     std::task::Poll::Ready(r) => Some(r),
                     std::task::Poll::Pending => None,
                 };
                 guard.open = true;
                 let before_commit = async {
-                    let mut tx = Tx {
-                        inner: TxInner::Postgres(client),
-                    };
-                    let output = handler.execute(command, &mut tx).await?;
-                    let row = row(&output)?;
-                    for text in [&row.host, row.kind, &row.command, &row.output] {
-                        if text.contains('\0') {
-                            return Err(CommandError::new(
-                                ErrorKind::BadCommand,
-                                "text for the log holds a NUL character",
-                            ));
+                    let mut rows = Vec::with_capacity(jobs.len());
+                    for job in jobs.iter_mut() {
+                        let mut tx = Tx {
+                            inner: TxInner::Postgres(client),
+                        };
+                        let row = run_handler(job.execute(&mut tx)).await?;
+                        for text in [&row.host, row.kind, &row.command, &row.output] {
+                            if text.contains('\0') {
+                                return Err(CommandError::new(
+                                    ErrorKind::BadCommand,
+                                    "text for the log holds a NUL character",
+                                ));
+                            }
                         }
+                        rows.push(row);
                     }
-                    let append = client.prepare_cached(APPEND_SQL).await?;
-                    Ok::<_, CommandError>((output, row, append))
+                    let append = client
+                        .prepare_cached(if rows.len() == 1 {
+                            APPEND_SQL
+                        } else {
+                            APPEND_MANY_SQL
+                        })
+                        .await?;
+                    Ok::<_, CommandError>((rows, append))
                 }
                 .await;
                 let begun = match begun {
@@ -332,7 +353,7 @@ impl Database {
                     None => begin.await,
                 };
                 begun.map_err(|e| (e.into(), false))?;
-                let (output, row, append) = match before_commit {
+                let (rows, append) = match before_commit {
                     Ok(done) => done,
                     Err(e) => {
                         if client.batch_execute("ROLLBACK").await.is_ok() {
@@ -341,16 +362,31 @@ impl Database {
                         return Err((e, false));
                     }
                 };
-                // The operation's row and the commit, pipelined: one round trip. The
+                // The operations' rows and the commit, pipelined: one round trip. The
                 // statement is prepared once per connection, so the server neither parses
                 // nor plans it again.
                 let logged_at = now_micros();
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                    [&row.host, &logged_at, &row.kind, &row.command, &row.output];
-                let (inserted, committed) = futures::join!(
-                    client.query_one(&append, &params),
-                    client.batch_execute("COMMIT"),
-                );
+                let inserted = if let [row] = &rows[..] {
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                        [&row.host, &logged_at, &row.kind, &row.command, &row.output];
+                    let (inserted, committed) = futures::join!(
+                        client.query(&append, &params),
+                        client.batch_execute("COMMIT"),
+                    );
+                    (inserted, committed)
+                } else {
+                    let hosts: Vec<&str> = rows.iter().map(|r| r.host.as_str()).collect();
+                    let kinds: Vec<&str> = rows.iter().map(|r| r.kind).collect();
+                    let commands: Vec<&str> = rows.iter().map(|r| r.command.as_str()).collect();
+                    let outputs: Vec<&str> = rows.iter().map(|r| r.output.as_str()).collect();
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                        [&hosts, &logged_at, &kinds, &commands, &outputs];
+                    futures::join!(
+                        client.query(&append, &params),
+                        client.batch_execute("COMMIT"),
+                    )
+                };
+                let (inserted, committed) = inserted;
                 let inserted = match inserted {
                     Ok(r) => r,
                     Err(e) => {
@@ -363,10 +399,26 @@ impl Database {
                 };
                 committed.map_err(|e| (e.into(), true))?;
                 guard.open = false;
-                let id: i64 = inserted.try_get(0).map_err(|e| (e.into(), true))?;
-                let position = parse_xid(inserted.try_get(1).map_err(|e| (e.into(), true))?)
-                    .map_err(|e| (e, true))?;
-                Ok((output, id, position))
+                let mut ids = Vec::with_capacity(inserted.len());
+                for row in &inserted {
+                    let id: i64 = row.try_get(0).map_err(|e| (e.into(), true))?;
+                    let position = parse_xid(row.try_get(1).map_err(|e| (e.into(), true))?)
+                        .map_err(|e| (e, true))?;
+                    ids.push((id, position));
+                }
+                if ids.len() != rows.len() {
+                    return Err((
+                        CommandError::new(
+                            ErrorKind::Database,
+                            format!("{} operations appended, {} answered", rows.len(), ids.len()),
+                        ),
+                        true,
+                    ));
+                }
+                // One statement takes its ids from the sequence in the order of its rows
+                // (`unnest` keeps the arrays' order); `RETURNING` need not.
+                ids.sort_unstable_by_key(|&(id, _)| id);
+                Ok(ids)
             }
         }
     }
@@ -636,6 +688,16 @@ const APPEND_SQL: &str =
     "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
      VALUES ($1, $2, $3, $4, $5) RETURNING id, xid::text";
 
+/// Several operations' rows in one statement, from arrays in the order of the batch.
+const APPEND_MANY_SQL: &str =
+    "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+     SELECT h, $2::bigint, k, c, o FROM unnest($1::text[], $3::text[], $4::text[], $5::text[]) \
+     AS batch (h, k, c, o) RETURNING id, xid::text";
+
+/// How long a batch of several commands waits for a row lock before it gives up and its
+/// commands run one at a time (see [`Database::transact`]).
+const BATCH_BEGIN: &str = "BEGIN; SET LOCAL lock_timeout = '100ms'";
+
 /// `pg_notify` calls for a batch of payloads, in one statement: one transaction. Its commit
 /// does not wait for the WAL to reach the disk: a notification is only a wake-up (the log
 /// is the truth), so losing one to a crash costs nothing.
@@ -671,6 +733,55 @@ impl Drop for PgTransaction {
             }
         }
     }
+}
+
+/// Awaits a handler, answering a panic as the command's error (the batch is then split,
+/// and the others commit without it).
+async fn run_handler(
+    handler: BoxFuture<'_, Result<Append, CommandError>>,
+) -> Result<Append, CommandError> {
+    use futures::FutureExt;
+    match std::panic::AssertUnwindSafe(handler).catch_unwind().await {
+        Ok(result) => result,
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(CommandError::new(
+                ErrorKind::Unavailable,
+                format!("the command's handler panicked: {why}"),
+            ))
+        }
+    }
+}
+
+/// The SQLite writer inside `BEGIN IMMEDIATE`: rolled back when dropped still open (a
+/// handler failed, or panicked, or the commit failed), so that the write lock every process
+/// shares is never left held.
+struct SqliteTransaction<'c>(tokio::sync::MutexGuard<'c, Connection>);
+
+impl Drop for SqliteTransaction<'_> {
+    fn drop(&mut self) {
+        if !self.0.is_autocommit() {
+            if let Err(e) = self.0.execute_batch("ROLLBACK") {
+                tracing::error!(%e, "rolling back a SQLite transaction failed");
+            }
+        }
+    }
+}
+
+/// A command of a batch, its types erased: runs its handler in the batch's transaction and
+/// answers the operation's row. It may run more than once (a batch that fails is run again
+/// one command at a time), each time in a new transaction.
+pub(crate) trait Execute: Send {
+    fn execute<'a, 'b>(
+        &'a mut self,
+        tx: &'a mut Tx<'b>,
+    ) -> BoxFuture<'a, Result<Append, CommandError>>
+    where
+        'b: 'a;
 }
 
 /// The operation row a command appends.

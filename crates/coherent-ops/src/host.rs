@@ -1,19 +1,20 @@
 //! A host of the cluster: runs commands through the pipeline, and replays the operations
 //! of every other host.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use coherent_core::Registry;
+use futures::FutureExt;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{broadcast, watch, Notify};
+use tokio::sync::{broadcast, oneshot, watch, Notify};
 
-use crate::command::{BoxFuture, Command, Handler, Handlers};
-use crate::db::{now_micros, Append, Database, Engine, Logged};
-use crate::error::CommandError;
+use crate::command::{BoxFuture, Command, DynHandler, Handler, Handlers};
+use crate::db::{now_micros, Append, Database, Engine, Execute, Logged, Tx};
+use crate::error::{CommandError, ErrorKind};
 use crate::notify::{self, Notifier, Publisher};
 
 /// A notice further ahead of the horizon than this is not believed (no cluster commits two
@@ -91,6 +92,11 @@ pub struct HostStats {
     pub flushes: u64,
     /// Operations this host deleted from the log.
     pub trimmed: u64,
+    /// Transactions that committed commands of this host (a batch is one; see
+    /// [`HostBuilder::max_batch`]).
+    pub batches: u64,
+    /// Batches of several commands that failed and whose commands ran again one at a time.
+    pub batches_split: u64,
     /// Everything before this position is applied (see the crate's docs).
     pub horizon: u64,
 }
@@ -109,6 +115,8 @@ struct Counters {
     round_errors: AtomicU64,
     flushes: AtomicU64,
     trimmed: AtomicU64,
+    batches: AtomicU64,
+    batches_split: AtomicU64,
 }
 
 /// What a notification carries: the whole operation when it fits, so that the hosts that
@@ -141,6 +149,8 @@ pub struct HostBuilder {
     registries: Vec<Registry>,
     handlers: Handlers,
     after_invalidate: Option<AfterInvalidate>,
+    transactions: usize,
+    max_batch: usize,
 }
 
 /// What [`Host::run`] awaits after a command's local invalidation (see
@@ -207,6 +217,42 @@ impl HostBuilder {
         self
     }
 
+    /// How many transactions run this host's commands at once. Default: 4. Commands that
+    /// arrive while they are busy wait, and are committed together (see
+    /// [`max_batch`](Self::max_batch)). On SQLite one process writes at a time whatever
+    /// this says.
+    ///
+    /// # Panics
+    /// When `n` is 0.
+    pub fn transactions(mut self, n: usize) -> Self {
+        assert!(
+            n > 0,
+            "a host needs at least one transaction for its commands"
+        );
+        self.transactions = n;
+        self
+    }
+
+    /// At most this many waiting commands go into one transaction. Default: 64; 1 gives
+    /// every command a transaction of its own.
+    ///
+    /// A batch runs its handlers one after the other in one transaction, appends their
+    /// operations with one statement, and commits once: under load most of a command's
+    /// database work (`BEGIN`, the operation's row, `COMMIT`, the flush of the WAL) is
+    /// shared. Each handler still sees the writes of the commands before it, as if they
+    /// had run one after the other. If a handler fails, or a lock is not granted within
+    /// 100 ms (PostgreSQL), the batch rolls back and its commands run again, each in a
+    /// transaction of its own: so a handler may run twice, and must not act outside its
+    /// transaction.
+    ///
+    /// # Panics
+    /// When `n` is 0.
+    pub fn max_batch(mut self, n: usize) -> Self {
+        assert!(n > 0, "a batch holds at least one command");
+        self.max_batch = n;
+        self
+    }
+
     /// Registers `handler` for the command `C`.
     ///
     /// # Panics
@@ -239,6 +285,11 @@ impl HostBuilder {
         };
         let horizon = self.db.current_horizon().await?;
         let (applied_tx, _) = broadcast::channel(4096);
+        let batcher = Arc::new(Batcher {
+            queue: Mutex::new(Queue::default()),
+            ready: Notify::new(),
+            max_batch: self.max_batch,
+        });
         let inner = Arc::new(Inner {
             id: id.clone(),
             db: self.db,
@@ -252,6 +303,7 @@ impl HostBuilder {
             wake: Arc::new(Notify::new()),
             registries,
             after_invalidate: self.after_invalidate,
+            batcher: batcher.clone(),
             counters: Counters::default(),
             applied_tx,
             publisher: Mutex::new(Publisher::None),
@@ -269,6 +321,13 @@ impl HostBuilder {
             host.inner.wake.clone(),
             host.inner.stop.subscribe(),
         ));
+        for _ in 0..self.transactions {
+            tokio::spawn(commit_loop(
+                Arc::downgrade(&host.inner),
+                batcher.clone(),
+                host.inner.stop.subscribe(),
+            ));
+        }
         tracing::info!(host = %id, horizon, "coherent-ops host started");
         Ok(host)
     }
@@ -315,6 +374,8 @@ pub(crate) struct Inner {
     pub(crate) wake: Arc<Notify>,
     registries: Vec<Registry>,
     after_invalidate: Option<AfterInvalidate>,
+    /// The commands waiting for a transaction.
+    batcher: Arc<Batcher>,
     counters: Counters,
     applied_tx: broadcast::Sender<Applied>,
     pub(crate) publisher: Mutex<Publisher>,
@@ -348,6 +409,8 @@ impl Host {
             registries: Vec::new(),
             handlers: Handlers::default(),
             after_invalidate: None,
+            transactions: 4,
+            max_batch: 64,
         }
     }
 
@@ -362,73 +425,39 @@ impl Host {
     }
 
     /// Runs `command` through the pipeline: its handler's writes and the operation commit in
-    /// one transaction; then the handler's invalidation runs here, before this returns, and
-    /// the notifier tells the other hosts. An error rolls back: nothing is written, nothing
-    /// logged (except when the commit itself failed, whose outcome is unknown: then the
-    /// invalidation runs here anyway, and the other hosts replay the operation if it is in
-    /// the log).
+    /// one transaction (shared with the other commands waiting at the time, see
+    /// [`HostBuilder::max_batch`]); then the handler's invalidation runs here, before this
+    /// returns, and the notifier tells the other hosts. An error rolls back: nothing is
+    /// written, nothing logged (except when the commit itself failed, whose outcome is
+    /// unknown: then the invalidation runs here anyway, and the other hosts replay the
+    /// operation if it is in the log).
+    ///
+    /// Dropping the future does not cancel the command: once handed to the pipeline it
+    /// runs, and if it commits, its invalidation runs here all the same.
     pub async fn run<C: Command>(&self, command: C) -> Result<C::Output, CommandError> {
         let inner = &*self.inner;
         let handler = inner.handlers.typed::<C>()?;
         let command_json = serde_json::to_string(&command)?;
-        let mut output_json = String::new();
-        let result = inner
-            .db
-            .transact(&*handler, &command, |output| {
-                output_json = serde_json::to_string(output)?;
-                Ok(Append {
-                    host: inner.id.clone(),
-                    kind: C::NAME,
-                    command: command_json.clone(),
-                    output: output_json.clone(),
-                })
-            })
-            .await;
-        match result {
-            Ok((output, id, position)) => {
-                handler.invalidate(&command, &output);
-                let committed_at = now_micros();
-                inner.counters.commands.fetch_add(1, Ordering::Relaxed);
-                let _ = inner.applied_tx.send(Applied {
-                    id,
-                    host: inner.id.as_str().into(),
-                    kind: C::NAME.into(),
-                    committed_at,
-                    applied_at: now_micros(),
-                    via: Via::Local,
-                });
-                let notice = Notice {
-                    id,
-                    position,
-                    host: inner.id.clone(),
-                    committed_at,
-                    op: Some(NoticeOp {
-                        kind: C::NAME.to_owned(),
-                        command: command_json,
-                        output: output_json,
-                    }),
-                };
-                inner.publisher.lock().publish(notice);
-                if let Some(wait) = &inner.after_invalidate {
-                    wait().await;
-                }
-                Ok(output)
-            }
-            Err((e, commit_attempted)) => {
-                inner
-                    .counters
-                    .command_errors
-                    .fetch_add(1, Ordering::Relaxed);
-                if commit_attempted {
-                    // The commit failed: it may have happened. Invalidate to be safe (the
-                    // other hosts replay it from the log if it did).
-                    if let Ok(output) = serde_json::from_str::<C::Output>(&output_json) {
-                        handler.invalidate(&command, &output);
-                    }
-                }
-                Err(e)
-            }
+        let (answer, answered) = oneshot::channel();
+        inner.batcher.push(Box::new(TypedJob {
+            handler,
+            host: inner.id.clone(),
+            command,
+            command_json,
+            output: None,
+            answer,
+        }))?;
+        let output = answered.await.map_err(|_| {
+            CommandError::new(
+                ErrorKind::Unavailable,
+                "the host stopped, or the command's handler panicked, before the command's \
+                 outcome was known",
+            )
+        })??;
+        if let Some(wait) = &inner.after_invalidate {
+            wait().await;
         }
+        Ok(output)
     }
 
     /// Runs a command given by name and as JSON (what remote callers send); answers the
@@ -477,6 +506,8 @@ impl Host {
             round_errors: r(&c.round_errors),
             flushes: r(&c.flushes),
             trimmed: r(&c.trimmed),
+            batches: r(&c.batches),
+            batches_split: r(&c.batches_split),
             horizon: self.inner.state.lock().horizon,
         }
     }
@@ -500,10 +531,14 @@ impl Host {
         self.inner.trim().await
     }
 
-    /// Stops the host: its tasks end and its row leaves the hosts table (it no longer
+    /// Stops the host: its tasks end, commands waiting for a transaction fail (those in one
+    /// finish) and later ones are refused, and its row leaves the hosts table (it no longer
     /// holds trimming back).
     pub async fn stop(&self) {
         self.inner.stop.send_replace(true);
+        // Commands already in a transaction finish; those waiting fail, and later ones are
+        // refused.
+        self.inner.batcher.close();
         if let Err(e) = self.inner.db.leave(&self.inner.id).await {
             tracing::warn!(host = %self.inner.id, %e, "could not leave the hosts table");
         }
@@ -511,6 +546,47 @@ impl Host {
 }
 
 impl Inner {
+    /// Commits a batch of commands in one transaction and finishes each; if the batch
+    /// fails before its commit, runs its commands again one at a time.
+    async fn commit(&self, mut batch: Vec<Box<dyn Job>>) {
+        let result = self.db.transact(&mut batch).await;
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        match result {
+            Ok(ids) => {
+                for (job, id) in batch.into_iter().zip(ids) {
+                    self.finish(job, Ok(id));
+                }
+            }
+            Err((e, false)) if batch.len() > 1 => {
+                self.counters.batches_split.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(host = %self.id, commands = batch.len(), %e,
+                    "a batch failed: its commands run one at a time");
+                for job in batch {
+                    let mut one = [job];
+                    let result = self.db.transact(&mut one).await;
+                    self.counters.batches.fetch_add(1, Ordering::Relaxed);
+                    let [job] = one;
+                    self.finish(job, result.map(|ids| ids[0]));
+                }
+            }
+            Err((e, commit_attempted)) => {
+                for job in batch {
+                    self.finish(job, Err((e.clone(), commit_attempted)));
+                }
+            }
+        }
+    }
+
+    /// Finishes one command of a batch. An invalidation that panics loses its own
+    /// command's answer (its caller hears that the outcome is unknown), not the others'.
+    fn finish(&self, job: Box<dyn Job>, result: Result<(i64, u64), (CommandError, bool)>) {
+        let finished =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.finish(self, result)));
+        if finished.is_err() {
+            tracing::error!(host = %self.id, "a command's invalidation panicked");
+        }
+    }
+
     /// Applies another host's operation unless it is applied already.
     pub(crate) fn apply(&self, op: &Logged, committed_at: i64, via: Via) {
         let _applying = self.applying.lock();
@@ -663,6 +739,183 @@ impl Inner {
         self.counters.trimmed.fetch_add(n, Ordering::Relaxed);
         Ok(n)
     }
+}
+
+/// A command waiting for, or in, a batch, its types erased.
+trait Job: Execute {
+    /// After the batch: on success the local invalidation, the counters and the notice;
+    /// then the answer to the caller.
+    fn finish(self: Box<Self>, host: &Inner, result: Result<(i64, u64), (CommandError, bool)>);
+}
+
+struct TypedJob<C: Command> {
+    handler: Arc<dyn DynHandler<C>>,
+    host: String,
+    command: C,
+    command_json: String,
+    /// The output of the last run of the handler, and its JSON.
+    output: Option<(C::Output, String)>,
+    answer: oneshot::Sender<Result<C::Output, CommandError>>,
+}
+
+impl<C: Command> Execute for TypedJob<C> {
+    fn execute<'a, 'b>(
+        &'a mut self,
+        tx: &'a mut Tx<'b>,
+    ) -> BoxFuture<'a, Result<Append, CommandError>>
+    where
+        'b: 'a,
+    {
+        Box::pin(async move {
+            self.output = None;
+            let output = self.handler.execute(&self.command, tx).await?;
+            let output_json = serde_json::to_string(&output)?;
+            let row = Append {
+                host: self.host.clone(),
+                kind: C::NAME,
+                command: self.command_json.clone(),
+                output: output_json.clone(),
+            };
+            self.output = Some((output, output_json));
+            Ok(row)
+        })
+    }
+}
+
+impl<C: Command> Job for TypedJob<C> {
+    fn finish(self: Box<Self>, inner: &Inner, result: Result<(i64, u64), (CommandError, bool)>) {
+        let job = *self;
+        match (result, job.output) {
+            (Ok((id, position)), Some((output, output_json))) => {
+                job.handler.invalidate(&job.command, &output);
+                let committed_at = now_micros();
+                inner.counters.commands.fetch_add(1, Ordering::Relaxed);
+                let _ = inner.applied_tx.send(Applied {
+                    id,
+                    host: inner.id.as_str().into(),
+                    kind: C::NAME.into(),
+                    committed_at,
+                    applied_at: now_micros(),
+                    via: Via::Local,
+                });
+                inner.publisher.lock().publish(Notice {
+                    id,
+                    position,
+                    host: inner.id.clone(),
+                    committed_at,
+                    op: Some(NoticeOp {
+                        kind: C::NAME.to_owned(),
+                        command: job.command_json,
+                        output: output_json,
+                    }),
+                });
+                let _ = job.answer.send(Ok(output));
+            }
+            (result, output) => {
+                inner
+                    .counters
+                    .command_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                let e = match result {
+                    Err((e, commit_attempted)) => {
+                        if commit_attempted {
+                            // The commit failed: it may have happened. Invalidate to be
+                            // safe (the other hosts replay it from the log if it did).
+                            if let Some((output, _)) = &output {
+                                job.handler.invalidate(&job.command, output);
+                            }
+                        }
+                        e
+                    }
+                    Ok(_) => CommandError::new(
+                        ErrorKind::Database,
+                        "the batch committed without running this command's handler",
+                    ),
+                };
+                let _ = job.answer.send(Err(e));
+            }
+        }
+    }
+}
+
+/// The commands of a host waiting for a transaction.
+struct Batcher {
+    queue: Mutex<Queue>,
+    /// Wakes a waiting [`commit_loop`].
+    ready: Notify,
+    max_batch: usize,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Box<dyn Job>>,
+    /// The host stopped: nothing is taken any more.
+    closed: bool,
+}
+
+impl Batcher {
+    fn push(&self, job: Box<dyn Job>) -> Result<(), CommandError> {
+        {
+            let mut queue = self.queue.lock();
+            if queue.closed {
+                return Err(CommandError::new(
+                    ErrorKind::Unavailable,
+                    "the host is stopped",
+                ));
+            }
+            queue.jobs.push_back(job);
+        }
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    fn take(&self) -> Vec<Box<dyn Job>> {
+        let mut queue = self.queue.lock();
+        let n = queue.jobs.len().min(self.max_batch);
+        let batch: Vec<_> = queue.jobs.drain(..n).collect();
+        if !queue.jobs.is_empty() {
+            // More than a batch waits: wake another transaction for the rest.
+            self.ready.notify_one();
+        }
+        batch
+    }
+
+    /// Refuses new commands and drops the waiting ones (their callers hear that the host
+    /// stopped).
+    fn close(&self) {
+        let jobs = {
+            let mut queue = self.queue.lock();
+            queue.closed = true;
+            std::mem::take(&mut queue.jobs)
+        };
+        drop(jobs);
+    }
+}
+
+/// Takes the waiting commands and commits them, a batch at a time, until the host is
+/// dropped or stopped.
+async fn commit_loop(host: Weak<Inner>, batcher: Arc<Batcher>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let batch = batcher.take();
+        if batch.is_empty() {
+            tokio::select! {
+                () = batcher.ready.notified() => continue,
+                _ = stop.wait_for(|&s| s) => break,
+            }
+        }
+        let Some(inner) = host.upgrade() else { break };
+        // Handlers' and invalidations' panics are caught per command (`run_handler`,
+        // `Inner::finish`); should anything else panic, the batch is lost (its callers
+        // hear that the outcome is unknown; an open transaction rolls back), not this task.
+        if std::panic::AssertUnwindSafe(inner.commit(batch))
+            .catch_unwind()
+            .await
+            .is_err()
+        {
+            tracing::error!(host = %inner.id, "a command's handler panicked");
+        }
+    }
+    batcher.close();
 }
 
 /// Reads the log when woken, and at least every poll interval; heartbeats and trims now

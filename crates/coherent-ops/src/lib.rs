@@ -6,7 +6,10 @@
 //! results the command changes ([`Handler::invalidate`]). [`Host::run`] runs a command:
 //!
 //! 1. the handler's writes and an *operation* (the command, its output, this host's id,
-//!    the time) commit in one transaction: an operation exists exactly when its writes do;
+//!    the time) commit in one transaction: an operation exists exactly when its writes do.
+//!    Commands that arrive while the host's transactions are busy share the next one (one
+//!    `BEGIN`, one `INSERT` of their operations, one `COMMIT`): under load that is most of a
+//!    command's cost in the database ([`HostBuilder::max_batch`]);
 //! 2. the handler's invalidation runs on this host, before `run` returns (cascading to its
 //!    dependants and to the replicas its clients hold);
 //! 3. the [`Notifier`] tells the other hosts, which run the same invalidation.

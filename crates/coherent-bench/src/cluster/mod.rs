@@ -15,9 +15,11 @@
 //!   mutator's command as the plain UPDATE (no log, no notification), and drop the user from
 //!   their own cache after it (a team's cache forgets its own host's writes); the other
 //!   hosts' copies live out their TTL;
-//! - `cluster.commands`: commands/s through `Host::run` (BEGIN with the UPDATE, then one
-//!   message with the INSERT of the operation and COMMIT; the local invalidation; the
-//!   NOTIFY queued for the host's batching task) against
+//! - `cluster.commands`: commands/s through `Host::run` (the host's defaults: commands that
+//!   wait while its 4 transactions are busy commit together, BEGIN with the first UPDATE,
+//!   then one message with the INSERT of the operations and COMMIT; the local invalidation;
+//!   the NOTIFY queued for the host's notifying task; `commands_per_transaction` says how
+//!   many shared a transaction on average) against
 //!   `cluster.plain_writes`, the same UPDATE on its own (autocommit): both in the parent, from
 //!   the same number of concurrent tasks (`WRITERS`), through the same pool (the host's);
 //! - `cluster.propagation_p50_us.<pg|nats>`, `..._p99_us.<pg|nats>`: from the commit on one
@@ -410,12 +412,20 @@ async fn writes_rows(settings: &Settings, timing: Timing) -> anyhow::Result<(Row
             plain_tx = plain_tx.max(t);
         }
     }
+    let stats = host.stats();
     host.stop().await;
+    // Commands that waited while the host's transactions were busy shared one (HostBuilder::max_batch).
+    let per_transaction = stats.commands as f64 / stats.batches.max(1) as f64;
     Ok((
         Row::new("cluster.commands", commands, "ops/s")
             .compared_to("cluster.plain_writes")
             .in_group("cluster.writes")
-            .with("writers", WRITERS),
+            .with("writers", WRITERS)
+            .with(
+                "commands_per_transaction",
+                (per_transaction * 100.0).round() / 100.0,
+            )
+            .with("batches_split", stats.batches_split),
         Row::new("cluster.plain_writes", plain, "ops/s")
             .in_group("cluster.writes")
             .with("in_a_transaction_ops_per_s", plain_tx.round())

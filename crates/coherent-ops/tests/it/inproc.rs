@@ -7,13 +7,13 @@ use coherent_ops::{Database, ErrorKind, Notifier, Via};
 
 use crate::support::{create_items, database_url, fresh_schema, host, FailAfterWrite, SetValue};
 
-async fn sqlite_db(dir: &tempfile::TempDir) -> Database {
+pub(crate) async fn sqlite_db(dir: &tempfile::TempDir) -> Database {
     let db = Database::sqlite(dir.path().join("cluster.db")).unwrap();
     create_items(&db, 10).await;
     db
 }
 
-async fn postgres_db(test: &str) -> Option<Database> {
+pub(crate) async fn postgres_db(test: &str) -> Option<Database> {
     let url = database_url()?;
     let db = Database::postgres_in_schema(&url, &fresh_schema(test))
         .await

@@ -2,5 +2,6 @@
 //! registry, so each its own cache) over SQLite files and PostgreSQL schemas. The tests
 //! that need real processes and faults are in `tests/cluster/`.
 
+mod batches;
 mod inproc;
 mod support;
