@@ -35,6 +35,10 @@ pub(crate) fn now_micros() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
+/// Connections of a PostgreSQL `Database`'s pool: the host's transactions, its reads of
+/// the log, and whatever the application reads through [`Database::postgres_pool`].
+const POOL_SIZE: usize = 16;
+
 /// Rows read per round at most.
 const READ_LIMIT: i64 = 1_000;
 
@@ -142,7 +146,7 @@ impl Database {
     }
 
     /// PostgreSQL at `url` (e.g. `postgres://postgres@127.0.0.1:5432/test`), schema
-    /// `public`. The log's tables are created if missing.
+    /// `public`, through a pool of 16 connections. The log's tables are created if missing.
     pub async fn postgres(url: &str) -> Result<Self, CommandError> {
         Self::postgres_in_schema(url, "public").await
     }
@@ -187,12 +191,7 @@ impl Database {
             },
         );
         let pool = deadpool_postgres::Pool::builder(manager)
-            .max_size(
-                std::env::var("XPOOL")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(16),
-            )
+            .max_size(POOL_SIZE)
             .build()
             .map_err(|e| CommandError::new(ErrorKind::Database, e.to_string()))?;
         let dbname = config.get_dbname().unwrap_or("postgres");
