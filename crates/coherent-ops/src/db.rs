@@ -309,8 +309,8 @@ impl Database {
                 // after it succeed (only a broken or aborted connection fails it, and
                 // those fail them too); if it fails anyway, the connection is closed.
                 //
-                // A batch of several commands waits at most `BATCH_LOCK_TIMEOUT` for a
-                // lock: two batches that lock rows in opposite orders would otherwise wait
+                // A batch of several commands waits at most 100 ms for a lock
+                // (`BATCH_BEGIN`): two batches that lock rows in opposite orders would otherwise wait
                 // for PostgreSQL's deadlock check (a second by default). The batch then
                 // fails, and its commands run again one at a time, without the limit.
                 let begin_sql = if jobs.len() > 1 { BATCH_BEGIN } else { "BEGIN" };
@@ -365,14 +365,13 @@ impl Database {
                 // statement is prepared once per connection, so the server neither parses
                 // nor plans it again.
                 let logged_at = now_micros();
-                let inserted = if let [row] = &rows[..] {
+                let (inserted, committed) = if let [row] = &rows[..] {
                     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
                         [&row.host, &logged_at, &row.kind, &row.command, &row.output];
-                    let (inserted, committed) = futures::join!(
+                    futures::join!(
                         client.query(&append, &params),
                         client.batch_execute("COMMIT"),
-                    );
-                    (inserted, committed)
+                    )
                 } else {
                     let hosts: Vec<&str> = rows.iter().map(|r| r.host.as_str()).collect();
                     let kinds: Vec<&str> = rows.iter().map(|r| r.kind).collect();
@@ -385,7 +384,6 @@ impl Database {
                         client.batch_execute("COMMIT"),
                     )
                 };
-                let (inserted, committed) = inserted;
                 let inserted = match inserted {
                     Ok(r) => r,
                     Err(e) => {

@@ -536,8 +536,6 @@ impl Host {
     /// holds trimming back).
     pub async fn stop(&self) {
         self.inner.stop.send_replace(true);
-        // Commands already in a transaction finish; those waiting fail, and later ones are
-        // refused.
         self.inner.batcher.close();
         if let Err(e) = self.inner.db.leave(&self.inner.id).await {
             tracing::warn!(host = %self.inner.id, %e, "could not leave the hosts table");
@@ -912,7 +910,7 @@ async fn commit_loop(host: Weak<Inner>, batcher: Arc<Batcher>, mut stop: watch::
             .await
             .is_err()
         {
-            tracing::error!(host = %inner.id, "a command's handler panicked");
+            tracing::error!(host = %inner.id, "committing a batch of commands panicked");
         }
     }
     batcher.close();
