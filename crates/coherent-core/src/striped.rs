@@ -10,7 +10,9 @@
 //! The protocol is Dekker's: a reader raises its count, then checks `writing`; a writer sets
 //! `writing`, then waits for every count to be zero. Both sides use sequentially consistent
 //! operations (see `ANNOUNCE`), so at least one of them sees the other: a reader that sees `writing` lowers its
-//! count again and waits on the writers' mutex; a writer that sees a count waits for it.
+//! count again and waits on the writers' mutex; a writer that sees a count waits for it, for a
+//! bounded spin: a count that stays up belongs to a descheduled thread, and the writer clears
+//! `writing`, gives its turn away and tries again rather than hold every reader out meanwhile.
 //! Threads beyond the stripes of a lock (more reading threads than stripes) share one more
 //! stripe, entered with a `fetch_add` and left with a `fetch_sub`. A thread may read a lock it
 //! already reads, even while a writer waits, on its own stripe only: on the shared one the
@@ -226,26 +228,49 @@ impl<T> StripedRwLock<T> {
     }
 
     /// Exclusive access: turns new readers away, then waits for the readers inside to leave.
+    ///
+    /// Readers hold a stripe for a lookup and a clone, moments, unless the thread was
+    /// descheduled inside; then it may not run again for milliseconds (on a loaded machine,
+    /// or at a lower priority than the rest of the process). A writer that kept `writing`
+    /// set all that time would hold every other reader out of the table with it, among them
+    /// a thread that reads the table to invalidate an entry: an invalidation would wait for
+    /// the least favoured reader thread of the process. So the writer waits a bounded spin
+    /// for the readers inside, and when one is still there it lets new readers in again,
+    /// hands its turn to whoever waits for it (a reader it turned away, another writer), and
+    /// tries again.
     pub(crate) fn write(&self) -> WriteGuard<'_, T> {
-        let turn = self.writers.lock();
-        self.writing.store(true, ANNOUNCE);
-        dekker_fence();
-        for stripe in self.stripes.iter().chain(std::iter::once(&self.shared)) {
-            let mut spins = 0u32;
-            while stripe.readers.load(CHECK) != 0 {
-                // Readers hold a stripe for a lookup and a clone: moments.
-                spins += 1;
-                if spins < 64 {
-                    std::hint::spin_loop();
-                } else {
-                    yield_now();
-                }
+        loop {
+            let turn = self.writers.lock();
+            self.writing.store(true, ANNOUNCE);
+            dekker_fence();
+            if self.readers_left() {
+                return WriteGuard {
+                    lock: self,
+                    _turn: turn,
+                };
             }
+            self.writing.store(false, Ordering::Release);
+            unlock_fair(turn);
+            yield_now();
         }
-        WriteGuard {
-            lock: self,
-            _turn: turn,
-        }
+    }
+
+    /// Whether every stripe fell to zero within a bounded spin each.
+    fn readers_left(&self) -> bool {
+        self.stripes
+            .iter()
+            .chain(std::iter::once(&self.shared))
+            .all(|stripe| {
+                let mut spins = 0u32;
+                while stripe.readers.load(CHECK) != 0 {
+                    spins += 1;
+                    if spins > WRITER_SPINS {
+                        return false;
+                    }
+                    std::hint::spin_loop();
+                }
+                true
+            })
     }
 
     /// Hits counted on every stripe.
@@ -287,6 +312,26 @@ fn dekker_fence() {
 #[cfg(not(loom))]
 fn yield_now() {
     std::thread::yield_now();
+}
+
+/// How long a writer spins on one stripe before it lets readers in again: a few
+/// microseconds, many times a hit's lookup and clone.
+#[cfg(not(loom))]
+const WRITER_SPINS: u32 = 1 << 8;
+
+#[cfg(loom)]
+const WRITER_SPINS: u32 = 1;
+
+/// Gives the writers' turn back to the thread that waits longest for it, if any (a plain
+/// unlock lets the releasing writer take it again at once, before the woken waiter runs).
+#[cfg(not(loom))]
+fn unlock_fair(turn: MutexGuard<'_, ()>) {
+    parking_lot::MutexGuard::unlock_fair(turn);
+}
+
+#[cfg(loom)]
+fn unlock_fair(turn: MutexGuard<'_, ()>) {
+    drop(turn);
 }
 
 #[cfg(loom)]
@@ -424,6 +469,50 @@ mod tests {
         drop(outer);
         writer.join().unwrap();
         assert_eq!(*lock.read(), 2);
+    }
+
+    #[test]
+    fn readers_get_in_while_a_writer_waits_for_a_reader_that_stays() {
+        // A reader that stays inside (as a descheduled thread does) holds the writer off;
+        // the writer must not hold every other reader off with it. An invalidation reads
+        // the table: it would wait for the slowest reader thread of the process.
+        let lock = Arc::new(StripedRwLock::with_stripes(0u32, 4096));
+        let (stay, release) = std::sync::mpsc::channel::<()>();
+        let (inside, entered) = std::sync::mpsc::channel::<()>();
+        let stayer = {
+            let lock = lock.clone();
+            std::thread::spawn(move || {
+                let guard = lock.read();
+                inside.send(()).unwrap();
+                release.recv().unwrap();
+                drop(guard);
+            })
+        };
+        entered.recv().unwrap();
+        let writer = {
+            let lock = lock.clone();
+            std::thread::spawn(move || *lock.write() += 1)
+        };
+        while !lock.writing.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        let (done, reads) = std::sync::mpsc::channel();
+        {
+            let lock = lock.clone();
+            std::thread::spawn(move || {
+                let seen: u32 = (0..1_000).map(|_| *lock.read()).sum();
+                done.send(seen).unwrap();
+            });
+        }
+        // Liveness, not speed: under the old rule this never came.
+        let seen = reads
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("readers waited for a writer that waits for a reader");
+        assert_eq!(seen, 0, "the writer wrote while a reader was inside");
+        stay.send(()).unwrap();
+        stayer.join().unwrap();
+        writer.join().unwrap();
+        assert_eq!(*lock.read(), 1);
     }
 
     #[test]
