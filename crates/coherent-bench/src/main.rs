@@ -45,8 +45,10 @@ struct Cli {
     #[arg(long, global = true, default_value_t = 3.0)]
     seconds: f64,
     /// Run only the `rpc` cases under this name (`calls`, `calls.sum`, `streams`,
-    /// `streams.1`, `latency`, `payload`), or only the `tasks` rows whose name contains this
-    /// (`mixed`, `tasks.sqlite`, `get_one.coherent`): for iterating on one part.
+    /// `streams.1`, `latency`, `payload`), only the `tasks` rows whose name contains this
+    /// (`mixed`, `tasks.sqlite`, `get_one.coherent`), or only the `cluster` phases whose
+    /// name contains it (`cached`, `propagation`, `nats`, `direct`, `ttl`, `commands`): for
+    /// iterating on one part.
     #[arg(long, global = true)]
     only: Option<String>,
 }
@@ -119,8 +121,9 @@ impl Timing {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if cli.only.is_some() && !matches!(cli.suite, Suite::Rpc | Suite::Tasks { .. }) {
-        anyhow::bail!("--only applies to the rpc and tasks suites");
+    if cli.only.is_some() && !matches!(cli.suite, Suite::Rpc | Suite::Tasks { .. } | Suite::Cluster)
+    {
+        anyhow::bail!("--only applies to the rpc, tasks and cluster suites");
     }
     let timing = Timing::from_cli(&cli);
     let report = match &cli.suite {
@@ -132,7 +135,7 @@ fn main() -> anyhow::Result<()> {
         Suite::Local => local::run(timing)?,
         Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Remote => remote::run(timing)?,
-        Suite::Cluster => cluster::run(timing)?,
+        Suite::Cluster => cluster::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Tasks { wrk } => tasks::run(timing, *wrk, cli.only.as_deref().unwrap_or(""))?,
         Suite::ClusterHost(args) => return cluster::host::main(args.clone()),
     };

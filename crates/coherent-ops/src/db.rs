@@ -19,6 +19,7 @@
 //! Operations at or after the horizon may be read again in the next round; the host keeps
 //! the ids it applied there, so that none is applied twice.
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -268,8 +269,10 @@ impl Database {
                     for job in jobs.iter_mut() {
                         let mut tx = Tx {
                             inner: TxInner::Sqlite(conn),
+                            deferred: Vec::new(),
                         };
                         let row = run_handler(job.execute(&mut tx)).await?;
+                        drop(tx);
                         let id: i64 = conn
                             .prepare_cached(
                                 "INSERT INTO coherent_operations \
@@ -320,13 +323,18 @@ impl Database {
                     std::task::Poll::Pending => None,
                 };
                 guard.open = true;
+                // Statements the handlers sent with `Tx::defer`: answered after the commit's.
+                let mut deferred: Vec<Deferred<'_>> = Vec::new();
                 let before_commit = async {
                     let mut rows = Vec::with_capacity(jobs.len());
                     for job in jobs.iter_mut() {
                         let mut tx = Tx {
                             inner: TxInner::Postgres(client),
+                            deferred: Vec::new(),
                         };
-                        let row = run_handler(job.execute(&mut tx)).await?;
+                        let row = run_handler(job.execute(&mut tx)).await;
+                        deferred.append(&mut tx.deferred);
+                        let row = row?;
                         for text in [&row.host, row.kind, &row.command, &row.output] {
                             if text.contains('\0') {
                                 return Err(CommandError::new(
@@ -355,23 +363,32 @@ impl Database {
                 let (rows, append) = match before_commit {
                     Ok(done) => done,
                     Err(e) => {
+                        // A deferred statement that failed aborted the transaction, and the
+                        // handler's next statement failed for that: its error is the cause.
+                        let cause = futures::future::join_all(deferred)
+                            .await
+                            .into_iter()
+                            .find_map(Result::err)
+                            .map_or(e, CommandError::from);
                         if client.batch_execute("ROLLBACK").await.is_ok() {
                             guard.open = false;
                         }
-                        return Err((e, false));
+                        return Err((cause, false));
                     }
                 };
-                // The operations' rows and the commit, pipelined: one round trip. The
-                // statement is prepared once per connection, so the server neither parses
-                // nor plans it again.
+                // The operations' rows and the commit, pipelined behind the deferred
+                // statements: one round trip. The statement is prepared once per
+                // connection, so the server neither parses nor plans it again.
                 let logged_at = now_micros();
-                let (inserted, committed) = if let [row] = &rows[..] {
+                let (deferred, (inserted, committed)) = if let [row] = &rows[..] {
                     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
                         [&row.host, &logged_at, &row.kind, &row.command, &row.output];
-                    futures::join!(
-                        client.query(&append, &params),
-                        client.batch_execute("COMMIT"),
-                    )
+                    futures::join!(futures::future::join_all(deferred), async {
+                        futures::join!(
+                            client.query(&append, &params),
+                            client.batch_execute("COMMIT"),
+                        )
+                    })
                 } else {
                     let hosts: Vec<&str> = rows.iter().map(|r| r.host.as_str()).collect();
                     let kinds: Vec<&str> = rows.iter().map(|r| r.kind).collect();
@@ -379,11 +396,20 @@ impl Database {
                     let outputs: Vec<&str> = rows.iter().map(|r| r.output.as_str()).collect();
                     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
                         [&hosts, &logged_at, &kinds, &commands, &outputs];
-                    futures::join!(
-                        client.query(&append, &params),
-                        client.batch_execute("COMMIT"),
-                    )
+                    futures::join!(futures::future::join_all(deferred), async {
+                        futures::join!(
+                            client.query(&append, &params),
+                            client.batch_execute("COMMIT"),
+                        )
+                    })
                 };
+                if let Some(e) = deferred.into_iter().find_map(Result::err) {
+                    // The transaction was aborted: its COMMIT rolled it back.
+                    if committed.is_ok() {
+                        guard.open = false;
+                    }
+                    return Err((e.into(), false));
+                }
                 let inserted = match inserted {
                     Ok(r) => r,
                     Err(e) => {
@@ -793,7 +819,16 @@ pub(crate) struct Append {
 /// with the command's operation, when the handler returns `Ok`; it rolls back otherwise.
 pub struct Tx<'a> {
     inner: TxInner<'a>,
+    /// Statements sent by [`Tx::defer`], answered at the commit.
+    deferred: Vec<Deferred<'a>>,
 }
+
+/// A statement sent without waiting for its answer.
+type Deferred<'a> =
+    std::pin::Pin<Box<dyn Future<Output = Result<u64, tokio_postgres::Error>> + Send + 'a>>;
+
+/// A parameter of a deferred statement, owned: the statement outlives the handler's borrows.
+pub type DeferredParam = Box<dyn tokio_postgres::types::ToSql + Sync + Send>;
 
 enum TxInner<'a> {
     Sqlite(&'a mut Connection),
@@ -826,6 +861,63 @@ impl<'a> Tx<'a> {
     /// The PostgreSQL connection, or an error that says the handler needs PostgreSQL.
     pub fn require_postgres(&self) -> Result<&deadpool_postgres::ClientWrapper, CommandError> {
         self.postgres().ok_or_else(|| wrong("PostgreSQL"))
+    }
+
+    /// Sends a write whose answer the handler does not need, without waiting for it
+    /// (PostgreSQL). The statement goes to the server now, in order with the handler's other
+    /// statements (a later one sees its effect); its answer is read at the commit, which
+    /// the pipeline sends right behind it with the operation's row. A command whose
+    /// statements are all deferred costs one round trip: `BEGIN`, its writes, the
+    /// operation and `COMMIT` in one flight.
+    ///
+    /// If the statement fails, the command fails with its error and nothing is written:
+    /// the failed statement aborts the transaction, and the `COMMIT` behind it rolls back.
+    /// Its row count is not seen, so a write that must match a row (an `UPDATE` of a row
+    /// that may be gone) is awaited instead, or made to fail in SQL.
+    ///
+    /// The statement is a prepared one (`prepare_cached`, answered from the connection's
+    /// cache after its first use), so that nothing has to wait before it is sent.
+    ///
+    /// ```no_run
+    /// # async fn handler(tx: &mut coherent_ops::Tx<'_>, id: i64, name: String)
+    /// # -> Result<(), coherent_ops::CommandError> {
+    /// let update = tx
+    ///     .require_postgres()?
+    ///     .prepare_cached("UPDATE users SET name = $2 WHERE id = $1")
+    ///     .await?;
+    /// tx.defer(&update, vec![Box::new(id), Box::new(name)])?;
+    /// # Ok(()) }
+    /// ```
+    pub fn defer(
+        &mut self,
+        statement: &tokio_postgres::Statement,
+        params: Vec<DeferredParam>,
+    ) -> Result<(), CommandError> {
+        let TxInner::Postgres(client) = self.inner else {
+            return Err(wrong("PostgreSQL"));
+        };
+        let statement = statement.clone();
+        let mut sent: Deferred<'a> = Box::pin(async move {
+            client
+                .execute_raw(
+                    &statement,
+                    params
+                        .iter()
+                        .map(|p| &**p as &(dyn tokio_postgres::types::ToSql + Sync)),
+                )
+                .await
+        });
+        // tokio-postgres writes a request to the connection when its future is first
+        // polled, and a prepared statement needs nothing first: this poll sends it. Its
+        // answer is awaited (with a real waker) at the commit.
+        let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+        if let std::task::Poll::Ready(done) = sent.as_mut().poll(&mut cx) {
+            // Failed before it was sent (parameters that do not fit the statement).
+            done?;
+            return Ok(());
+        }
+        self.deferred.push(sent);
+        Ok(())
     }
 }
 

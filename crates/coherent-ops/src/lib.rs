@@ -38,7 +38,7 @@ mod notify;
 mod rpc;
 
 pub use command::{Command, Handler};
-pub use db::{Database, Tx};
+pub use db::{Database, DeferredParam, Tx};
 pub use error::{CommandError, ErrorKind};
 pub use host::{Applied, Host, HostBuilder, HostStats, Via};
 pub use notify::Notifier;

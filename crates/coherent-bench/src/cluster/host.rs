@@ -39,7 +39,8 @@ impl Command for UpdateUser {
     type Output = ();
 }
 
-/// `UpdateUser`'s handler: the `local` suite's UPDATE in the pipeline's transaction; the
+/// `UpdateUser`'s handler: the `local` suite's UPDATE in the pipeline's transaction
+/// (deferred: `BEGIN`, the UPDATE, the operation's row and `COMMIT` go in one flight); the
 /// invalidation of `get(id)` on this host (when it caches), then this host's floor for the
 /// user is raised (so a read that sees the floor started after the invalidation ran).
 pub(crate) struct Users {
@@ -49,14 +50,18 @@ pub(crate) struct Users {
 
 impl Handler<UpdateUser> for Users {
     async fn execute(&self, c: &UpdateUser, tx: &mut Tx<'_>) -> Result<(), CommandError> {
-        let t = tx.require_postgres()?;
-        let update = t.prepare_cached(PG_UPDATE).await?;
+        let update = tx.require_postgres()?.prepare_cached(PG_UPDATE).await?;
         let name = format!("User {} v{}", c.id, c.version);
-        t.execute(
+        // Deferred: sent now, answered with the commit (one round trip for the command).
+        tx.defer(
             &update,
-            &[&to_i64(c.id), &to_i64(c.version), &name, &now_micros()],
-        )
-        .await?;
+            vec![
+                Box::new(to_i64(c.id)),
+                Box::new(to_i64(c.version)),
+                Box::new(name),
+                Box::new(now_micros()),
+            ],
+        )?;
         Ok(())
     }
 

@@ -467,15 +467,18 @@ where
 }
 
 /// Runs the suite.
-pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
+/// Runs the suite; `only` (when not empty) keeps the phases whose name contains it:
+/// `cached` (with the pg propagation under readers), `propagation.pg`, `propagation.nats`,
+/// `direct`, `ttl`, `commands` (with `plain_writes`).
+pub(crate) fn run(timing: Timing, only: &str) -> anyhow::Result<Report> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    runtime.block_on(run_async(timing))
+    runtime.block_on(run_async(timing, only))
 }
 
-async fn run_async(timing: Timing) -> anyhow::Result<Report> {
+async fn run_async(timing: Timing, only: &str) -> anyhow::Result<Report> {
     let mut report = Report::new("cluster");
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
@@ -518,7 +521,7 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
             board: Arc::new(Board::create()?),
             base_us: now_us(),
         };
-        suite(&settings, timing, &mut report).await
+        suite(&settings, timing, only, &mut report).await
     }
     .await;
     if let Err(e) = admin
@@ -531,65 +534,108 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-async fn suite(settings: &Settings, timing: Timing, report: &mut Report) -> anyhow::Result<()> {
-    let bar = progress(6);
+async fn suite(
+    settings: &Settings,
+    timing: Timing,
+    only: &str,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let phases = [
+        "cached",
+        "propagation.pg",
+        "propagation.nats",
+        "direct",
+        "ttl",
+        "commands",
+    ];
+    let wanted: Vec<&str> = phases.into_iter().filter(|p| p.contains(only)).collect();
+    anyhow::ensure!(
+        !wanted.is_empty(),
+        "--only {only:?} names no phase of the cluster suite ({})",
+        phases.join(", ")
+    );
+    let want = |phase: &str| wanted.contains(&phase);
+    let bar = progress(wanted.len() as u64);
     let nats_up = nats_reachable(&settings.nats).await;
+    let mut rows = Vec::new();
+    let mut propagation = Vec::new();
 
-    bar.set_message("cluster.cached.readers (pg)");
-    let cluster = Cluster::start(settings, "cached", "pg").await?;
-    let cached = readers_row("cluster.cached.readers", settings, &cluster, timing, true).await?;
-    let under_readers = cluster.propagation().await?;
-    bar.inc(1);
-    bar.set_message("cluster.propagation.pg");
-    let (pg50, pg99) = propagation_rows("pg", settings, &cluster, timing).await?;
-    let mut under: Vec<f64> = under_readers.samples_us.iter().map(|&s| s as f64).collect();
-    under.sort_by(f64::total_cmp);
-    let p99_under = percentile(&under, 0.99);
-    let cached = cached
-        .with("propagation_p99_us", p99_under)
-        .with("propagation_max_us", under.last().copied().unwrap_or(0.0))
-        .with("via_log", under_readers.via_log);
-    let pg = [pg50, pg99.with("p99_under_readers_us", p99_under)];
-    drop(cluster);
-    bar.inc(1);
+    if want("cached") || want("propagation.pg") {
+        let cluster = Cluster::start(settings, "cached", "pg").await?;
+        let mut p99_under = None;
+        if want("cached") {
+            bar.set_message("cluster.cached.readers (pg)");
+            let cached =
+                readers_row("cluster.cached.readers", settings, &cluster, timing, true).await?;
+            let under_readers = cluster.propagation().await?;
+            let mut under: Vec<f64> = under_readers.samples_us.iter().map(|&s| s as f64).collect();
+            under.sort_by(f64::total_cmp);
+            let p99 = percentile(&under, 0.99);
+            p99_under = Some(p99);
+            rows.push(
+                cached
+                    .with("propagation_p99_us", p99)
+                    .with("propagation_max_us", under.last().copied().unwrap_or(0.0))
+                    .with("via_log", under_readers.via_log)
+                    .compared_to("cluster.direct.readers"),
+            );
+            bar.inc(1);
+        }
+        if want("propagation.pg") {
+            bar.set_message("cluster.propagation.pg");
+            let (pg50, pg99) = propagation_rows("pg", settings, &cluster, timing).await?;
+            propagation.push(pg50);
+            propagation.push(match p99_under {
+                Some(p99) => pg99.with("p99_under_readers_us", p99),
+                None => pg99,
+            });
+            bar.inc(1);
+        }
+    }
 
-    bar.set_message("cluster.propagation.nats");
-    let nats = if nats_up {
-        let cluster = Cluster::start(settings, "cached", "nats").await?;
-        let (n50, n99) = propagation_rows("nats", settings, &cluster, timing).await?;
-        Some([n50, n99])
-    } else {
-        report.note(format!(
-            "nats rows skipped: {} is not reachable",
-            settings.nats
-        ));
-        None
-    };
-    bar.inc(1);
+    if want("propagation.nats") {
+        bar.set_message("cluster.propagation.nats");
+        if nats_up {
+            let cluster = Cluster::start(settings, "cached", "nats").await?;
+            let (n50, n99) = propagation_rows("nats", settings, &cluster, timing).await?;
+            propagation.push(n50);
+            propagation.push(n99);
+        } else {
+            report.note(format!(
+                "nats rows skipped: {} is not reachable",
+                settings.nats
+            ));
+        }
+        bar.inc(1);
+    }
 
-    bar.set_message("cluster.direct.readers");
-    let cluster = Cluster::start(settings, "direct", "pg").await?;
-    let direct = readers_row("cluster.direct.readers", settings, &cluster, timing, false).await?;
-    drop(cluster);
-    bar.inc(1);
+    for (phase, name) in [
+        ("direct", "cluster.direct.readers"),
+        ("ttl", "cluster.ttl.readers"),
+    ] {
+        if want(phase) {
+            bar.set_message(name);
+            let cluster = Cluster::start(settings, phase, "pg").await?;
+            let row = readers_row(name, settings, &cluster, timing, false).await?;
+            rows.push(if phase == "ttl" {
+                row.compared_to("cluster.direct.readers")
+            } else {
+                row
+            });
+            bar.inc(1);
+        }
+    }
 
-    bar.set_message("cluster.ttl.readers");
-    let cluster = Cluster::start(settings, "ttl", "pg").await?;
-    let ttl = readers_row("cluster.ttl.readers", settings, &cluster, timing, false).await?;
-    drop(cluster);
-    bar.inc(1);
-
-    bar.set_message("cluster.commands / cluster.plain_writes");
-    let (commands, plain) = writes_rows(settings, timing).await?;
-    bar.inc(1);
+    if want("commands") {
+        bar.set_message("cluster.commands / cluster.plain_writes");
+        let (commands, plain) = writes_rows(settings, timing).await?;
+        rows.push(commands);
+        rows.push(plain);
+        bar.inc(1);
+    }
     bar.finish_and_clear();
 
-    report.push(cached.compared_to("cluster.direct.readers"));
-    report.push(direct);
-    report.push(ttl.compared_to("cluster.direct.readers"));
-    report.push(commands);
-    report.push(plain);
-    for row in pg.into_iter().chain(nats.into_iter().flatten()) {
+    for row in rows.into_iter().chain(propagation) {
         report.push(row);
     }
     report.note(format!(

@@ -31,7 +31,7 @@ impl Command for Panic {
 }
 
 #[derive(Clone)]
-struct Gate {
+pub(crate) struct Gate {
     entered: Arc<Notify>,
     release: Arc<Semaphore>,
 }
@@ -54,12 +54,12 @@ impl Handler<Panic> for Gate {
     fn invalidate(&self, _: &Panic, _: &()) {}
 }
 
-type Pending = Pin<Box<dyn Future<Output = Result<i64, CommandError>> + Send>>;
+pub(crate) type Pending = Pin<Box<dyn Future<Output = Result<i64, CommandError>> + Send>>;
 
 /// Starts `Hold` on `a` (one transaction) and waits until its handler runs; then hands
 /// each of `commands` to `a` (a first poll queues it) while the transaction is held, and
 /// releases it. Answers the commands' results in order.
-async fn queued_behind_a_held_transaction(
+pub(crate) async fn queued_behind_a_held_transaction(
     a: &Host,
     gate: &Gate,
     commands: Vec<Pending>,
@@ -85,7 +85,7 @@ async fn queued_behind_a_held_transaction(
     results
 }
 
-async fn two_hosts(
+pub(crate) async fn two_hosts(
     db: &Database,
 ) -> (
     Host,

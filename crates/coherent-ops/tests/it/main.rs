@@ -3,5 +3,6 @@
 //! that need real processes and faults are in `tests/cluster/`.
 
 mod batches;
+mod deferred;
 mod inproc;
 mod support;

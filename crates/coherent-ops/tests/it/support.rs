@@ -203,6 +203,73 @@ impl Handler<FailAfterWrite> for Items {
     }
 }
 
+/// Sets an item's value with a deferred UPDATE, then (when `read_back`) reads it in the
+/// same transaction, which must see it: a deferred statement is sent before the next one.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct DeferredSet {
+    pub(crate) id: i64,
+    pub(crate) value: i64,
+    pub(crate) read_back: bool,
+}
+
+impl Command for DeferredSet {
+    const NAME: &'static str = "test.deferred_set";
+    type Output = Option<i64>;
+}
+
+/// Sets item `id` to -1 with a deferred UPDATE, then inserts `id` again with a deferred
+/// INSERT: the primary key refuses it at the server, after the handler has returned.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct DeferredConflict {
+    pub(crate) id: i64,
+}
+
+impl Command for DeferredConflict {
+    const NAME: &'static str = "test.deferred_conflict";
+    type Output = ();
+}
+
+impl Handler<DeferredSet> for Items {
+    async fn execute(&self, c: &DeferredSet, tx: &mut Tx<'_>) -> Result<Option<i64>, CommandError> {
+        let update = tx
+            .require_postgres()?
+            .prepare_cached("UPDATE items SET value = $2 WHERE id = $1")
+            .await?;
+        tx.defer(&update, vec![Box::new(c.id), Box::new(c.value)])?;
+        if !c.read_back {
+            return Ok(None);
+        }
+        let row = tx
+            .require_postgres()?
+            .query_one("SELECT value FROM items WHERE id = $1", &[&c.id])
+            .await?;
+        Ok(Some(row.get(0)))
+    }
+
+    fn invalidate(&self, c: &DeferredSet, _: &Option<i64>) {
+        self.invalidate_value(c.id);
+    }
+}
+
+impl Handler<DeferredConflict> for Items {
+    async fn execute(&self, c: &DeferredConflict, tx: &mut Tx<'_>) -> Result<(), CommandError> {
+        let client = tx.require_postgres()?;
+        let update = client
+            .prepare_cached("UPDATE items SET value = -1 WHERE id = $1")
+            .await?;
+        let insert = client
+            .prepare_cached("INSERT INTO items (id, value) VALUES ($1, 0)")
+            .await?;
+        tx.defer(&update, vec![Box::new(c.id)])?;
+        tx.defer(&insert, vec![Box::new(c.id)])?;
+        Ok(())
+    }
+
+    fn invalidate(&self, c: &DeferredConflict, _: &()) {
+        self.invalidate_value(c.id);
+    }
+}
+
 /// A host with the `Items` service over `db`, its own registry (its own cache).
 pub(crate) async fn host(
     db: &Database,
@@ -216,7 +283,9 @@ pub(crate) async fn host(
     let builder = Host::builder(db.clone())
         .registry(&registry)
         .command::<SetValue>(items.clone())
-        .command::<FailAfterWrite>(items.clone());
+        .command::<FailAfterWrite>(items.clone())
+        .command::<DeferredSet>(items.clone())
+        .command::<DeferredConflict>(items.clone());
     let host = configure(builder).start().await.unwrap();
     (host, items)
 }
