@@ -11,13 +11,15 @@
 //! `writing`, then waits for every count to be zero. Both sides use sequentially consistent
 //! operations (see `ANNOUNCE`), so at least one of them sees the other: a reader that sees `writing` lowers its
 //! count again and waits on the writers' mutex; a writer that sees a count waits for it, for a
-//! bounded spin: a count that stays up belongs to a descheduled thread, and the writer clears
-//! `writing`, gives its turn away and tries again rather than hold every reader out meanwhile.
-//! Threads beyond the stripes of a lock (more reading threads than stripes) share one more
-//! stripe, entered with a `fetch_add` and left with a `fetch_sub`. A thread may read a lock it
-//! already reads, even while a writer waits, on its own stripe only: on the shared one the
-//! second read waits for the writer, which waits for the first (std's and parking_lot's
-//! read-write locks have the same rule for every thread). The tables never read one lock twice.
+//! bounded spin: a count that stays up belongs to a descheduled thread (or a long read), and
+//! the writer clears `writing`, gives its turn away and tries again rather than hold every
+//! reader out meanwhile; each try spins twice as long as the one before, up to a cap, so
+//! that a long read cannot starve it. Threads beyond the stripes of a lock (more reading
+//! threads than stripes) share one more stripe, entered with a `fetch_add` and left with a
+//! `fetch_sub`. A thread may read a lock it already reads, even while a writer waits: on its
+//! own stripe at once; on the shared one the second read waits for the writer's next try
+//! (std's and parking_lot's read-write locks would wait for ever). The tables never read one
+//! lock twice.
 //!
 //! A table is read on every hit and written only on a miss or a prune, so the trade (a writer
 //! scans every stripe) is the right one. Under `--cfg loom` the lock is model-checked on its
@@ -66,6 +68,9 @@ pub(crate) struct StripedRwLock<T> {
     /// Writers take turns here; readers that found `writing` set wait here too.
     writers: Mutex<()>,
     value: UnsafeCell<T>,
+    /// Tries a writer gave up (for the tests: a writer is waiting for a reader).
+    #[cfg(all(test, not(loom)))]
+    retries: AtomicUsize,
 }
 
 // SAFETY: `value` is only reached through the guards below, which follow the reader-writer
@@ -163,6 +168,8 @@ impl<T> StripedRwLock<T> {
             writing: CachePadded::new(AtomicBool::new(false)),
             writers: Mutex::new(()),
             value: UnsafeCell::new(value),
+            #[cfg(all(test, not(loom)))]
+            retries: AtomicUsize::new(0),
         }
     }
 
@@ -238,25 +245,34 @@ impl<T> StripedRwLock<T> {
     /// for the readers inside, and when one is still there it lets new readers in again,
     /// hands its turn to whoever waits for it (a reader it turned away, another writer), and
     /// tries again.
+    ///
+    /// Each try spins twice as long as the one before, up to `WRITER_SPINS_MAX`: a read
+    /// that takes longer than a try (a large value cloned, a walk over the whole table)
+    /// cannot hold the writer off for ever, and a reader that waits for a try waits at most
+    /// the longest spin.
     pub(crate) fn write(&self) -> WriteGuard<'_, T> {
+        let mut spins = WRITER_SPINS;
         loop {
             let turn = self.writers.lock();
             self.writing.store(true, ANNOUNCE);
             dekker_fence();
-            if self.readers_left() {
+            if self.readers_left(spins) {
                 return WriteGuard {
                     lock: self,
                     _turn: turn,
                 };
             }
             self.writing.store(false, Ordering::Release);
+            #[cfg(all(test, not(loom)))]
+            self.retries.fetch_add(1, Ordering::SeqCst);
             unlock_fair(turn);
             yield_now();
+            spins = spins.saturating_mul(2).min(WRITER_SPINS_MAX);
         }
     }
 
-    /// Whether every stripe fell to zero within a bounded spin each.
-    fn readers_left(&self) -> bool {
+    /// Whether every stripe fell to zero within `limit` spins each.
+    fn readers_left(&self, limit: u32) -> bool {
         self.stripes
             .iter()
             .chain(std::iter::once(&self.shared))
@@ -264,7 +280,7 @@ impl<T> StripedRwLock<T> {
                 let mut spins = 0u32;
                 while stripe.readers.load(CHECK) != 0 {
                     spins += 1;
-                    if spins > WRITER_SPINS {
+                    if spins > limit {
                         return false;
                     }
                     std::hint::spin_loop();
@@ -319,8 +335,15 @@ fn yield_now() {
 #[cfg(not(loom))]
 const WRITER_SPINS: u32 = 1 << 8;
 
+/// The longest spin of a try: tens to hundreds of microseconds.
+#[cfg(not(loom))]
+const WRITER_SPINS_MAX: u32 = 1 << 16;
+
 #[cfg(loom)]
 const WRITER_SPINS: u32 = 1;
+
+#[cfg(loom)]
+const WRITER_SPINS_MAX: u32 = 2;
 
 /// Gives the writers' turn back to the thread that waits longest for it, if any (a plain
 /// unlock lets the releasing writer take it again at once, before the woken waiter runs).
@@ -459,8 +482,8 @@ mod tests {
             let lock = lock.clone();
             std::thread::spawn(move || *lock.write() += 1)
         };
-        // Give the writer time to set `writing` and wait for us.
-        while !lock.writing.load(Ordering::SeqCst) {
+        // Until the writer has found us inside at least once.
+        while lock.retries.load(Ordering::SeqCst) == 0 {
             std::thread::yield_now();
         }
         let inner = lock.read();
@@ -493,7 +516,8 @@ mod tests {
             let lock = lock.clone();
             std::thread::spawn(move || *lock.write() += 1)
         };
-        while !lock.writing.load(Ordering::SeqCst) {
+        // Until the writer has found the stayer inside at least once.
+        while lock.retries.load(Ordering::SeqCst) == 0 {
             std::thread::yield_now();
         }
         let (done, reads) = std::sync::mpsc::channel();
