@@ -403,21 +403,23 @@ impl Database {
                         )
                     })
                 };
-                if let Some(e) = deferred.into_iter().find_map(Result::err) {
-                    // The transaction was aborted: its COMMIT rolled it back.
-                    if committed.is_ok() {
-                        guard.open = false;
-                    }
-                    return Err((e.into(), false));
-                }
+                // The operations' INSERT decides: a deferred statement that failed made it fail
+                // too (unless the handler recovered with a savepoint, and then the
+                // transaction went on and committed).
                 let inserted = match inserted {
                     Ok(r) => r,
                     Err(e) => {
-                        // The transaction was aborted: its COMMIT rolled it back.
+                        // The first error is the cause (a deferred statement's, before the
+                        // INSERT failed for the aborted transaction).
+                        let cause = deferred.into_iter().find_map(Result::err).unwrap_or(e);
+                        // The server refused a statement, or answered the COMMIT (with a
+                        // rollback): nothing committed. A connection that failed instead
+                        // may have committed before it did: the outcome is unknown.
+                        let rolled_back = committed.is_ok() || cause.as_db_error().is_some();
                         if committed.is_ok() {
                             guard.open = false;
                         }
-                        return Err((e.into(), false));
+                        return Err((cause.into(), !rolled_back));
                     }
                 };
                 committed.map_err(|e| (e.into(), true))?;
@@ -566,6 +568,32 @@ impl Database {
             }
         }
         Ok(())
+    }
+
+    /// The hosts seen within `within`, this one included.
+    pub(crate) async fn live_hosts(&self, within: Duration) -> Result<Vec<String>, CommandError> {
+        let after = now_micros().saturating_sub(micros(within));
+        match &*self.inner {
+            Engine::Sqlite(s) => {
+                let reader = s.reader.lock();
+                let mut q =
+                    reader.prepare_cached("SELECT host FROM coherent_hosts WHERE seen_at > ?1")?;
+                let hosts = q
+                    .query_map(params![after], |r| r.get(0))?
+                    .collect::<Result<Vec<String>, _>>()?;
+                Ok(hosts)
+            }
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                let q = client
+                    .prepare_cached("SELECT host FROM coherent_hosts WHERE seen_at > $1")
+                    .await?;
+                let rows = client.query(&q, &[&after]).await?;
+                rows.iter()
+                    .map(|r| r.try_get(0).map_err(CommandError::from))
+                    .collect()
+            }
+        }
     }
 
     /// Forgets `host` (it stopped): it no longer holds trimming back.
@@ -724,14 +752,17 @@ const BATCH_BEGIN: &str = "BEGIN; SET LOCAL lock_timeout = '100ms'";
 /// `pg_notify` calls for a batch of payloads, in one statement: one transaction. Its commit
 /// does not wait for the WAL to reach the disk: a notification is only a wake-up (the log
 /// is the truth), so losing one to a crash costs nothing.
-pub(crate) fn notify_sql(channel: &str, payloads: &[String]) -> Result<String, CommandError> {
-    let channel = literal(channel)?;
+pub(crate) fn notify_sql(payloads: &[(&str, &str)]) -> Result<String, CommandError> {
     let mut sql = String::from("BEGIN; SET LOCAL synchronous_commit TO OFF; SELECT ");
-    for (i, p) in payloads.iter().enumerate() {
+    for (i, (channel, p)) in payloads.iter().enumerate() {
         if i > 0 {
             sql.push_str(", ");
         }
-        sql.push_str(&format!("pg_notify({channel}, {})", literal(p)?));
+        sql.push_str(&format!(
+            "pg_notify({}, {})",
+            literal(channel)?,
+            literal(p)?
+        ));
     }
     sql.push_str("; COMMIT");
     Ok(sql)
@@ -873,7 +904,8 @@ impl<'a> Tx<'a> {
     /// If the statement fails, the command fails with its error and nothing is written:
     /// the failed statement aborts the transaction, and the `COMMIT` behind it rolls back.
     /// Its row count is not seen, so a write that must match a row (an `UPDATE` of a row
-    /// that may be gone) is awaited instead, or made to fail in SQL.
+    /// that may be gone) is awaited instead, or made to fail in SQL. A statement that
+    /// returns rows (`RETURNING`, a `SELECT`) is refused: await it.
     ///
     /// The statement is a prepared one (`prepare_cached`, answered from the connection's
     /// cache after its first use), so that nothing has to wait before it is sent.
@@ -896,6 +928,14 @@ impl<'a> Tx<'a> {
         let TxInner::Postgres(client) = self.inner else {
             return Err(wrong("PostgreSQL"));
         };
+        if !statement.columns().is_empty() {
+            // Its rows would wait unread until the commit, and the connection stops reading
+            // for every statement while they wait: the handler's next statement would hang.
+            return Err(CommandError::new(
+                ErrorKind::BadCommand,
+                "Tx::defer takes a statement that returns no rows; await one that does",
+            ));
+        }
         let statement = statement.clone();
         let mut sent: Deferred<'a> = Box::pin(async move {
             client

@@ -1,7 +1,7 @@
 //! A host of the cluster: runs commands through the pipeline, and replays the operations
 //! of every other host.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -97,6 +97,13 @@ pub struct HostStats {
     pub batches: u64,
     /// Batches of several commands that failed and whose commands ran again one at a time.
     pub batches_split: u64,
+    /// Acknowledgements of this host's operations received from other hosts.
+    pub acks_received: u64,
+    /// Commands that answered without every other live host's acknowledgement, when the
+    /// wait ran out (see [`HostBuilder::acknowledgements`]).
+    pub ack_timeouts: u64,
+    /// Other live hosts that commands wait for now.
+    pub peers: u64,
     /// Everything before this position is applied (see the crate's docs).
     pub horizon: u64,
 }
@@ -117,6 +124,27 @@ struct Counters {
     trimmed: AtomicU64,
     batches: AtomicU64,
     batches_split: AtomicU64,
+    acks_received: AtomicU64,
+    ack_timeouts: AtomicU64,
+}
+
+/// An acknowledgement: `from` applied these operations of the host it is sent to.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Ack {
+    pub(crate) from: String,
+    pub(crate) ids: Vec<i64>,
+}
+
+/// A command of this host waiting for the other hosts to apply its operation.
+struct Waiter {
+    pending: HashSet<String>,
+    done: Option<oneshot::Sender<()>>,
+}
+
+/// What [`Host::run`] awaits after the commit when other hosts must acknowledge.
+struct AckWait {
+    id: i64,
+    done: oneshot::Receiver<()>,
 }
 
 /// What a notification carries: the whole operation when it fits, so that the hosts that
@@ -151,6 +179,7 @@ pub struct HostBuilder {
     after_invalidate: Option<AfterInvalidate>,
     transactions: usize,
     max_batch: usize,
+    acknowledgements: Option<Duration>,
 }
 
 /// What [`Host::run`] awaits after a command's local invalidation (see
@@ -253,6 +282,30 @@ impl HostBuilder {
         self
     }
 
+    /// Whether a command waits, before it answers, until every other live host has applied
+    /// it, and for how long at most. Default: 500 ms.
+    ///
+    /// With it, a read that starts on any host after the command answered sees the write
+    /// (as it does on this host without it): the command's answer waits for one more trip
+    /// of the notifier, from each other host back to this one. The hosts waited for are
+    /// those seen in the hosts table in the last few seconds (each host writes its row
+    /// every second) or heard from since. One that does not answer in time is not waited
+    /// for again until it is heard from (its acknowledgements come in again): a host that
+    /// died costs one command this wait, not every command until its row expires. Such
+    /// answers are counted in [`HostStats::ack_timeouts`]; on that host, reads may be
+    /// stale until it applies the operation (from the notifier or the log, as always).
+    ///
+    /// A host that joins is waited for from the first time the others hear of it: its
+    /// first heartbeat, read by each host every second, or its first acknowledgement.
+    ///
+    /// `None`: commands answer after their own host's invalidation only (the other hosts
+    /// apply it a notification's trip later). With [`Notifier::Poll`] there is no channel
+    /// for acknowledgements, and commands never wait.
+    pub fn acknowledgements(mut self, timeout: Option<Duration>) -> Self {
+        self.acknowledgements = timeout;
+        self
+    }
+
     /// Registers `handler` for the command `C`.
     ///
     /// # Panics
@@ -312,10 +365,14 @@ impl HostBuilder {
             retention: self.retention,
             host_expiry: self.host_expiry,
             stop: watch::Sender::new(false),
+            acknowledgements: self.acknowledgements,
+            peers: Mutex::new(HashMap::new()),
+            waiting: Mutex::new(HashMap::new()),
         });
         inner.db.heartbeat(&id, horizon).await?;
         let host = Host { inner };
         notify::start(&host, notifier).await?;
+        host.inner.refresh_peers().await?;
         tokio::spawn(read_loop(
             Arc::downgrade(&host.inner),
             host.inner.wake.clone(),
@@ -360,7 +417,7 @@ pub struct Host {
 }
 
 pub(crate) struct Inner {
-    id: String,
+    pub(crate) id: String,
     pub(crate) db: Database,
     handlers: Handlers,
     state: Mutex<State>,
@@ -385,7 +442,17 @@ pub(crate) struct Inner {
     host_expiry: Duration,
     /// `true` once stopped; dropped with the host: either ends its tasks.
     pub(crate) stop: watch::Sender<bool>,
+    /// How long a command waits for the other hosts' acknowledgements.
+    acknowledgements: Option<Duration>,
+    /// The other live hosts, by id: `true` for one that missed an acknowledgement's
+    /// deadline (not waited for until it is heard from again).
+    peers: Mutex<HashMap<String, bool>>,
+    /// This host's commands waiting for acknowledgements, by operation id.
+    waiting: Mutex<HashMap<i64, Waiter>>,
 }
+
+/// How recently a host must have written its row to be waited for.
+const PEER_ALIVE: Duration = Duration::from_secs(5);
 
 struct State {
     /// Every operation before it is applied (or predates this host).
@@ -411,6 +478,7 @@ impl Host {
             after_invalidate: None,
             transactions: 4,
             max_batch: 64,
+            acknowledgements: Some(Duration::from_millis(500)),
         }
     }
 
@@ -447,13 +515,16 @@ impl Host {
             output: None,
             answer,
         }))?;
-        let output = answered.await.map_err(|_| {
+        let (output, acks) = answered.await.map_err(|_| {
             CommandError::new(
                 ErrorKind::Unavailable,
                 "the host stopped, or the command's handler panicked, before the command's \
                  outcome was known",
             )
         })??;
+        if let Some(wait) = acks {
+            inner.await_acks(wait).await;
+        }
         if let Some(wait) = &inner.after_invalidate {
             wait().await;
         }
@@ -508,6 +579,15 @@ impl Host {
             trimmed: r(&c.trimmed),
             batches: r(&c.batches),
             batches_split: r(&c.batches_split),
+            acks_received: r(&c.acks_received),
+            ack_timeouts: r(&c.ack_timeouts),
+            peers: self
+                .inner
+                .peers
+                .lock()
+                .values()
+                .filter(|&&suspect| !suspect)
+                .count() as u64,
             horizon: self.inner.state.lock().horizon,
         }
     }
@@ -611,6 +691,7 @@ impl Inner {
             if seen {
                 drop(state);
                 self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                self.acknowledge(&op.host, op.id);
                 return;
             }
         }
@@ -619,6 +700,8 @@ impl Inner {
                 if let Err(e) = (registered.replay)(&op.command, &op.output) {
                     self.counters.undecodable.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(op = op.id, kind = op.kind, %e, "operation not applied");
+                    // Nothing more will come of it here: its host need not wait.
+                    self.acknowledge(&op.host, op.id);
                     return;
                 }
             }
@@ -629,6 +712,7 @@ impl Inner {
                     kind = op.kind,
                     "no handler for this operation's command here"
                 );
+                self.acknowledge(&op.host, op.id);
                 return;
             }
         }
@@ -645,6 +729,141 @@ impl Inner {
             applied_at: now_micros(),
             via,
         });
+        self.acknowledge(&op.host, op.id);
+    }
+
+    /// Tells the host of operation `id` that it is applied here (after this host's
+    /// clients have it, with [`HostBuilder::after_invalidate`]).
+    fn acknowledge(&self, to: &str, id: i64) {
+        let Some(sender) = self.publisher.lock().ack_sender(&self.id) else {
+            return;
+        };
+        match (
+            &self.after_invalidate,
+            tokio::runtime::Handle::try_current(),
+        ) {
+            (Some(wait), Ok(runtime)) => {
+                let wait = wait();
+                let to = to.to_owned();
+                runtime.spawn(async move {
+                    wait.await;
+                    sender.send(&to, id);
+                });
+            }
+            _ => sender.send(to, id),
+        }
+    }
+
+    /// Registers a command's wait for the other live hosts' acknowledgements, if it waits.
+    fn expect_acks(&self, id: i64, publisher: &Publisher) -> Option<AckWait> {
+        self.acknowledgements?;
+        if !publisher.acks() {
+            return None;
+        }
+        let pending: HashSet<String> = self
+            .peers
+            .lock()
+            .iter()
+            .filter(|(_, &suspect)| !suspect)
+            .map(|(host, _)| host.clone())
+            .collect();
+        if pending.is_empty() {
+            return None;
+        }
+        let (done, rx) = oneshot::channel();
+        self.waiting.lock().insert(
+            id,
+            Waiter {
+                pending,
+                done: Some(done),
+            },
+        );
+        Some(AckWait { id, done: rx })
+    }
+
+    /// Waits for a command's acknowledgements, at most the configured time; hosts that
+    /// did not answer in it are not waited for again until heard from.
+    async fn await_acks(&self, wait: AckWait) {
+        /// Forgets the wait however this ends (the caller may drop `run`'s future).
+        struct Forget<'a>(&'a Inner, i64);
+        impl Drop for Forget<'_> {
+            fn drop(&mut self) {
+                self.0.waiting.lock().remove(&self.1);
+            }
+        }
+        let _forget = Forget(self, wait.id);
+        let timeout = self.acknowledgements.unwrap_or_default();
+        if tokio::time::timeout(timeout, wait.done).await.is_ok() {
+            return;
+        }
+        let Some(waiter) = self.waiting.lock().remove(&wait.id) else {
+            return;
+        };
+        {
+            let mut peers = self.peers.lock();
+            for host in &waiter.pending {
+                if let Some(suspect) = peers.get_mut(host) {
+                    *suspect = true;
+                }
+            }
+        }
+        self.counters.ack_timeouts.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(host = %self.id, op = wait.id, missing = ?waiter.pending,
+            "hosts did not acknowledge an operation in time: not waited for until heard from again");
+    }
+
+    /// An acknowledgement from another host.
+    pub(crate) fn ack_received(&self, ack: Ack) {
+        if ack.from == self.id {
+            return;
+        }
+        self.counters
+            .acks_received
+            .fetch_add(ack.ids.len() as u64, Ordering::Relaxed);
+        self.heard_from(&ack.from);
+        let mut waiting = self.waiting.lock();
+        for id in ack.ids {
+            let Some(waiter) = waiting.get_mut(&id) else {
+                continue;
+            };
+            waiter.pending.remove(&ack.from);
+            if waiter.pending.is_empty() {
+                if let Some(done) = waiting.remove(&id).and_then(|w| w.done) {
+                    let _ = done.send(());
+                }
+            }
+        }
+    }
+
+    /// `host` is alive: waited for from now on.
+    fn heard_from(&self, host: &str) {
+        if self.acknowledgements.is_none() {
+            return;
+        }
+        let mut peers = self.peers.lock();
+        match peers.get_mut(host) {
+            Some(suspect) => *suspect = false,
+            None => {
+                peers.insert(host.to_owned(), false);
+            }
+        }
+    }
+
+    /// Reads which other hosts are alive (their rows in the hosts table).
+    pub(crate) async fn refresh_peers(&self) -> Result<(), CommandError> {
+        if self.acknowledgements.is_none() || !self.publisher.lock().acks() {
+            return Ok(());
+        }
+        let live = self.db.live_hosts(PEER_ALIVE.min(self.host_expiry)).await?;
+        let mut peers = self.peers.lock();
+        let before = std::mem::take(&mut *peers);
+        for host in live {
+            if host != self.id {
+                let suspect = before.get(&host).copied().unwrap_or(false);
+                peers.insert(host, suspect);
+            }
+        }
+        Ok(())
     }
 
     /// A notification that did not decode: count it, and read the log.
@@ -658,6 +877,7 @@ impl Inner {
         if notice.host == self.id {
             return;
         }
+        self.heard_from(&notice.host);
         match notice.op {
             Some(op) => self.apply(
                 &Logged {
@@ -753,8 +973,11 @@ struct TypedJob<C: Command> {
     command_json: String,
     /// The output of the last run of the handler, and its JSON.
     output: Option<(C::Output, String)>,
-    answer: oneshot::Sender<Result<C::Output, CommandError>>,
+    answer: oneshot::Sender<Answer<C>>,
 }
+
+/// A command's output, and what its caller waits for before answering.
+type Answer<C> = Result<(<C as Command>::Output, Option<AckWait>), CommandError>;
 
 impl<C: Command> Execute for TypedJob<C> {
     fn execute<'a, 'b>(
@@ -796,7 +1019,10 @@ impl<C: Command> Job for TypedJob<C> {
                     applied_at: now_micros(),
                     via: Via::Local,
                 });
-                inner.publisher.lock().publish(Notice {
+                let publisher = inner.publisher.lock();
+                // Registered before the notice goes: an acknowledgement cannot come first.
+                let acks = inner.expect_acks(id, &publisher);
+                publisher.publish(Notice {
                     id,
                     position,
                     host: inner.id.clone(),
@@ -807,7 +1033,8 @@ impl<C: Command> Job for TypedJob<C> {
                         output: output_json,
                     }),
                 });
-                let _ = job.answer.send(Ok(output));
+                drop(publisher);
+                let _ = job.answer.send(Ok((output, acks)));
             }
             (result, output) => {
                 inner
@@ -950,6 +1177,9 @@ async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiv
             match inner.db.heartbeat(&inner.id, horizon).await {
                 Ok(()) => last_heartbeat = Instant::now(),
                 Err(e) => tracing::warn!(host = %inner.id, %e, "heartbeat failed"),
+            }
+            if let Err(e) = inner.refresh_peers().await {
+                tracing::warn!(host = %inner.id, %e, "reading the live hosts failed");
             }
         }
         if last_trim.elapsed() >= Duration::from_secs(60).min(inner.retention) {

@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 use crate::db::{Database, Engine, PG_PAYLOAD_MAX};
 use crate::error::{CommandError, ErrorKind};
-use crate::host::{Host, Inner, Notice};
+use crate::host::{Ack, Host, Inner, Notice};
 
 /// How a host hears of other hosts' operations.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,33 +32,130 @@ pub enum Notifier {
 /// Where a host publishes the operations it commits.
 pub(crate) enum Publisher {
     None,
-    /// The queue of the task that sends `NOTIFY`s (see `pg_notify_batches`).
-    Postgres(tokio::sync::mpsc::UnboundedSender<String>),
+    Postgres {
+        queue: tokio::sync::mpsc::UnboundedSender<Outgoing>,
+        channel: String,
+    },
     #[cfg(feature = "nats")]
     Nats(async_nats::Client, String),
+}
+
+/// What a host's notifying task sends (PostgreSQL).
+pub(crate) enum Outgoing {
+    /// A notice, on the log's channel.
+    Notice(String),
+    /// An acknowledgement of the operation `id`, on the channel `to` (its host's).
+    Ack { to: String, id: i64 },
+}
+
+/// Where this host's acknowledgements go, cloned out of its publisher.
+#[derive(Clone)]
+pub(crate) enum AckSender {
+    Postgres {
+        queue: tokio::sync::mpsc::UnboundedSender<Outgoing>,
+        channel: String,
+    },
+    #[cfg(feature = "nats")]
+    Nats {
+        client: async_nats::Client,
+        subject: String,
+        from: String,
+    },
+}
+
+impl AckSender {
+    /// Tells `to` that this host applied its operation `id`.
+    pub(crate) fn send(&self, to: &str, id: i64) {
+        match self {
+            AckSender::Postgres { queue, channel } => {
+                let _ = queue.send(Outgoing::Ack {
+                    to: ack_channel(channel, to),
+                    id,
+                });
+            }
+            #[cfg(feature = "nats")]
+            AckSender::Nats {
+                client,
+                subject,
+                from,
+            } => {
+                let payload = serde_json::to_vec(&Ack {
+                    from: from.clone(),
+                    ids: vec![id],
+                })
+                .unwrap_or_default();
+                let (client, subject) = (client.clone(), ack_channel(subject, to));
+                tokio::spawn(async move {
+                    if let Err(e) = client.publish(subject, payload.into()).await {
+                        tracing::debug!(%e, "NATS acknowledgement not sent");
+                    }
+                });
+            }
+        }
+    }
+}
+
+/// The channel (PostgreSQL) or subject (NATS) where `host` hears acknowledgements: the
+/// log's, shortened, and a hash of the host's id (PostgreSQL's names are at most 63 bytes,
+/// and NATS subjects are tokens between dots).
+pub(crate) fn ack_channel(base: &str, host: &str) -> String {
+    let mut prefix = String::new();
+    for c in base.chars() {
+        if prefix.len() + c.len_utf8() > 40 {
+            break;
+        }
+        prefix.push(c);
+    }
+    // FNV-1a: the same in every process, unlike std's seeded hashers.
+    let hash = host.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{prefix}.ack.{hash:016x}")
 }
 
 impl Publisher {
     pub(crate) fn channel(&self, db: &Database) -> Option<String> {
         match (self, &*db.inner) {
-            (Publisher::Postgres(_), Engine::Postgres(pg)) => Some(pg.channel.clone()),
+            (Publisher::Postgres { .. }, Engine::Postgres(pg)) => Some(pg.channel.clone()),
             #[cfg(feature = "nats")]
             (Publisher::Nats(_, subject), _) => Some(subject.clone()),
             _ => None,
         }
     }
 
-    /// Announces `notice` (in the background: the command's caller does not wait).
+    /// Whether acknowledgements can travel (not when the host polls).
+    pub(crate) fn acks(&self) -> bool {
+        !matches!(self, Publisher::None)
+    }
+
+    /// Where this host (`from`) sends acknowledgements; `None` when it polls.
+    pub(crate) fn ack_sender(&self, from: &str) -> Option<AckSender> {
+        let _ = from;
+        match self {
+            Publisher::None => None,
+            Publisher::Postgres { queue, channel } => Some(AckSender::Postgres {
+                queue: queue.clone(),
+                channel: channel.clone(),
+            }),
+            #[cfg(feature = "nats")]
+            Publisher::Nats(client, subject) => Some(AckSender::Nats {
+                client: client.clone(),
+                subject: subject.clone(),
+                from: from.to_owned(),
+            }),
+        }
+    }
+
     pub(crate) fn publish(&self, mut notice: Notice) {
         match self {
             Publisher::None => {}
-            Publisher::Postgres(queue) => {
+            Publisher::Postgres { queue, .. } => {
                 let mut payload = serde_json::to_string(&notice).unwrap_or_default();
                 if payload.len() > PG_PAYLOAD_MAX {
                     notice.op = None;
                     payload = serde_json::to_string(&notice).unwrap_or_default();
                 }
-                let _ = queue.send(payload);
+                let _ = queue.send(Outgoing::Notice(payload));
             }
             #[cfg(feature = "nats")]
             Publisher::Nats(client, subject) => {
@@ -74,7 +171,6 @@ impl Publisher {
     }
 }
 
-/// Starts `notifier` for `host`: its listening task and its publisher.
 pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), CommandError> {
     let inner = &host.inner;
     match notifier {
@@ -93,9 +189,13 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             tokio::spawn(pg_notify_batches(
                 pg.pool.clone(),
                 channel.clone(),
+                host.id().to_owned(),
                 payloads,
             ));
-            *inner.publisher.lock() = Publisher::Postgres(queue);
+            *inner.publisher.lock() = Publisher::Postgres {
+                queue,
+                channel: channel.clone(),
+            };
             tokio::spawn(pg_listen(
                 std::sync::Arc::downgrade(inner),
                 inner.stop.subscribe(),
@@ -133,8 +233,17 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                 .subscribe(subject.clone())
                 .await
                 .map_err(|e| CommandError::new(ErrorKind::Unavailable, format!("NATS: {e}")))?;
+            let acks = client
+                .subscribe(ack_channel(&subject, host.id()))
+                .await
+                .map_err(|e| CommandError::new(ErrorKind::Unavailable, format!("NATS: {e}")))?;
             *inner.publisher.lock() = Publisher::Nats(client, subject);
-            tokio::spawn(nats_listen(weak, inner.stop.subscribe(), subscription));
+            tokio::spawn(nats_listen(
+                weak,
+                inner.stop.subscribe(),
+                subscription,
+                acks,
+            ));
         }
     }
     Ok(())
@@ -145,10 +254,20 @@ async fn nats_listen(
     host: Weak<Inner>,
     mut stop: watch::Receiver<bool>,
     mut subscription: async_nats::Subscriber,
+    mut acks: async_nats::Subscriber,
 ) {
     loop {
         let message = tokio::select! {
             m = subscription.next() => m,
+            a = acks.next() => {
+                let Some(a) = a else { return };
+                let Some(inner) = host.upgrade() else { return };
+                match serde_json::from_slice::<Ack>(&a.payload) {
+                    Ok(ack) => inner.ack_received(ack),
+                    Err(e) => tracing::debug!(%e, "an undecodable acknowledgement"),
+                }
+                continue;
+            }
             _ = stop.wait_for(|&s| s) => return,
         };
         let Some(message) = message else { return };
@@ -170,26 +289,48 @@ async fn nats_listen(
 async fn pg_notify_batches(
     pool: deadpool_postgres::Pool,
     channel: String,
-    mut payloads: tokio::sync::mpsc::UnboundedReceiver<String>,
+    from: String,
+    mut outgoing: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
 ) {
     const BATCH: usize = 64;
+    /// Operation ids per acknowledgement: well under the 8,000 bytes of a payload.
+    const IDS_PER_ACK: usize = 400;
     let mut batch = Vec::with_capacity(BATCH);
-    while payloads.recv_many(&mut batch, BATCH).await > 0 {
+    while outgoing.recv_many(&mut batch, BATCH).await > 0 {
+        let mut payloads: Vec<(String, String)> = Vec::with_capacity(batch.len());
+        // Acknowledgements to one host in this batch go in one payload.
+        let mut acks: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+        for item in batch.drain(..) {
+            match item {
+                Outgoing::Notice(payload) => payloads.push((channel.clone(), payload)),
+                Outgoing::Ack { to, id } => acks.entry(to).or_default().push(id),
+            }
+        }
+        for (to, ids) in acks {
+            for ids in ids.chunks(IDS_PER_ACK) {
+                let ack = Ack {
+                    from: from.clone(),
+                    ids: ids.to_vec(),
+                };
+                payloads.push((to.clone(), serde_json::to_string(&ack).unwrap_or_default()));
+            }
+        }
         let result = async {
-            let sql = crate::db::notify_sql(&channel, &batch)?;
+            let pairs: Vec<(&str, &str)> = payloads
+                .iter()
+                .map(|(c, p)| (c.as_str(), p.as_str()))
+                .collect();
+            let sql = crate::db::notify_sql(&pairs)?;
             pool.get().await?.batch_execute(&sql).await?;
             Ok::<_, CommandError>(())
         }
         .await;
         if let Err(e) = result {
-            tracing::warn!(%e, n = batch.len(), "NOTIFY failed: the other hosts read the log at their next poll");
+            tracing::warn!(%e, n = payloads.len(), "NOTIFY failed: the other hosts read the log at their next poll");
         }
-        batch.clear();
     }
 }
 
-/// Listens on a connection of its own; reconnects (with backoff) when it drops, and reads
-/// the log after every `LISTEN`.
 async fn pg_listen(
     host: Weak<Inner>,
     mut stop: watch::Receiver<bool>,
@@ -228,6 +369,13 @@ async fn pg_listen_once(
     config: &tokio_postgres::Config,
     channel: &str,
 ) -> Result<(), CommandError> {
+    let ack_channel = {
+        let Some(inner) = host.upgrade() else {
+            return Ok(());
+        };
+        ack_channel(channel, &inner.id)
+    };
+    let acks_here = ack_channel.clone();
     let (client, mut connection) = config.connect(tokio_postgres::NoTls).await?;
     // Dropped when the connection ends: `rx` then wakes the loop below.
     let (ended, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
@@ -243,6 +391,13 @@ async fn pg_listen_once(
                     let Some(inner) = listener.upgrade() else {
                         return;
                     };
+                    if n.channel() == acks_here {
+                        match serde_json::from_str::<Ack>(n.payload()) {
+                            Ok(ack) => inner.ack_received(ack),
+                            Err(e) => tracing::debug!(%e, "an undecodable acknowledgement"),
+                        }
+                        continue;
+                    }
                     match serde_json::from_str::<Notice>(n.payload()) {
                         Ok(notice) => inner.apply_notice(notice),
                         Err(e) => inner.bad_notice(&e),
@@ -257,8 +412,9 @@ async fn pg_listen_once(
         }
     });
     let quoted = channel.replace('"', "\"\"");
+    let acks_quoted = ack_channel.replace('"', "\"\"");
     client
-        .batch_execute(&format!("LISTEN \"{quoted}\""))
+        .batch_execute(&format!("LISTEN \"{quoted}\"; LISTEN \"{acks_quoted}\""))
         .await?;
     {
         let Some(inner) = host.upgrade() else {

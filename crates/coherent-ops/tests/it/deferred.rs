@@ -6,7 +6,7 @@ use coherent_ops::{Database, ErrorKind};
 
 use crate::batches::{queued_behind_a_held_transaction, two_hosts, Pending};
 use crate::inproc::{postgres_db, sqlite_db};
-use crate::support::{DeferredConflict, DeferredSet};
+use crate::support::{DeferredConflict, DeferredReturning, DeferredSet};
 
 /// Deferred writes commit with their command, are seen by the handler's next statement,
 /// and are applied on the other host; one that fails fails its command with the server's
@@ -94,6 +94,12 @@ async fn postgres_deferred_writes() {
         Ok(0),
         "nothing of the failed command"
     );
+
+    // A statement that returns rows is refused (its rows would stall the connection).
+    let e = a.run(DeferredReturning { id: 7 }).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::BadCommand, "{e}");
+    items_a.invalidate_value(7);
+    assert_eq!(items_a.value(7).await, Ok(0));
     a.stop().await;
     b.stop().await;
 }

@@ -2,6 +2,7 @@
 //! registry, so each its own cache) over SQLite files and PostgreSQL schemas. The tests
 //! that need real processes and faults are in `tests/cluster/`.
 
+mod acks;
 mod batches;
 mod deferred;
 mod inproc;

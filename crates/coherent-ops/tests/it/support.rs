@@ -270,6 +270,31 @@ impl Handler<DeferredConflict> for Items {
     }
 }
 
+/// Defers a statement that returns rows: refused.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct DeferredReturning {
+    pub(crate) id: i64,
+}
+
+impl Command for DeferredReturning {
+    const NAME: &'static str = "test.deferred_returning";
+    type Output = ();
+}
+
+impl Handler<DeferredReturning> for Items {
+    async fn execute(&self, c: &DeferredReturning, tx: &mut Tx<'_>) -> Result<(), CommandError> {
+        let update = tx
+            .require_postgres()?
+            .prepare_cached("UPDATE items SET value = 5 WHERE id = $1 RETURNING value")
+            .await?;
+        tx.defer(&update, vec![Box::new(c.id)])
+    }
+
+    fn invalidate(&self, c: &DeferredReturning, _: &()) {
+        self.invalidate_value(c.id);
+    }
+}
+
 /// A host with the `Items` service over `db`, its own registry (its own cache).
 pub(crate) async fn host(
     db: &Database,
@@ -285,7 +310,8 @@ pub(crate) async fn host(
         .command::<SetValue>(items.clone())
         .command::<FailAfterWrite>(items.clone())
         .command::<DeferredSet>(items.clone())
-        .command::<DeferredConflict>(items.clone());
+        .command::<DeferredConflict>(items.clone())
+        .command::<DeferredReturning>(items.clone());
     let host = configure(builder).start().await.unwrap();
     (host, items)
 }

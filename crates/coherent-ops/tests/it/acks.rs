@@ -1,0 +1,114 @@
+//! A command answers after every other live host has applied it (their
+//! acknowledgements): a read that starts on any host after the answer sees the write,
+//! without waiting or catching up. A host that does not acknowledge is waited for once.
+
+use std::time::Duration;
+
+use coherent_ops::{Database, HostBuilder, Notifier};
+
+use crate::inproc::{nats_url, postgres_db};
+use crate::support::{host, SetValue};
+
+/// Long enough never to run out in a test, however loaded the machine: the test checks
+/// what the answer promises, not how fast it comes.
+const PATIENT: Duration = Duration::from_secs(60);
+
+async fn every_host_has_applied_a_command_when_it_answers(
+    db: Database,
+    notifier: impl Fn(HostBuilder) -> HostBuilder,
+) {
+    let configure = |b: HostBuilder| notifier(b).acknowledgements(Some(PATIENT));
+    let (a, _) = host(&db, &configure).await;
+    let (b, items_b) = host(&db, &configure).await;
+    let (c, items_c) = host(&db, &configure).await;
+    // Each learns of the others by their rows, read when it started and every second, or
+    // by hearing from them: until A knows both, it does not wait for both.
+    while a.stats().peers < 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for id in 1..=3 {
+        assert_eq!(items_b.value(id).await, Ok(0));
+        assert_eq!(items_c.value(id).await, Ok(0));
+    }
+    for round in 1..=30 {
+        let id = 1 + round % 3;
+        a.run(SetValue { id, value: round }).await.unwrap();
+        // No catch-up, no wait: B and C applied it before A answered.
+        assert_eq!(items_b.value(id).await, Ok(round), "B, round {round}");
+        assert_eq!(items_c.value(id).await, Ok(round), "C, round {round}");
+    }
+    let stats = a.stats();
+    assert_eq!(stats.ack_timeouts, 0);
+    assert!(stats.acks_received >= 60, "{stats:?}");
+    a.stop().await;
+    b.stop().await;
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_every_host_has_applied_a_command_when_it_answers() {
+    let Some(db) = postgres_db("acks").await else {
+        return;
+    };
+    every_host_has_applied_a_command_when_it_answers(db, |b| b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_every_host_has_applied_a_command_when_it_answers_by_nats() {
+    let Some(url) = nats_url() else { return };
+    let Some(db) = postgres_db("acks_nats").await else {
+        return;
+    };
+    every_host_has_applied_a_command_when_it_answers(db, move |b| {
+        b.notifier(Notifier::Nats(url.clone()))
+    })
+    .await;
+}
+
+/// A host whose row says it is alive but that never answers (it died without leaving):
+/// the first command waits out the timeout and answers; the next ones do not wait for it.
+/// A host that answers is waited for again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_silent_host_is_waited_for_once() {
+    let Some(db) = postgres_db("acks_silent").await else {
+        return;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64;
+    db.postgres_pool()
+        .unwrap()
+        .get()
+        .await
+        .unwrap()
+        .execute(
+            "INSERT INTO coherent_hosts (host, horizon, seen_at) VALUES ('ghost', 0, $1)",
+            &[&now],
+        )
+        .await
+        .unwrap();
+    let short = |b: HostBuilder| b.acknowledgements(Some(Duration::from_millis(200)));
+    let (a, items_a) = host(&db, short).await;
+    assert_eq!(a.stats().peers, 1, "the ghost's row is fresh");
+    a.run(SetValue { id: 1, value: 1 }).await.unwrap();
+    assert_eq!(items_a.value(1).await, Ok(1));
+    assert_eq!(a.stats().ack_timeouts, 1);
+    assert_eq!(a.stats().peers, 0, "the ghost is no longer waited for");
+    for value in 2..=5 {
+        a.run(SetValue { id: 1, value }).await.unwrap();
+    }
+    assert_eq!(a.stats().ack_timeouts, 1, "waited for once");
+
+    // A live host: heard from (its acknowledgement of A's next command, or its row), then
+    // waited for, and it answers.
+    let (b, items_b) = host(&db, |b| b.acknowledgements(Some(PATIENT))).await;
+    while a.stats().peers < 1 {
+        a.run(SetValue { id: 2, value: 0 }).await.unwrap();
+    }
+    a.run(SetValue { id: 2, value: 7 }).await.unwrap();
+    assert_eq!(items_b.value(2).await, Ok(7));
+    assert_eq!(a.stats().ack_timeouts, 1);
+    a.stop().await;
+    b.stop().await;
+}
