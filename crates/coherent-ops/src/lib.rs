@@ -12,7 +12,13 @@
 //!    command's cost in the database ([`HostBuilder::max_batch`]);
 //! 2. the handler's invalidation runs on this host, before `run` returns (cascading to its
 //!    dependants and to the replicas its clients hold);
-//! 3. the [`Notifier`] tells the other hosts, which run the same invalidation.
+//! 3. the [`Notifier`] tells the other hosts, which run the same invalidation and
+//!    acknowledge it; `run` returns once every live host has (at most
+//!    [`HostBuilder::acknowledgements`]), so a read that starts on any host after it
+//!    returned sees the write.
+//!
+//! A handler's write whose answer it does not need can be deferred ([`Tx::defer`]): sent at
+//! once, answered at the commit, so that a command is one round trip to PostgreSQL.
 //!
 //! The log is the truth; notifications only wake hosts up. A host reads the log after its
 //! notifier reconnects and every poll interval, so a lost notification costs latency, never
@@ -24,7 +30,8 @@
 //! live host has passed them.
 //!
 //! Remote clients send commands over Coherent RPC ([`CommandsServer`], [`CommandClient`]);
-//! the answer returns after the invalidation ran on the host that ran the command.
+//! the answer returns after the invalidation ran on the host that ran the command, and
+//! the other live hosts acknowledged it.
 //!
 //! Databases: SQLite (a file shared by the processes of one machine, the embedded default)
 //! and PostgreSQL. Notifiers: PostgreSQL `LISTEN`/`NOTIFY`, NATS (feature `nats`), or
