@@ -190,6 +190,7 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                 pg.pool.clone(),
                 channel.clone(),
                 host.id().to_owned(),
+                inner.notify_interval,
                 payloads,
             ));
             *inner.publisher.lock() = Publisher::Postgres {
@@ -280,7 +281,8 @@ async fn nats_listen(
 }
 
 /// Sends the host's notifications, in batches: one `SELECT pg_notify(..), pg_notify(..)`
-/// for whatever queued while the previous one ran. A notifying transaction takes
+/// for whatever queued while the previous one ran, at most one per `interval`
+/// ([`HostBuilder::notify_interval`](crate::HostBuilder::notify_interval)). A notifying transaction takes
 /// PostgreSQL's notification lock through its commit (and its flush: the queue records
 /// its transaction id), so notifying transactions commit one at a time; one per command
 /// would cap commands at one flush each, one per batch costs a flush per batch. The
@@ -290,13 +292,29 @@ async fn pg_notify_batches(
     pool: deadpool_postgres::Pool,
     channel: String,
     from: String,
+    interval: Duration,
     mut outgoing: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
 ) {
-    const BATCH: usize = 64;
+    const BATCH: usize = 256;
     /// Operation ids per acknowledgement: well under the 8,000 bytes of a payload.
     const IDS_PER_ACK: usize = 400;
     let mut batch = Vec::with_capacity(BATCH);
+    let mut last: Option<std::time::Instant> = None;
     while outgoing.recv_many(&mut batch, BATCH).await > 0 {
+        // At most one NOTIFY per interval: what queues meanwhile goes in the next one
+        // (unless a full batch waits already).
+        if let Some(next) = last.map(|l| l + interval) {
+            if batch.len() < BATCH && next > std::time::Instant::now() {
+                tokio::time::sleep_until(next.into()).await;
+                while batch.len() < BATCH {
+                    match outgoing.try_recv() {
+                        Ok(item) => batch.push(item),
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
+        last = Some(std::time::Instant::now());
         let mut payloads: Vec<(String, String)> = Vec::with_capacity(batch.len());
         // Acknowledgements to one host in this batch go in one payload.
         let mut acks: std::collections::BTreeMap<String, Vec<i64>> = Default::default();

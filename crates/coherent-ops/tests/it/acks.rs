@@ -112,3 +112,41 @@ async fn postgres_a_silent_host_is_waited_for_once() {
     a.stop().await;
     b.stop().await;
 }
+
+/// Notices that queue while a host waits out its `notify_interval` go out together in one
+/// `NOTIFY` transaction, and each still reaches the other host by notification.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_notices_sent_together_all_arrive() {
+    let Some(db) = postgres_db("notify_interval").await else {
+        return;
+    };
+    let (a, _) = host(&db, |b| {
+        b.notify_interval(Duration::from_millis(300))
+            .acknowledgements(None)
+    })
+    .await;
+    // B reads the log only when woken: a poll must not apply them first.
+    let (b, items_b) = host(&db, |b| b.poll_interval(Duration::from_secs(3600))).await;
+    for id in 1..=10 {
+        assert_eq!(items_b.value(id).await, Ok(0));
+    }
+    let runs: Vec<_> = (1..=10)
+        .map(|id| {
+            let a = a.clone();
+            tokio::spawn(async move { a.run(SetValue { id, value: 40 + id }).await })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    // No catch-up: the notices must come (a read of the log would apply them too).
+    while b.stats().applied_notified < 10 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(b.stats().applied_from_log, 0);
+    for id in 1..=10 {
+        assert_eq!(items_b.value(id).await, Ok(40 + id), "B, item {id}");
+    }
+    a.stop().await;
+    b.stop().await;
+}
