@@ -490,8 +490,12 @@ async fn a_write_through_one_backend_is_read_through_another() {
             // On PostgreSQL a command answers after the other backend acknowledged it,
             // which that backend does once its tiers have applied the invalidation: no
             // wait at all. It waits for the backends it knows of: first, until the first
-            // has heard of the second (its row, read each second).
-            while one.host.stats().peers < 1 {
+            // has heard of the second (its row, read each second), and both listen (an
+            // acknowledgement sent before its host listens is lost).
+            while one.host.stats().peers < 1
+                || !one.host.notifier_connected()
+                || !two.host.notifier_connected()
+            {
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;
             }
             read_after_write(&a, &b, || Box::pin(async {})).await;

@@ -237,6 +237,8 @@ struct Running {
 
 struct ControlImpl {
     spawn: Box<Spawn>,
+    /// The cached host (its acknowledgement counters).
+    host: Option<Host>,
     running: tokio::sync::Mutex<Option<Running>>,
     propagation: Arc<Mutex<Propagation>>,
 }
@@ -265,6 +267,7 @@ impl Control for ControlImpl {
         let elapsed = running.started.elapsed();
         let mut total = Counts {
             elapsed_us: u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
+            ack_timeouts: self.host.as_ref().map_or(0, |h| h.stats().ack_timeouts),
             ..Counts::default()
         };
         for task in running.tasks {
@@ -354,7 +357,7 @@ async fn serve(args: &HostArgs, readers: tokio::runtime::Handle) -> anyhow::Resu
     let store = Arc::new(Store::postgres_with(config, READ_POOL)?);
     let propagation = Arc::new(Mutex::new(Propagation::default()));
     let builder = Endpoint::builder();
-    let (builder, spawn) = match args.mode.as_str() {
+    let (builder, spawn, cached_host) = match args.mode.as_str() {
         "cached" => {
             let registry = Registry::new();
             let service = UserService::new(store.clone(), &registry);
@@ -400,8 +403,9 @@ async fn serve(args: &HostArgs, readers: tokio::runtime::Handle) -> anyhow::Resu
                 }
             });
             (
-                builder.service(CommandsServer::new(host)),
+                builder.service(CommandsServer::new(host.clone())),
                 spawner(Arc::new(service), checks, readers),
+                Some(host),
             )
         }
         "direct" => (
@@ -410,6 +414,7 @@ async fn serve(args: &HostArgs, readers: tokio::runtime::Handle) -> anyhow::Resu
                 ttl: None,
             })),
             spawner(store, checks, readers),
+            None,
         ),
         "ttl" => {
             let cache = moka::sync::Cache::builder()
@@ -422,6 +427,7 @@ async fn serve(args: &HostArgs, readers: tokio::runtime::Handle) -> anyhow::Resu
                     ttl: Some(cache.clone()),
                 })),
                 spawner(Arc::new(TtlUsers { cache, store }), checks, readers),
+                None,
             )
         }
         other => anyhow::bail!("unknown mode {other:?}"),
@@ -429,6 +435,7 @@ async fn serve(args: &HostArgs, readers: tokio::runtime::Handle) -> anyhow::Resu
     Ok(builder
         .service(ControlServer::new(ControlImpl {
             spawn,
+            host: cached_host,
             running: tokio::sync::Mutex::new(None),
             propagation,
         }))

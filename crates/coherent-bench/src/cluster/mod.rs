@@ -82,6 +82,10 @@ pub(crate) struct Counts {
     pub(crate) stale_reads: u64,
     pub(crate) stale_after_apply: u64,
     pub(crate) elapsed_us: u64,
+    /// The host's commands that answered without every other host's acknowledgement, from
+    /// its start (cached hosts).
+    #[serde(default)]
+    pub(crate) ack_timeouts: u64,
 }
 
 /// Propagation samples a host gathered (from its `Applied` events of other hosts'
@@ -269,7 +273,7 @@ async fn readers_row(
 ) -> anyhow::Result<Row> {
     let mutator = Mutator::start(settings, cluster).await?;
     let started = Instant::now();
-    let (mut best, mut stale, mut after_apply) = (0f64, 0u64, 0u64);
+    let (mut best, mut stale, mut after_apply, mut ack_timeouts) = (0f64, 0u64, 0u64, 0u64);
     for run in 0..=timing.runs {
         let duration = if run == 0 { timing.warmup } else { timing.run };
         let counts = cluster.read_for(duration).await?;
@@ -279,6 +283,8 @@ async fn readers_row(
             .sum();
         stale += counts.iter().map(|c| c.stale_reads).sum::<u64>();
         after_apply += counts.iter().map(|c| c.stale_after_apply).sum::<u64>();
+        // Counted from each host's start: the last run's sum is the phase's.
+        ack_timeouts = counts.iter().map(|c| c.ack_timeouts).sum::<u64>();
         if run > 0 {
             best = best.max(rate);
         }
@@ -289,7 +295,9 @@ async fn readers_row(
         .in_group("cluster.readers")
         .with("stale_reads", stale);
     if cached {
-        row = row.with("stale_after_apply", after_apply);
+        row = row
+            .with("stale_after_apply", after_apply)
+            .with("ack_timeouts", ack_timeouts);
     }
     Ok(row
         .with("writes", writes)
