@@ -331,7 +331,9 @@ impl HostBuilder {
     }
 
     /// Starts the host: its notifier, and the task that reads the log. Call in a tokio
-    /// runtime.
+    /// runtime. Returns once the notifier listens, or after 2 s (a notifier that cannot
+    /// connect yet keeps trying; meanwhile the host reads the log every 50 ms): a host
+    /// that does not listen yet hears no acknowledgement of its commands.
     pub async fn start(self) -> Result<Host, CommandError> {
         let notifier = self.notifier.unwrap_or(match &*self.db.inner {
             Engine::Postgres(_) => Notifier::Postgres,
@@ -389,6 +391,10 @@ impl HostBuilder {
         let host = Host { inner };
         notify::start(&host, notifier).await?;
         host.inner.refresh_peers().await?;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while host.inner.notifier_down.load(Ordering::Acquire) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
         tokio::spawn(read_loop(
             Arc::downgrade(&host.inner),
             host.inner.wake.clone(),
