@@ -104,6 +104,8 @@ pub struct HostStats {
     pub ack_timeouts: u64,
     /// Other live hosts that commands wait for now.
     pub peers: u64,
+    /// Hosts that said they stopped ([`Host::stop`]), and were no longer waited for.
+    pub peers_left: u64,
     /// Everything before this position is applied (see the crate's docs).
     pub horizon: u64,
 }
@@ -126,6 +128,7 @@ struct Counters {
     batches_split: AtomicU64,
     acks_received: AtomicU64,
     ack_timeouts: AtomicU64,
+    peers_left: AtomicU64,
 }
 
 /// An acknowledgement: `from` applied these operations of the host it is sent to.
@@ -133,6 +136,9 @@ struct Counters {
 pub(crate) struct Ack {
     pub(crate) from: String,
     pub(crate) ids: Vec<i64>,
+    /// `from` stopped: not waited for any more.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) bye: bool,
 }
 
 /// A command of this host waiting for the other hosts to apply its operation.
@@ -386,6 +392,7 @@ impl HostBuilder {
             notify_interval: self.notify_interval,
             peers: Mutex::new(HashMap::new()),
             waiting: Mutex::new(HashMap::new()),
+            left: Mutex::new(HashMap::new()),
         });
         inner.db.heartbeat(&id, horizon).await?;
         let host = Host { inner };
@@ -473,6 +480,9 @@ pub(crate) struct Inner {
     peers: Mutex<HashMap<String, bool>>,
     /// This host's commands waiting for acknowledgements, by operation id.
     waiting: Mutex<HashMap<i64, Waiter>>,
+    /// Hosts that said they stopped, and when: not taken for live again (a read of the
+    /// hosts table that began before one left may still list it).
+    left: Mutex<HashMap<String, Instant>>,
 }
 
 /// How recently a host must have written its row to be waited for.
@@ -606,6 +616,7 @@ impl Host {
             batches_split: r(&c.batches_split),
             acks_received: r(&c.acks_received),
             ack_timeouts: r(&c.ack_timeouts),
+            peers_left: r(&c.peers_left),
             peers: self
                 .inner
                 .peers
@@ -637,13 +648,18 @@ impl Host {
     }
 
     /// Stops the host: its tasks end, commands waiting for a transaction fail (those in one
-    /// finish) and later ones are refused, and its row leaves the hosts table (it no longer
-    /// holds trimming back).
+    /// finish) and later ones are refused, its row leaves the hosts table (it no longer
+    /// holds trimming back), and it tells the other hosts, so that their commands stop
+    /// waiting for its acknowledgements at once.
     pub async fn stop(&self) {
         self.inner.stop.send_replace(true);
         self.inner.batcher.close();
         if let Err(e) = self.inner.db.leave(&self.inner.id).await {
             tracing::warn!(host = %self.inner.id, %e, "could not leave the hosts table");
+        }
+        let peers: Vec<String> = self.inner.peers.lock().keys().cloned().collect();
+        if let Err(e) = notify::farewell(&self.inner, &peers).await {
+            tracing::debug!(host = %self.inner.id, %e, "could not tell the other hosts it stopped");
         }
     }
 }
@@ -842,6 +858,10 @@ impl Inner {
         if ack.from == self.id {
             return;
         }
+        if ack.bye {
+            self.peer_left(&ack.from);
+            return;
+        }
         self.counters
             .acks_received
             .fetch_add(ack.ids.len() as u64, Ordering::Relaxed);
@@ -860,9 +880,30 @@ impl Inner {
         }
     }
 
+    /// `host` stopped: forgotten, and no command waits for it any more.
+    fn peer_left(&self, host: &str) {
+        self.left.lock().insert(host.to_owned(), Instant::now());
+        if self.peers.lock().remove(host).is_some() {
+            self.counters.peers_left.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut waiting = self.waiting.lock();
+        let done: Vec<i64> = waiting
+            .iter_mut()
+            .filter_map(|(id, w)| (w.pending.remove(host) && w.pending.is_empty()).then_some(*id))
+            .collect();
+        for id in done {
+            if let Some(done) = waiting.remove(&id).and_then(|w| w.done) {
+                let _ = done.send(());
+            }
+        }
+    }
+
     /// `host` is alive: waited for from now on.
     fn heard_from(&self, host: &str) {
         if self.acknowledgements.is_none() {
+            return;
+        }
+        if self.left.lock().contains_key(host) {
             return;
         }
         let mut peers = self.peers.lock();
@@ -880,10 +921,15 @@ impl Inner {
             return Ok(());
         }
         let live = self.db.live_hosts(PEER_ALIVE.min(self.host_expiry)).await?;
+        let left = {
+            let mut left = self.left.lock();
+            left.retain(|_, at| at.elapsed() < Duration::from_secs(60));
+            left.keys().cloned().collect::<HashSet<_>>()
+        };
         let mut peers = self.peers.lock();
         let before = std::mem::take(&mut *peers);
         for host in live {
-            if host != self.id {
+            if host != self.id && !left.contains(&host) {
                 let suspect = before.get(&host).copied().unwrap_or(false);
                 peers.insert(host, suspect);
             }

@@ -82,6 +82,7 @@ impl AckSender {
                 let payload = serde_json::to_vec(&Ack {
                     from: from.clone(),
                     ids: vec![id],
+                    bye: false,
                 })
                 .unwrap_or_default();
                 let (client, subject) = (client.clone(), ack_channel(subject, to));
@@ -93,6 +94,60 @@ impl AckSender {
             }
         }
     }
+}
+
+/// Tells `peers` that this host stopped (on their acknowledgement channels), and returns
+/// once the message is with PostgreSQL or NATS.
+pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), CommandError> {
+    if peers.is_empty() {
+        return Ok(());
+    }
+    let payload = serde_json::to_string(&Ack {
+        from: inner.id.clone(),
+        ids: Vec::new(),
+        bye: true,
+    })?;
+    enum Via {
+        Postgres(String),
+        #[cfg(feature = "nats")]
+        Nats(async_nats::Client, String),
+    }
+    let via = match &*inner.publisher.lock() {
+        Publisher::None => return Ok(()),
+        Publisher::Postgres { channel, .. } => Via::Postgres(channel.clone()),
+        #[cfg(feature = "nats")]
+        Publisher::Nats(client, subject) => Via::Nats(client.clone(), subject.clone()),
+    };
+    match via {
+        Via::Postgres(channel) => {
+            let Some(pool) = inner.db.postgres_pool() else {
+                return Ok(());
+            };
+            let channels: Vec<String> = peers.iter().map(|p| ack_channel(&channel, p)).collect();
+            let pairs: Vec<(&str, &str)> = channels
+                .iter()
+                .map(|c| (c.as_str(), payload.as_str()))
+                .collect();
+            pool.get()
+                .await?
+                .batch_execute(&crate::db::notify_sql(&pairs)?)
+                .await?;
+        }
+        #[cfg(feature = "nats")]
+        Via::Nats(client, subject) => {
+            let nats = |e: &dyn std::fmt::Display| {
+                CommandError::new(ErrorKind::Unavailable, format!("NATS: {e}"))
+            };
+            for peer in peers {
+                client
+                    .publish(ack_channel(&subject, peer), payload.clone().into())
+                    .await
+                    .map_err(|e| nats(&e))?;
+            }
+            client.flush().await.map_err(|e| nats(&e))?;
+        }
+    }
+    Ok(())
 }
 
 /// The channel (PostgreSQL) or subject (NATS) where `host` hears acknowledgements: the
@@ -238,6 +293,10 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                 .subscribe(ack_channel(&subject, host.id()))
                 .await
                 .map_err(|e| CommandError::new(ErrorKind::Unavailable, format!("NATS: {e}")))?;
+            // The subscriptions are queued, not yet known to the server: a message published
+            // before it has them is not delivered. A flush waits for the server's answer to a
+            // ping sent after them (bounded: NATS may be down, and the client keeps trying).
+            let _ = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;
             *inner.publisher.lock() = Publisher::Nats(client, subject);
             tokio::spawn(nats_listen(
                 weak,
@@ -329,6 +388,7 @@ async fn pg_notify_batches(
                 let ack = Ack {
                     from: from.clone(),
                     ids: ids.to_vec(),
+                    bye: false,
                 };
                 payloads.push((to.clone(), serde_json::to_string(&ack).unwrap_or_default()));
             }

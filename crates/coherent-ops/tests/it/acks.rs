@@ -160,3 +160,45 @@ async fn postgres_notices_sent_together_all_arrive() {
     a.stop().await;
     b.stop().await;
 }
+
+/// A host that stops says so: the others stop waiting for it at once (not after a
+/// timeout, nor at their next read of the hosts table).
+async fn a_stopped_host_is_not_waited_for(
+    db: Database,
+    notifier: impl Fn(HostBuilder) -> HostBuilder,
+) {
+    let configure = |b: HostBuilder| notifier(b).acknowledgements(Some(PATIENT));
+    let (a, items_a) = host(&db, &configure).await;
+    let (b, _) = host(&db, &configure).await;
+    while a.stats().peers < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    a.run(SetValue { id: 1, value: 1 }).await.unwrap();
+    b.stop().await;
+    while a.stats().peers_left < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(a.stats().peers, 0);
+    // Would wait out PATIENT if B were still waited for.
+    a.run(SetValue { id: 1, value: 2 }).await.unwrap();
+    assert_eq!(items_a.value(1).await, Ok(2));
+    assert_eq!(a.stats().ack_timeouts, 0);
+    a.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_stopped_host_is_not_waited_for() {
+    let Some(db) = postgres_db("acks_bye").await else {
+        return;
+    };
+    a_stopped_host_is_not_waited_for(db, |b| b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_stopped_host_is_not_waited_for_by_nats() {
+    let Some(url) = nats_url() else { return };
+    let Some(db) = postgres_db("acks_bye_nats").await else {
+        return;
+    };
+    a_stopped_host_is_not_waited_for(db, move |b| b.notifier(Notifier::Nats(url.clone()))).await;
+}
