@@ -107,19 +107,19 @@ pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), Comm
         ids: Vec::new(),
         bye: true,
     })?;
-    enum Via {
+    enum Route {
         Postgres(String),
         #[cfg(feature = "nats")]
         Nats(async_nats::Client, String),
     }
-    let via = match &*inner.publisher.lock() {
+    let route = match &*inner.publisher.lock() {
         Publisher::None => return Ok(()),
-        Publisher::Postgres { channel, .. } => Via::Postgres(channel.clone()),
+        Publisher::Postgres { channel, .. } => Route::Postgres(channel.clone()),
         #[cfg(feature = "nats")]
-        Publisher::Nats(client, subject) => Via::Nats(client.clone(), subject.clone()),
+        Publisher::Nats(client, subject) => Route::Nats(client.clone(), subject.clone()),
     };
-    match via {
-        Via::Postgres(channel) => {
+    match route {
+        Route::Postgres(channel) => {
             let Some(pool) = inner.db.postgres_pool() else {
                 return Ok(());
             };
@@ -134,7 +134,7 @@ pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), Comm
                 .await?;
         }
         #[cfg(feature = "nats")]
-        Via::Nats(client, subject) => {
+        Route::Nats(client, subject) => {
             let nats = |e: &dyn std::fmt::Display| {
                 CommandError::new(ErrorKind::Unavailable, format!("NATS: {e}"))
             };

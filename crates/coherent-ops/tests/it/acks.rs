@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use coherent_ops::{Database, HostBuilder, Notifier};
 
-use crate::inproc::{nats_url, postgres_db};
+use crate::inproc::{nats_url, postgres_db, wait_until};
 use crate::support::{host, SetValue};
 
 /// Long enough never to run out in a test, however loaded the machine: the test checks
@@ -25,9 +25,8 @@ async fn every_host_has_applied_a_command_when_it_answers(
     // by hearing from them: until A knows both, it does not wait for both. And a host
     // hears notices and acknowledgements once its listener is connected (`start` does not
     // wait for it): one sent before is read from the log, an acknowledgement is lost.
-    while a.stats().peers < 2 || ![&a, &b, &c].iter().all(|h| h.notifier_connected()) {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(|| a.stats().peers >= 2 && [&a, &b, &c].iter().all(|h| h.notifier_connected()))
+        .await;
     for id in 1..=3 {
         assert_eq!(items_b.value(id).await, Ok(0));
         assert_eq!(items_c.value(id).await, Ok(0));
@@ -92,9 +91,7 @@ async fn postgres_a_silent_host_is_waited_for_once() {
         .unwrap();
     let short = |b: HostBuilder| b.acknowledgements(Some(Duration::from_millis(200)));
     let (a, items_a) = host(&db, short).await;
-    while !a.notifier_connected() {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(|| a.notifier_connected()).await;
     assert_eq!(a.stats().peers, 1, "the ghost's row is fresh");
     a.run(SetValue { id: 1, value: 1 }).await.unwrap();
     assert_eq!(items_a.value(1).await, Ok(1));
@@ -132,9 +129,7 @@ async fn postgres_notices_sent_together_all_arrive() {
     // B reads the log only when woken: a poll must not apply them first. Its listener
     // must be up before A notifies (a notice sent before is read from the log).
     let (b, items_b) = host(&db, |b| b.poll_interval(Duration::from_secs(3600))).await;
-    while !b.notifier_connected() {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(|| b.notifier_connected()).await;
     for id in 1..=10 {
         assert_eq!(items_b.value(id).await, Ok(0));
     }
@@ -150,9 +145,7 @@ async fn postgres_notices_sent_together_all_arrive() {
     // No catch-up and no poll: the notices must come. (B reads the log once after its
     // listener connects, to catch what it missed meanwhile; on a loaded machine that read
     // may run late and find some of these first. Lost notices would never arrive.)
-    while b.stats().applied_notified + b.stats().applied_from_log < 10 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(|| b.stats().applied_notified + b.stats().applied_from_log >= 10).await;
     assert!(b.stats().applied_notified >= 1);
     for id in 1..=10 {
         assert_eq!(items_b.value(id).await, Ok(40 + id), "B, item {id}");
@@ -170,14 +163,10 @@ async fn a_stopped_host_is_not_waited_for(
     let configure = |b: HostBuilder| notifier(b).acknowledgements(Some(PATIENT));
     let (a, items_a) = host(&db, &configure).await;
     let (b, _) = host(&db, &configure).await;
-    while a.stats().peers < 1 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(|| a.stats().peers >= 1).await;
     a.run(SetValue { id: 1, value: 1 }).await.unwrap();
     b.stop().await;
-    while a.stats().peers_left < 1 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(|| a.stats().peers_left >= 1).await;
     assert_eq!(a.stats().peers, 0);
     // Would wait out PATIENT if B were still waited for.
     a.run(SetValue { id: 1, value: 2 }).await.unwrap();

@@ -293,7 +293,7 @@ async fn the_log_is_trimmed_once_every_live_host_has_passed_it() {
     b.stop().await;
 }
 
-async fn wait_until(mut done: impl FnMut() -> bool) {
+pub(crate) async fn wait_until(mut done: impl FnMut() -> bool) {
     wait_until_async(|| std::future::ready(done())).await;
 }
 
