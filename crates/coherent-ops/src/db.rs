@@ -72,6 +72,95 @@ pub(crate) struct Postgres {
     /// The `LISTEN`/`NOTIFY` channel: one per schema, so that clusters in other schemas of
     /// the same database never hear each other.
     pub(crate) channel: String,
+    /// Statements of [`Tx::defer_sql`] that cannot stand in a `WITH` (see
+    /// [`Postgres::fused`]): not tried again.
+    unfusable: parking_lot::Mutex<std::collections::HashSet<String>>,
+}
+
+impl Postgres {
+    /// Runs a command whose one write is `queued` (deferred with its text), and which
+    /// awaited nothing, as one statement with its operation's row: `WITH` the write,
+    /// `INSERT` the row. One statement commits alone: no `BEGIN`, no `COMMIT`, one answer.
+    /// `None` when the write cannot stand in a `WITH` (the caller then runs the command
+    /// in a transaction); otherwise the operation's id and position, or the error and
+    /// whether the outcome is unknown.
+    async fn fused(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        sql: &str,
+        queued: &Queued,
+        row: &Append,
+    ) -> Option<Result<(i64, u64), (CommandError, bool)>> {
+        if self.unfusable.lock().contains(sql) {
+            return None;
+        }
+        let n = queued.statement.params().len();
+        let body = sql.trim_end().trim_end_matches(';');
+        // The write's text on lines of its own: a comment at its end ends there.
+        let text = format!(
+            "WITH coherent_write AS (\n{body}\n) \
+             INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+             VALUES (${}, ${}, ${}, ${}, ${}) RETURNING id, xid::text",
+            n + 1,
+            n + 2,
+            n + 3,
+            n + 4,
+            n + 5
+        );
+        let unfusable = || {
+            let mut set = self.unfusable.lock();
+            if set.len() >= 1024 {
+                set.clear();
+            }
+            set.insert(sql.to_owned());
+        };
+        let statement = match client.prepare_cached(&text).await {
+            Ok(statement) => statement,
+            Err(e) if e.as_db_error().is_some() => {
+                tracing::debug!(%e, sql, "a deferred statement cannot stand in a WITH");
+                unfusable();
+                return None;
+            }
+            Err(e) => return Some(Err((e.into(), false))),
+        };
+        if statement.params().get(..n) != Some(queued.statement.params()) {
+            // Its parameters would be taken for other types.
+            unfusable();
+            return None;
+        }
+        let logged_at = now_micros();
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = queued
+            .params
+            .iter()
+            .map(|p| &**p as &(dyn tokio_postgres::types::ToSql + Sync))
+            .collect();
+        params.extend([
+            &row.host as &(dyn tokio_postgres::types::ToSql + Sync),
+            &logged_at,
+            &row.kind,
+            &row.command,
+            &row.output,
+        ]);
+        Some(match client.query(&statement, &params).await {
+            Ok(rows) => match rows.first() {
+                Some(r) => (|| {
+                    let id: i64 = r.try_get(0)?;
+                    Ok((id, parse_xid(r.try_get(1)?)?))
+                })()
+                .map_err(|e: CommandError| (e, true)),
+                None => Err((
+                    CommandError::new(ErrorKind::Database, "the operation's row was not answered"),
+                    true,
+                )),
+            },
+            // The server refused it: nothing was written. A connection that failed may have
+            // written it before it did: the outcome is unknown.
+            Err(e) => {
+                let unknown = e.as_db_error().is_none();
+                Err((e.into(), unknown))
+            }
+        })
+    }
 }
 
 /// One operation as the log holds it.
@@ -205,6 +294,7 @@ impl Database {
                 config,
                 schema: schema.to_owned(),
                 channel,
+                unfusable: parking_lot::Mutex::new(std::collections::HashSet::new()),
             })),
         })
     }
@@ -257,6 +347,7 @@ impl Database {
     pub(crate) async fn transact<J: Execute + ?Sized>(
         &self,
         jobs: &mut [Box<J>],
+        fused: &std::sync::atomic::AtomicU64,
     ) -> Result<Vec<(i64, u64)>, (CommandError, bool)> {
         match &*self.inner {
             Engine::Sqlite(s) => {
@@ -269,7 +360,11 @@ impl Database {
                     for job in jobs.iter_mut() {
                         let mut tx = Tx {
                             inner: TxInner::Sqlite(conn),
+                            begin: None,
+                            open: true,
                             deferred: Vec::new(),
+                            queued: Vec::new(),
+                            unsent: None,
                         };
                         let row = run_handler(job.execute(&mut tx)).await?;
                         drop(tx);
@@ -310,31 +405,32 @@ impl Database {
                 // follow it on the same connection, in order, without waiting for its
                 // answer: one round trip fewer. `BEGIN` cannot fail while the statements
                 // after it succeed (only a broken or aborted connection fails it, and
-                // those fail them too); if it fails anyway, the connection is closed.
+                // those fail them too); if it fails anyway, the connection is closed
+                // and the outcome is unknown.
                 //
                 // A batch of several commands waits at most 100 ms for a lock
                 // (`BATCH_BEGIN`): two batches that lock rows in opposite orders would otherwise wait
                 // for PostgreSQL's deadlock check (a second by default). The batch then
                 // fails, and its commands run again one at a time, without the limit.
                 let begin_sql = if jobs.len() > 1 { BATCH_BEGIN } else { "BEGIN" };
-                let mut begin = std::pin::pin!(client.batch_execute(begin_sql));
-                let begun = match futures::poll!(begin.as_mut()) {
-                    std::task::Poll::Ready(r) => Some(r),
-                    std::task::Poll::Pending => None,
-                };
+                let begin: Begin<'_> = Box::pin(client.batch_execute(begin_sql));
+                // Open from the moment `BEGIN` may have been sent, until it is known to be
+                // over: a connection dropped in between is closed, not pooled.
                 guard.open = true;
-                // Statements the handlers sent with `Tx::defer`: answered after the commit's.
-                let mut deferred: Vec<Deferred<'_>> = Vec::new();
+                // One `Tx` for the batch's handlers, one after the other. The transaction
+                // opens when a handler asks for the connection, or else with the commit.
+                let mut tx = Tx {
+                    inner: TxInner::Postgres(client),
+                    begin: Some(futures::future::maybe_done(begin)),
+                    open: false,
+                    deferred: Vec::new(),
+                    queued: Vec::new(),
+                    unsent: None,
+                };
                 let before_commit = async {
                     let mut rows = Vec::with_capacity(jobs.len());
                     for job in jobs.iter_mut() {
-                        let mut tx = Tx {
-                            inner: TxInner::Postgres(client),
-                            deferred: Vec::new(),
-                        };
-                        let row = run_handler(job.execute(&mut tx)).await;
-                        deferred.append(&mut tx.deferred);
-                        let row = row?;
+                        let row = run_handler(job.execute(&mut tx)).await?;
                         for text in [&row.host, row.kind, &row.command, &row.output] {
                             if text.contains('\0') {
                                 return Err(CommandError::new(
@@ -355,14 +451,42 @@ impl Database {
                     Ok::<_, CommandError>((rows, append))
                 }
                 .await;
-                let begun = match begun {
-                    Some(r) => r,
-                    None => begin.await,
+                let mut rows_append = match before_commit {
+                    Ok(done) => Ok(done),
+                    Err(e) if !tx.open => {
+                        // Nothing went to the server: nothing to roll back.
+                        guard.open = false;
+                        return Err((e, false));
+                    }
+                    Err(e) => Err(e),
                 };
-                begun.map_err(|e| (e.into(), false))?;
-                let (rows, append) = match before_commit {
+                // A command whose one write waits unsent, with its text: one statement.
+                if let (Ok((rows, _)), false, [queued]) = (&rows_append, tx.open, &tx.queued[..]) {
+                    if let ([row], Some(sql)) = (&rows[..], &queued.sql) {
+                        if let Some(done) = pg.fused(client, sql, queued, row).await {
+                            fused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if !matches!(done, Err((_, true))) {
+                                // Nothing is open: the statement committed or failed alone.
+                                guard.open = false;
+                            }
+                            return done.map(|id| vec![id]);
+                        }
+                    }
+                }
+                // `BEGIN`, the deferred statements, the operations' rows and `COMMIT` go
+                // out together (those not sent yet); `BEGIN`'s answer is read with the
+                // commit's.
+                tx.open();
+                if let (Ok(_), Some(e)) = (&rows_append, tx.unsent.take()) {
+                    rows_append = Err(e.into());
+                }
+                let begin = tx.begin.take().expect("BEGIN is made above");
+                let deferred = std::mem::take(&mut tx.deferred);
+                let begun = answer(begin);
+                let (rows, append) = match rows_append {
                     Ok(done) => done,
                     Err(e) => {
+                        begun.await.map_err(|e| (e.into(), false))?;
                         // A deferred statement that failed aborted the transaction, and the
                         // handler's next statement failed for that: its error is the cause.
                         let cause = futures::future::join_all(deferred)
@@ -380,10 +504,10 @@ impl Database {
                 // statements: one round trip. The statement is prepared once per
                 // connection, so the server neither parses nor plans it again.
                 let logged_at = now_micros();
-                let (deferred, (inserted, committed)) = if let [row] = &rows[..] {
+                let (begun, deferred, (inserted, committed)) = if let [row] = &rows[..] {
                     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
                         [&row.host, &logged_at, &row.kind, &row.command, &row.output];
-                    futures::join!(futures::future::join_all(deferred), async {
+                    futures::join!(begun, futures::future::join_all(deferred), async {
                         futures::join!(
                             client.query(&append, &params),
                             client.batch_execute("COMMIT"),
@@ -396,13 +520,22 @@ impl Database {
                     let outputs: Vec<&str> = rows.iter().map(|r| r.output.as_str()).collect();
                     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
                         [&hosts, &logged_at, &kinds, &commands, &outputs];
-                    futures::join!(futures::future::join_all(deferred), async {
+                    futures::join!(begun, futures::future::join_all(deferred), async {
                         futures::join!(
                             client.query(&append, &params),
                             client.batch_execute("COMMIT"),
                         )
                     })
                 };
+                if let Err(e) = begun {
+                    // Only a broken connection fails `BEGIN` (a pooled one is never inside
+                    // a transaction), and the statements behind it then fail too; should
+                    // they have run anyway, each on its own, the outcome is unknown.
+                    if committed.is_ok() {
+                        guard.open = false;
+                    }
+                    return Err((e.into(), true));
+                }
                 // The operations' INSERT decides: a deferred statement that failed made it fail
                 // too (unless the handler recovered with a savepoint, and then the
                 // transaction went on and committed).
@@ -789,6 +922,14 @@ impl Drop for PgTransaction {
     }
 }
 
+/// The answer of a request that may have been answered already.
+async fn answer<T, F: Future<Output = T> + Unpin>(mut sent: futures::future::MaybeDone<F>) -> T {
+    (&mut sent).await;
+    std::pin::Pin::new(&mut sent)
+        .take_output()
+        .expect("taken once, after it is done")
+}
+
 /// Awaits a handler, answering a panic as the command's error (the batch is then split,
 /// and the others commit without it).
 async fn run_handler(
@@ -850,9 +991,32 @@ pub(crate) struct Append {
 /// with the command's operation, when the handler returns `Ok`; it rolls back otherwise.
 pub struct Tx<'a> {
     inner: TxInner<'a>,
-    /// Statements sent by [`Tx::defer`], answered at the commit.
+    /// `BEGIN` (PostgreSQL), sent when the transaction opens, answered at the commit.
+    begin: Option<futures::future::MaybeDone<Begin<'a>>>,
+    /// Whether the transaction is open: `BEGIN` went to the server, with the statements
+    /// deferred before. Until then deferred statements wait here, so that `BEGIN`, they,
+    /// the operation's row and `COMMIT` can go in one message.
+    open: bool,
+    /// Statements of [`Tx::defer`] sent, answered at the commit.
     deferred: Vec<Deferred<'a>>,
+    /// Statements of [`Tx::defer`] not sent yet (the transaction is not open).
+    queued: Vec<Queued>,
+    /// A deferred statement that failed as it was sent: the commit rolls back with it.
+    unsent: Option<tokio_postgres::Error>,
 }
+
+/// A deferred statement waiting for its transaction to open.
+struct Queued {
+    statement: tokio_postgres::Statement,
+    params: Vec<DeferredParam>,
+    /// Its text, when the handler gave it ([`Tx::defer_sql`]): a command whose only
+    /// statement it is can send it with its operation as one statement.
+    sql: Option<String>,
+}
+
+/// `BEGIN`, sent without waiting for its answer.
+type Begin<'a> =
+    std::pin::Pin<Box<dyn Future<Output = Result<(), tokio_postgres::Error>> + Send + 'a>>;
 
 /// A statement sent without waiting for its answer.
 type Deferred<'a> =
@@ -877,9 +1041,18 @@ impl<'a> Tx<'a> {
 
     /// The PostgreSQL connection, inside `BEGIN` (with `prepare_cached`); `None` on
     /// SQLite. The pipeline commits (or rolls back): do not end the transaction here.
-    pub fn postgres(&self) -> Option<&deadpool_postgres::ClientWrapper> {
-        match &self.inner {
-            TxInner::Postgres(t) => Some(t),
+    ///
+    /// The transaction opens here, if it is not open yet: `BEGIN` and the statements
+    /// deferred so far go to the server now, before anything the handler sends on the
+    /// connection. A handler whose writes are all deferred need not call this (prepare its
+    /// statements with [`Tx::prepare`]): its transaction then opens with the commit, in the
+    /// same message.
+    pub fn postgres(&mut self) -> Option<&'a deadpool_postgres::ClientWrapper> {
+        match self.inner {
+            TxInner::Postgres(client) => {
+                self.open();
+                Some(client)
+            }
             TxInner::Sqlite(_) => None,
         }
     }
@@ -890,53 +1063,54 @@ impl<'a> Tx<'a> {
     }
 
     /// The PostgreSQL connection, or an error that says the handler needs PostgreSQL.
-    pub fn require_postgres(&self) -> Result<&deadpool_postgres::ClientWrapper, CommandError> {
+    ///
+    /// Opens the transaction, as [`Tx::postgres`] does.
+    pub fn require_postgres(
+        &mut self,
+    ) -> Result<&'a deadpool_postgres::ClientWrapper, CommandError> {
         self.postgres().ok_or_else(|| wrong("PostgreSQL"))
     }
 
-    /// Sends a write whose answer the handler does not need, without waiting for it
-    /// (PostgreSQL). The statement goes to the server now, in order with the handler's other
-    /// statements (a later one sees its effect); its answer is read at the commit, which
-    /// the pipeline sends right behind it with the operation's row. A command whose
-    /// statements are all deferred costs one round trip: `BEGIN`, its writes, the
-    /// operation and `COMMIT` in one flight.
-    ///
-    /// If the statement fails, the command fails with its error and nothing is written:
-    /// the failed statement aborts the transaction, and the `COMMIT` behind it rolls back.
-    /// Its row count is not seen, so a write that must match a row (an `UPDATE` of a row
-    /// that may be gone) is awaited instead, or made to fail in SQL. A statement that
-    /// returns rows (`RETURNING`, a `SELECT`) is refused: await it.
-    ///
-    /// The statement is a prepared one (`prepare_cached`, answered from the connection's
-    /// cache after its first use), so that nothing has to wait before it is sent.
-    ///
-    /// ```no_run
-    /// # async fn handler(tx: &mut coherent_ops::Tx<'_>, id: i64, name: String)
-    /// # -> Result<(), coherent_ops::CommandError> {
-    /// let update = tx
-    ///     .require_postgres()?
-    ///     .prepare_cached("UPDATE users SET name = $2 WHERE id = $1")
-    ///     .await?;
-    /// tx.defer(&update, vec![Box::new(id), Box::new(name)])?;
-    /// # Ok(()) }
-    /// ```
-    pub fn defer(
-        &mut self,
-        statement: &tokio_postgres::Statement,
-        params: Vec<DeferredParam>,
-    ) -> Result<(), CommandError> {
-        let TxInner::Postgres(client) = self.inner else {
-            return Err(wrong("PostgreSQL"));
-        };
-        if !statement.columns().is_empty() {
-            // Its rows would wait unread until the commit, and the connection stops reading
-            // for every statement while they wait: the handler's next statement would hang.
-            return Err(CommandError::new(
-                ErrorKind::BadCommand,
-                "Tx::defer takes a statement that returns no rows; await one that does",
-            ));
+    /// A prepared statement for `sql` on this transaction's connection, from the
+    /// connection's cache after its first use (PostgreSQL). Unlike preparing through
+    /// [`Tx::postgres`], this does not open the transaction.
+    pub async fn prepare(&mut self, sql: &str) -> Result<tokio_postgres::Statement, CommandError> {
+        match self.inner {
+            TxInner::Postgres(client) => Ok(client.prepare_cached(sql).await?),
+            TxInner::Sqlite(_) => Err(wrong("PostgreSQL")),
         }
-        let statement = statement.clone();
+    }
+
+    /// Opens the transaction (PostgreSQL): sends `BEGIN`, then the statements deferred
+    /// while it was not open, in order, without waiting for their answers.
+    fn open(&mut self) {
+        if self.open {
+            return;
+        }
+        self.open = true;
+        let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+        if let Some(begin) = &mut self.begin {
+            // tokio-postgres writes a request to the connection when its future is first
+            // polled: this poll sends it. It is answered at the commit.
+            let _ = std::pin::Pin::new(begin).poll(&mut cx);
+        }
+        let TxInner::Postgres(client) = self.inner else {
+            return;
+        };
+        for queued in std::mem::take(&mut self.queued) {
+            if let Err(e) = self.send(client, queued.statement, queued.params) {
+                self.unsent.get_or_insert(e);
+            }
+        }
+    }
+
+    /// Sends a deferred statement now; its answer is awaited at the commit.
+    fn send(
+        &mut self,
+        client: &'a deadpool_postgres::ClientWrapper,
+        statement: tokio_postgres::Statement,
+        params: Vec<DeferredParam>,
+    ) -> Result<(), tokio_postgres::Error> {
         let mut sent: Deferred<'a> = Box::pin(async move {
             client
                 .execute_raw(
@@ -951,13 +1125,127 @@ impl<'a> Tx<'a> {
         // polled, and a prepared statement needs nothing first: this poll sends it. Its
         // answer is awaited (with a real waker) at the commit.
         let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-        if let std::task::Poll::Ready(done) = sent.as_mut().poll(&mut cx) {
+        match sent.as_mut().poll(&mut cx) {
+            std::task::Poll::Pending => self.deferred.push(sent),
             // Failed before it was sent (parameters that do not fit the statement).
-            done?;
+            std::task::Poll::Ready(done) => {
+                done?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a write whose answer the handler does not need, without waiting for it
+    /// (PostgreSQL). The statement goes to the server in order with the handler's other
+    /// statements (a later one sees its effect): at once when the transaction is open,
+    /// else when it opens ([`Tx::postgres`]) or with the commit. Its answer is read at the
+    /// commit, which the pipeline sends right behind it with the operation's row. A
+    /// command whose statements are all deferred costs one round trip: `BEGIN`, its
+    /// writes, the operation and `COMMIT` in one message (see also [`Tx::defer_sql`]).
+    ///
+    /// If the statement fails, the command fails with its error and nothing is written:
+    /// the failed statement aborts the transaction, and the `COMMIT` behind it rolls back.
+    /// Its row count is not seen, so a write that must match a row (an `UPDATE` of a row
+    /// that may be gone) is awaited instead, or made to fail in SQL. A statement that
+    /// returns rows (`RETURNING`, a `SELECT`) is refused: await it.
+    ///
+    /// The statement is a prepared one ([`Tx::prepare`], answered from the connection's
+    /// cache after its first use), so that nothing has to wait before it is sent. A wrong
+    /// number of parameters, or one of the wrong type, is this call's error.
+    ///
+    /// ```no_run
+    /// # async fn handler(tx: &mut coherent_ops::Tx<'_>, id: i64, name: String)
+    /// # -> Result<(), coherent_ops::CommandError> {
+    /// let update = tx
+    ///     .prepare("UPDATE users SET name = $2 WHERE id = $1")
+    ///     .await?;
+    /// tx.defer(&update, vec![Box::new(id), Box::new(name)])?;
+    /// # Ok(()) }
+    /// ```
+    pub fn defer(
+        &mut self,
+        statement: &tokio_postgres::Statement,
+        params: Vec<DeferredParam>,
+    ) -> Result<(), CommandError> {
+        self.defer_statement(statement, params, None)
+    }
+
+    fn defer_statement(
+        &mut self,
+        statement: &tokio_postgres::Statement,
+        params: Vec<DeferredParam>,
+        sql: Option<&str>,
+    ) -> Result<(), CommandError> {
+        let TxInner::Postgres(client) = self.inner else {
+            return Err(wrong("PostgreSQL"));
+        };
+        if !statement.columns().is_empty() {
+            // Its rows would wait unread until the commit, and the connection stops reading
+            // for every statement while they wait: the handler's next statement would hang.
+            return Err(CommandError::new(
+                ErrorKind::BadCommand,
+                "Tx::defer takes a statement that returns no rows; await one that does",
+            ));
+        }
+        // Checked now, so that a mistake is the handler's error at this call whether the
+        // statement goes now or with the commit.
+        if params.len() != statement.params().len() {
+            return Err(CommandError::new(
+                ErrorKind::BadCommand,
+                format!(
+                    "Tx::defer: the statement takes {} parameters, {} given",
+                    statement.params().len(),
+                    params.len()
+                ),
+            ));
+        }
+        let mut scratch = bytes::BytesMut::new();
+        for (i, (param, ty)) in params.iter().zip(statement.params()).enumerate() {
+            scratch.clear();
+            if let Err(e) = param.to_sql_checked(ty, &mut scratch) {
+                return Err(CommandError::new(
+                    ErrorKind::BadCommand,
+                    format!("Tx::defer: parameter {}: {e}", i + 1),
+                ));
+            }
+        }
+        if !self.open {
+            // Sent when the transaction opens (at the latest with the commit).
+            self.queued.push(Queued {
+                statement: statement.clone(),
+                params,
+                sql: sql.map(str::to_owned),
+            });
             return Ok(());
         }
-        self.deferred.push(sent);
-        Ok(())
+        Ok(self.send(client, statement.clone(), params)?)
+    }
+
+    /// [`Tx::defer`] for the text of a statement, prepared (and cached) on this
+    /// transaction's connection. Besides saving the `prepare_cached` call, this lets the
+    /// pipeline send a command whose only write this is, and which awaits nothing else, as
+    /// one statement with its operation's row: `WITH w AS (<this>) INSERT INTO
+    /// coherent_operations ...`, without `BEGIN` and `COMMIT` (one statement commits
+    /// alone). Statements that cannot stand in a `WITH` (one that is not an `INSERT`,
+    /// `UPDATE` or `DELETE`, a table with rules) run as with [`Tx::defer`].
+    ///
+    /// ```no_run
+    /// # async fn handler(tx: &mut coherent_ops::Tx<'_>, id: i64, name: String)
+    /// # -> Result<(), coherent_ops::CommandError> {
+    /// tx.defer_sql(
+    ///     "UPDATE users SET name = $2 WHERE id = $1",
+    ///     vec![Box::new(id), Box::new(name)],
+    /// )
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn defer_sql(
+        &mut self,
+        sql: &str,
+        params: Vec<DeferredParam>,
+    ) -> Result<(), CommandError> {
+        let statement = self.prepare(sql).await?;
+        self.defer_statement(&statement, params, Some(sql))
     }
 }
 

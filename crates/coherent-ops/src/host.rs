@@ -97,6 +97,10 @@ pub struct HostStats {
     pub batches: u64,
     /// Batches of several commands that failed and whose commands ran again one at a time.
     pub batches_split: u64,
+    /// Commands sent as one statement with their operation's row, without a transaction
+    /// around them (their one write deferred with [`Tx::defer_sql`](crate::Tx::defer_sql)).
+    /// They count in `batches` too.
+    pub fused: u64,
     /// Acknowledgements of this host's operations received from other hosts.
     pub acks_received: u64,
     /// Commands that answered without every other live host's acknowledgement, when the
@@ -126,6 +130,7 @@ struct Counters {
     trimmed: AtomicU64,
     batches: AtomicU64,
     batches_split: AtomicU64,
+    pub(crate) fused: AtomicU64,
     acks_received: AtomicU64,
     ack_timeouts: AtomicU64,
     peers_left: AtomicU64,
@@ -253,10 +258,11 @@ impl HostBuilder {
         self
     }
 
-    /// How many transactions run this host's commands at once. Default: 4. Commands that
-    /// arrive while they are busy wait, and are committed together (see
-    /// [`max_batch`](Self::max_batch)). On SQLite one process writes at a time whatever
-    /// this says.
+    /// How many transactions run this host's commands at once. Default: 8 (half the
+    /// pool's connections: the log's reader, the notifier and the application's reads
+    /// keep the rest). Commands that arrive while they are busy wait, and are committed
+    /// together (see [`max_batch`](Self::max_batch)). A command that finds one free commits
+    /// in its caller's task. On SQLite one process writes at a time whatever this says.
     ///
     /// # Panics
     /// When `n` is 0.
@@ -361,11 +367,14 @@ impl HostBuilder {
         };
         let horizon = self.db.current_horizon().await?;
         let (applied_tx, _) = broadcast::channel(4096);
-        let batcher = Arc::new(Batcher {
-            queue: Mutex::new(Queue::default()),
-            ready: Notify::new(),
+        let batcher = Batcher {
+            queue: Mutex::new(Queue {
+                jobs: VecDeque::new(),
+                closed: false,
+                free: self.transactions,
+            }),
             max_batch: self.max_batch,
-        });
+        };
         let inner = Arc::new(Inner {
             id: id.clone(),
             db: self.db,
@@ -379,7 +388,8 @@ impl HostBuilder {
             wake: Arc::new(Notify::new()),
             registries,
             after_invalidate: self.after_invalidate,
-            batcher: batcher.clone(),
+            batcher,
+            runtime: tokio::runtime::Handle::current(),
             counters: Counters::default(),
             applied_tx,
             publisher: Mutex::new(Publisher::None),
@@ -407,13 +417,6 @@ impl HostBuilder {
             host.inner.wake.clone(),
             host.inner.stop.subscribe(),
         ));
-        for _ in 0..self.transactions {
-            tokio::spawn(commit_loop(
-                Arc::downgrade(&host.inner),
-                batcher.clone(),
-                host.inner.stop.subscribe(),
-            ));
-        }
         tracing::info!(host = %id, horizon, "coherent-ops host started");
         Ok(host)
     }
@@ -460,8 +463,10 @@ pub(crate) struct Inner {
     pub(crate) wake: Arc<Notify>,
     registries: Vec<Registry>,
     after_invalidate: Option<AfterInvalidate>,
-    /// The commands waiting for a transaction.
-    batcher: Arc<Batcher>,
+    /// The commands waiting for a transaction, and the transactions free.
+    batcher: Batcher,
+    /// Where a commit goes on when the command that began it is dropped.
+    runtime: tokio::runtime::Handle,
     counters: Counters,
     applied_tx: broadcast::Sender<Applied>,
     pub(crate) publisher: Mutex<Publisher>,
@@ -510,7 +515,7 @@ impl Host {
             registries: Vec::new(),
             handlers: Handlers::default(),
             after_invalidate: None,
-            transactions: 4,
+            transactions: 8,
             max_batch: 64,
             acknowledgements: Some(Duration::from_millis(500)),
             notify_interval: Duration::from_millis(1),
@@ -542,7 +547,7 @@ impl Host {
         let handler = inner.handlers.typed::<C>()?;
         let command_json = serde_json::to_string(&command)?;
         let (answer, answered) = oneshot::channel();
-        inner.batcher.push(Box::new(TypedJob {
+        let batch = inner.batcher.push(Box::new(TypedJob {
             handler,
             host: inner.id.clone(),
             command,
@@ -550,6 +555,11 @@ impl Host {
             output: None,
             answer,
         }))?;
+        if let Some(batch) = batch {
+            // A transaction was free: commit here, in the caller's task, rather than hand
+            // the command to another task and wait to be woken with its answer.
+            Committing::new(&self.inner, batch).await;
+        }
         let (output, acks) = answered.await.map_err(|_| {
             CommandError::new(
                 ErrorKind::Unavailable,
@@ -614,6 +624,7 @@ impl Host {
             trimmed: r(&c.trimmed),
             batches: r(&c.batches),
             batches_split: r(&c.batches_split),
+            fused: r(&c.fused),
             acks_received: r(&c.acks_received),
             ack_timeouts: r(&c.ack_timeouts),
             peers_left: r(&c.peers_left),
@@ -668,7 +679,7 @@ impl Inner {
     /// Commits a batch of commands in one transaction and finishes each; if the batch
     /// fails before its commit, runs its commands again one at a time.
     async fn commit(&self, mut batch: Vec<Box<dyn Job>>) {
-        let result = self.db.transact(&mut batch).await;
+        let result = self.db.transact(&mut batch, &self.counters.fused).await;
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         match result {
             Ok(ids) => {
@@ -682,7 +693,7 @@ impl Inner {
                     "a batch failed: its commands run one at a time");
                 for job in batch {
                     let mut one = [job];
-                    let result = self.db.transact(&mut one).await;
+                    let result = self.db.transact(&mut one, &self.counters.fused).await;
                     self.counters.batches.fetch_add(1, Ordering::Relaxed);
                     let [job] = one;
                     self.finish(job, result.map(|ids| ids[0]));
@@ -693,6 +704,20 @@ impl Inner {
                     self.finish(job, Err((e.clone(), commit_attempted)));
                 }
             }
+        }
+    }
+
+    /// [`commit`](Self::commit), with a panic caught: should anything but a handler or an
+    /// invalidation panic (those are caught per command: `run_handler`, [`Inner::finish`]),
+    /// the batch is lost (its callers hear that the outcome is unknown; an open transaction
+    /// rolls back), not the transaction's slot.
+    async fn commit_caught(&self, batch: Vec<Box<dyn Job>>) {
+        if std::panic::AssertUnwindSafe(self.commit(batch))
+            .catch_unwind()
+            .await
+            .is_err()
+        {
+            tracing::error!(host = %self.id, "committing a batch of commands panicked");
         }
     }
 
@@ -1134,46 +1159,52 @@ impl<C: Command> Job for TypedJob<C> {
     }
 }
 
-/// The commands of a host waiting for a transaction.
+/// The commands of a host waiting for a transaction, and how many of its transactions
+/// are free. A command that finds one free takes it and commits in its caller's task;
+/// the others wait in the queue, and whoever commits next takes them, as one batch.
 struct Batcher {
     queue: Mutex<Queue>,
-    /// Wakes a waiting [`commit_loop`].
-    ready: Notify,
     max_batch: usize,
 }
 
-#[derive(Default)]
 struct Queue {
     jobs: VecDeque<Box<dyn Job>>,
     /// The host stopped: nothing is taken any more.
     closed: bool,
+    /// Transactions not in use. While none is free, jobs wait; while one is, none waits.
+    free: usize,
 }
 
 impl Batcher {
-    fn push(&self, job: Box<dyn Job>) -> Result<(), CommandError> {
-        {
-            let mut queue = self.queue.lock();
-            if queue.closed {
-                return Err(CommandError::new(
-                    ErrorKind::Unavailable,
-                    "the host is stopped",
-                ));
-            }
-            queue.jobs.push_back(job);
+    /// Queues `job`; when a transaction is free, takes it and answers the batch to commit
+    /// in it (the job alone: nothing waits while a transaction is free). The caller then
+    /// commits it and calls [`next`](Self::next) until that answers `None`.
+    fn push(&self, job: Box<dyn Job>) -> Result<Option<Vec<Box<dyn Job>>>, CommandError> {
+        let mut queue = self.queue.lock();
+        if queue.closed {
+            return Err(CommandError::new(
+                ErrorKind::Unavailable,
+                "the host is stopped",
+            ));
         }
-        self.ready.notify_one();
-        Ok(())
+        if queue.free == 0 {
+            queue.jobs.push_back(job);
+            return Ok(None);
+        }
+        queue.free -= 1;
+        Ok(Some(vec![job]))
     }
 
-    fn take(&self) -> Vec<Box<dyn Job>> {
+    /// After a transaction's batch: the next batch for it (the oldest waiting jobs, at
+    /// most `max_batch`), or `None` when nothing waits (the transaction is free again).
+    fn next(&self) -> Option<Vec<Box<dyn Job>>> {
         let mut queue = self.queue.lock();
-        let n = queue.jobs.len().min(self.max_batch);
-        let batch: Vec<_> = queue.jobs.drain(..n).collect();
-        if !queue.jobs.is_empty() {
-            // More than a batch waits: wake another transaction for the rest.
-            self.ready.notify_one();
+        if queue.jobs.is_empty() {
+            queue.free += 1;
+            return None;
         }
-        batch
+        let n = queue.jobs.len().min(self.max_batch);
+        Some(queue.jobs.drain(..n).collect())
     }
 
     /// Refuses new commands and drops the waiting ones (their callers hear that the host
@@ -1188,30 +1219,64 @@ impl Batcher {
     }
 }
 
-/// Takes the waiting commands and commits them, a batch at a time, until the host is
-/// dropped or stopped.
-async fn commit_loop(host: Weak<Inner>, batcher: Arc<Batcher>, mut stop: watch::Receiver<bool>) {
-    loop {
-        let batch = batcher.take();
-        if batch.is_empty() {
-            tokio::select! {
-                () = batcher.ready.notified() => continue,
-                _ = stop.wait_for(|&s| s) => break,
-            }
-        }
-        let Some(inner) = host.upgrade() else { break };
-        // Handlers' and invalidations' panics are caught per command (`run_handler`,
-        // `Inner::finish`); should anything else panic, the batch is lost (its callers
-        // hear that the outcome is unknown; an open transaction rolls back), not this task.
-        if std::panic::AssertUnwindSafe(inner.commit(batch))
-            .catch_unwind()
-            .await
-            .is_err()
-        {
-            tracing::error!(host = %inner.id, "committing a batch of commands panicked");
+/// A transaction's work from its first batch on: the batch, then the commands that queued
+/// meanwhile (committed on a task of their own, so that the caller who began it gets its
+/// answer now). Dropped before it ends (its caller went away), it goes on on a task: a
+/// command handed to the pipeline runs.
+struct Committing {
+    work: Option<BoxFuture<'static, ()>>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Committing {
+    fn new(host: &Arc<Inner>, batch: Vec<Box<dyn Job>>) -> Self {
+        let host = host.clone();
+        Self {
+            runtime: host.runtime.clone(),
+            work: Some(Box::pin(async move {
+                host.commit_caught(batch).await;
+                if let Some(next) = host.batcher.next() {
+                    let runtime = host.runtime.clone();
+                    runtime.spawn(async move {
+                        let mut batch = next;
+                        loop {
+                            host.commit_caught(batch).await;
+                            match host.batcher.next() {
+                                Some(next) => batch = next,
+                                None => break,
+                            }
+                        }
+                    });
+                }
+            })),
         }
     }
-    batcher.close();
+}
+
+impl std::future::Future for Committing {
+    type Output = ();
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        let Some(work) = self.work.as_mut() else {
+            return std::task::Poll::Ready(());
+        };
+        let done = work.as_mut().poll(cx);
+        if done.is_ready() {
+            self.work = None;
+        }
+        done
+    }
+}
+
+impl Drop for Committing {
+    fn drop(&mut self) {
+        if let Some(work) = self.work.take() {
+            self.runtime.spawn(work);
+        }
+    }
 }
 
 /// Reads the log when woken, and at least every poll interval; heartbeats and trims now

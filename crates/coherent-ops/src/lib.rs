@@ -17,8 +17,10 @@
 //!    [`HostBuilder::acknowledgements`]), so a read that starts on any host after it
 //!    returned sees the write.
 //!
-//! A handler's write whose answer it does not need can be deferred ([`Tx::defer`]): sent at
-//! once, answered at the commit, so that a command is one round trip to PostgreSQL.
+//! A handler's write whose answer it does not need can be deferred ([`Tx::defer`]): sent
+//! with the transaction, answered at the commit, so that a command is one round trip to
+//! PostgreSQL; a command whose only write is deferred with its text ([`Tx::defer_sql`]) is
+//! one statement, with its operation's row.
 //!
 //! The log is the truth; notifications only wake hosts up. A host reads the log after its
 //! notifier reconnects and every poll interval, so a lost notification costs latency, never

@@ -359,6 +359,7 @@ async fn pg_notify_batches(
     const IDS_PER_ACK: usize = 400;
     let mut batch = Vec::with_capacity(BATCH);
     let mut last: Option<std::time::Instant> = None;
+    let packed_head = packed_head(&from);
     while outgoing.recv_many(&mut batch, BATCH).await > 0 {
         // At most one NOTIFY per interval: what queues meanwhile goes in the next one
         // (unless a full batch waits already).
@@ -377,11 +378,29 @@ async fn pg_notify_batches(
         let mut payloads: Vec<(String, String)> = Vec::with_capacity(batch.len());
         // Acknowledgements to one host in this batch go in one payload.
         let mut acks: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+        // Notices go several to a payload (`Packed`): PostgreSQL queues, and every
+        // listening connection reads and sends, one notification instead of each.
+        let mut packed = String::new();
         for item in batch.drain(..) {
             match item {
-                Outgoing::Notice(payload) => payloads.push((channel.clone(), payload)),
+                Outgoing::Notice(payload) => {
+                    if !packed.is_empty() && packed.len() + payload.len() + 3 > PG_PAYLOAD_MAX {
+                        packed.push_str("]}");
+                        payloads.push((channel.clone(), std::mem::take(&mut packed)));
+                    }
+                    if packed.is_empty() {
+                        packed.push_str(&packed_head);
+                    } else {
+                        packed.push(',');
+                    }
+                    packed.push_str(&payload);
+                }
                 Outgoing::Ack { to, id } => acks.entry(to).or_default().push(id),
             }
+        }
+        if !packed.is_empty() {
+            packed.push_str("]}");
+            payloads.push((channel.clone(), packed));
         }
         for (to, ids) in acks {
             for ids in ids.chunks(IDS_PER_ACK) {
@@ -405,6 +424,42 @@ async fn pg_notify_batches(
         .await;
         if let Err(e) = result {
             tracing::warn!(%e, n = payloads.len(), "NOTIFY failed: the other hosts read the log at their next poll");
+        }
+    }
+}
+
+/// Several notices of one host in one payload, as [`pg_notify_batches`] sends them:
+/// `{"from":"<host>","notices":[...]}`, always in that order, so that a host can tell
+/// its own from the first bytes and skip them.
+#[derive(serde::Deserialize)]
+struct Packed {
+    notices: Vec<Notice>,
+}
+
+/// How a [`Packed`] payload from `host` begins.
+fn packed_head(host: &str) -> String {
+    let host = serde_json::to_string(host).unwrap_or_default();
+    format!("{{\"from\":{host},\"notices\":[")
+}
+
+/// Applies a notification's payload: one notice (a JSON object), or several ([`Packed`]).
+/// `own` is how this host's own packed payloads begin: those are skipped unread.
+fn apply_payload(inner: &Inner, own: &str, payload: &str) {
+    if payload.starts_with(own) {
+        return;
+    }
+    if payload.starts_with("{\"from\":") {
+        match serde_json::from_str::<Packed>(payload) {
+            Ok(packed) => packed
+                .notices
+                .into_iter()
+                .for_each(|n| inner.apply_notice(n)),
+            Err(e) => inner.bad_notice(&e),
+        }
+    } else {
+        match serde_json::from_str::<Notice>(payload) {
+            Ok(notice) => inner.apply_notice(notice),
+            Err(e) => inner.bad_notice(&e),
         }
     }
 }
@@ -454,6 +509,10 @@ async fn pg_listen_once(
         ack_channel(channel, &inner.id)
     };
     let acks_here = ack_channel.clone();
+    let own = match host.upgrade() {
+        Some(inner) => packed_head(&inner.id),
+        None => return Ok(()),
+    };
     let (client, mut connection) = config.connect(tokio_postgres::NoTls).await?;
     // Dropped when the connection ends: `rx` then wakes the loop below.
     let (ended, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
@@ -476,10 +535,7 @@ async fn pg_listen_once(
                         }
                         continue;
                     }
-                    match serde_json::from_str::<Notice>(n.payload()) {
-                        Ok(notice) => inner.apply_notice(notice),
-                        Err(e) => inner.bad_notice(&e),
-                    }
+                    apply_payload(&inner, &own, n.payload());
                 }
                 Ok(_) => {}
                 Err(e) => {

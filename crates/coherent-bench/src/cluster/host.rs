@@ -50,19 +50,19 @@ pub(crate) struct Users {
 
 impl Handler<UpdateUser> for Users {
     async fn execute(&self, c: &UpdateUser, tx: &mut Tx<'_>) -> Result<(), CommandError> {
-        let update = tx.require_postgres()?.prepare_cached(PG_UPDATE).await?;
         let name = format!("User {} v{}", c.id, c.version);
-        // Deferred: sent now, answered with the commit (one round trip for the command).
-        tx.defer(
-            &update,
+        // Deferred, with its text: the command's only write, so it goes with the
+        // operation's row as one statement (one round trip, no BEGIN or COMMIT).
+        tx.defer_sql(
+            PG_UPDATE,
             vec![
                 Box::new(to_i64(c.id)),
                 Box::new(to_i64(c.version)),
                 Box::new(name),
                 Box::new(now_micros()),
             ],
-        )?;
-        Ok(())
+        )
+        .await
     }
 
     fn invalidate(&self, c: &UpdateUser, _: &()) {

@@ -15,9 +15,10 @@
 //!   mutator's command as the plain UPDATE (no log, no notification), and drop the user from
 //!   their own cache after it (a team's cache forgets its own host's writes); the other
 //!   hosts' copies live out their TTL;
-//! - `cluster.commands`: commands/s through `Host::run` (the host's defaults: commands that
-//!   wait while its 4 transactions are busy commit together, BEGIN with the first UPDATE,
-//!   then one message with the INSERT of the operations and COMMIT; the local invalidation;
+//! - `cluster.commands`: commands/s through `Host::run` (the host's defaults: a command
+//!   whose one write is deferred with its text, `Tx::defer_sql`, is one statement with its
+//!   operation's row; commands that wait while the host's 8 transactions are busy commit
+//!   together, in one transaction; the local invalidation;
 //!   the NOTIFY queued for the host's notifying task; `commands_per_transaction` says how
 //!   many shared a transaction on average) against
 //!   `cluster.plain_writes`, the same UPDATE on its own (autocommit): both in the parent, from

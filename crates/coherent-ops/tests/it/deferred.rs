@@ -6,7 +6,7 @@ use coherent_ops::{Database, ErrorKind};
 
 use crate::batches::{queued_behind_a_held_transaction, two_hosts, Pending};
 use crate::inproc::{postgres_db, sqlite_db};
-use crate::support::{DeferredConflict, DeferredReturning, DeferredSet};
+use crate::support::{DeferredConflict, DeferredReturning, DeferredSet, FusedWrite, Fusing};
 
 /// Deferred writes commit with their command, are seen by the handler's next statement,
 /// and are applied on the other host; one that fails fails its command with the server's
@@ -100,6 +100,60 @@ async fn postgres_deferred_writes() {
     assert_eq!(e.kind(), ErrorKind::BadCommand, "{e}");
     items_a.invalidate_value(7);
     assert_eq!(items_a.value(7).await, Ok(0));
+    a.stop().await;
+    b.stop().await;
+}
+
+/// A command whose one write is deferred with its text goes as one statement with its
+/// operation's row: committed, logged and applied on the other host like any other; when
+/// the server refuses it, nothing is written or logged. A statement that cannot stand in a
+/// `WITH` runs in a transaction instead, and a wrong number of parameters is the handler's
+/// error at `defer_sql`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_fused_writes() {
+    let Some(db) = postgres_db("fused").await else {
+        return;
+    };
+    let (a, items_a, b, items_b, _gate) = two_hosts(&db).await;
+    assert_eq!(items_a.value(1).await, Ok(0));
+    assert_eq!(items_b.value(1).await, Ok(0));
+    let before = db.log_len().await.unwrap();
+    let fused = |how, id, value| FusedWrite { id, value, how };
+
+    for value in [21, 22] {
+        a.run(fused(Fusing::Update, 1, value)).await.unwrap();
+        assert_eq!(items_a.value(1).await, Ok(value));
+        b.catch_up().await.unwrap();
+        assert_eq!(items_b.value(1).await, Ok(value));
+    }
+    assert_eq!(a.stats().fused, 2, "{:?}", a.stats());
+    assert_eq!(db.log_len().await.unwrap(), before + 2);
+
+    // Refused by the server: the command fails with its error, nothing is logged.
+    let e = a.run(fused(Fusing::InsertTaken, 1, 99)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Database, "{e}");
+    assert!(e.message().contains("duplicate key"), "{e}");
+    assert_eq!(a.stats().fused, 3);
+    assert_eq!(db.log_len().await.unwrap(), before + 2);
+    items_a.invalidate_value(1);
+    assert_eq!(items_a.value(1).await, Ok(22));
+
+    // Not in a WITH: in a transaction, twice (the second time without trying).
+    for _ in 0..2 {
+        a.run(fused(Fusing::Lock, 1, 0)).await.unwrap();
+    }
+    assert_eq!(a.stats().fused, 3);
+    assert_eq!(db.log_len().await.unwrap(), before + 4);
+
+    let e = a
+        .run(fused(Fusing::TooFewParameters, 1, 5))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::BadCommand, "{e}");
+    assert!(e.message().contains("2 parameters, 1 given"), "{e}");
+    assert_eq!(db.log_len().await.unwrap(), before + 4);
+    items_a.invalidate_value(1);
+    assert_eq!(items_a.value(1).await, Ok(22));
     a.stop().await;
     b.stop().await;
 }

@@ -231,9 +231,10 @@ impl Command for DeferredConflict {
 
 impl Handler<DeferredSet> for Items {
     async fn execute(&self, c: &DeferredSet, tx: &mut Tx<'_>) -> Result<Option<i64>, CommandError> {
+        // Prepared without opening the transaction: the UPDATE waits in the `Tx` until
+        // the read below opens it (or the commit does), and goes before the read.
         let update = tx
-            .require_postgres()?
-            .prepare_cached("UPDATE items SET value = $2 WHERE id = $1")
+            .prepare("UPDATE items SET value = $2 WHERE id = $1")
             .await?;
         tx.defer(&update, vec![Box::new(c.id), Box::new(c.value)])?;
         if !c.read_back {
@@ -266,6 +267,68 @@ impl Handler<DeferredConflict> for Items {
     }
 
     fn invalidate(&self, c: &DeferredConflict, _: &()) {
+        self.invalidate_value(c.id);
+    }
+}
+
+/// One write deferred with its text (`Tx::defer_sql`): the command can go as one
+/// statement with its operation's row.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct FusedWrite {
+    pub(crate) id: i64,
+    pub(crate) value: i64,
+    pub(crate) how: Fusing,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub(crate) enum Fusing {
+    /// `UPDATE items SET value`: fused.
+    Update,
+    /// `INSERT INTO items` of an id that is there: fused, and refused by the primary key.
+    InsertTaken,
+    /// `LOCK TABLE items`: cannot stand in a `WITH`, so it runs in a transaction.
+    Lock,
+    /// The UPDATE with one parameter of its two: refused at `defer_sql`.
+    TooFewParameters,
+}
+
+impl Command for FusedWrite {
+    const NAME: &'static str = "test.fused_write";
+    type Output = ();
+}
+
+impl Handler<FusedWrite> for Items {
+    async fn execute(&self, c: &FusedWrite, tx: &mut Tx<'_>) -> Result<(), CommandError> {
+        match c.how {
+            Fusing::Update => {
+                tx.defer_sql(
+                    "UPDATE items SET value = $2 WHERE id = $1 -- a comment at the end",
+                    vec![Box::new(c.id), Box::new(c.value)],
+                )
+                .await
+            }
+            Fusing::InsertTaken => {
+                tx.defer_sql(
+                    "INSERT INTO items (id, value) VALUES ($1, $2);",
+                    vec![Box::new(c.id), Box::new(c.value)],
+                )
+                .await
+            }
+            Fusing::Lock => {
+                tx.defer_sql("LOCK TABLE items IN ROW EXCLUSIVE MODE", Vec::new())
+                    .await
+            }
+            Fusing::TooFewParameters => {
+                tx.defer_sql(
+                    "UPDATE items SET value = $2 WHERE id = $1",
+                    vec![Box::new(c.id)],
+                )
+                .await
+            }
+        }
+    }
+
+    fn invalidate(&self, c: &FusedWrite, _: &()) {
         self.invalidate_value(c.id);
     }
 }
@@ -311,7 +374,8 @@ pub(crate) async fn host(
         .command::<FailAfterWrite>(items.clone())
         .command::<DeferredSet>(items.clone())
         .command::<DeferredConflict>(items.clone())
-        .command::<DeferredReturning>(items.clone());
+        .command::<DeferredReturning>(items.clone())
+        .command::<FusedWrite>(items.clone());
     let host = configure(builder).start().await.unwrap();
     (host, items)
 }
