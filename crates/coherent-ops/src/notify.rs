@@ -264,19 +264,28 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             let subject = format!("coherent.ops.{}", inner.db.log_name());
             let weak = std::sync::Arc::downgrade(inner);
             let events = weak.clone();
+            // The client, once made: a (re)connection counts as up only after a flush.
+            let made: std::sync::Arc<std::sync::OnceLock<async_nats::Client>> =
+                std::sync::Arc::default();
+            let made_for_events = made.clone();
             let client = async_nats::ConnectOptions::new()
                 .retry_on_initial_connect()
                 .max_reconnects(None)
                 .event_callback(move |event| {
                     let events = events.clone();
+                    let made = made_for_events.clone();
                     async move {
-                        let Some(inner) = events.upgrade() else {
-                            return;
-                        };
                         match event {
-                            async_nats::Event::Connected => inner.notifier_up(),
+                            async_nats::Event::Connected => {
+                                // Before the client exists, `start` sees to it.
+                                if let Some(client) = made.get() {
+                                    tokio::spawn(up_after_flush(events, client.clone()));
+                                }
+                            }
                             async_nats::Event::Disconnected => {
-                                inner.notifier_lost("the NATS connection dropped");
+                                if let Some(inner) = events.upgrade() {
+                                    inner.notifier_lost("the NATS connection dropped");
+                                }
                             }
                             _ => {}
                         }
@@ -294,9 +303,12 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                 .await
                 .map_err(|e| CommandError::new(ErrorKind::Unavailable, format!("NATS: {e}")))?;
             // The subscriptions are queued, not yet known to the server: a message published
-            // before it has them is not delivered. A flush waits for the server's answer to a
-            // ping sent after them (bounded: NATS may be down, and the client keeps trying).
-            let _ = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;
+            // before it has them is not delivered. The notifier is up (and the host reads
+            // the log for what it may have missed) once a flush has come back: the server
+            // answered a ping sent after them. After a reconnection too: the client sends
+            // the subscriptions again before the flush's ping. `start` waits for it, a while.
+            let _ = made.set(client.clone());
+            tokio::spawn(up_after_flush(weak.clone(), client.clone()));
             *inner.publisher.lock() = Publisher::Nats(client, subject);
             tokio::spawn(nats_listen(
                 weak,
@@ -307,6 +319,25 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
         }
     }
     Ok(())
+}
+
+/// Marks the NATS notifier up once a flush of `client` comes back (retrying while the
+/// connection is down; ends with the host).
+#[cfg(feature = "nats")]
+async fn up_after_flush(host: Weak<Inner>, client: async_nats::Client) {
+    loop {
+        let flushed = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;
+        let Some(inner) = host.upgrade() else { return };
+        if matches!(flushed, Ok(Ok(()))) {
+            inner.notifier_up();
+            return;
+        }
+        if *inner.stop.borrow() {
+            return;
+        }
+        drop(inner);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[cfg(feature = "nats")]
