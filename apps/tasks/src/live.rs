@@ -204,6 +204,10 @@ fn command_error(e: StoreError) -> CommandError {
 }
 
 fn api_error(e: CommandError) -> ApiError {
+    if e.sql_state() == Some(FOREIGN_KEY_VIOLATION) {
+        // A task's only foreign key is its project (as `StoreError` reads it too).
+        return ApiError::Unknown(Invalid::new("project", "no such project"));
+    }
     match e.kind() {
         ErrorKind::Rejected => ApiError::Invalid(
             serde_json::from_str(e.message()).unwrap_or_else(|_| Invalid::new("body", e.message())),
@@ -217,17 +221,37 @@ fn api_error(e: CommandError) -> ApiError {
     }
 }
 
+/// PostgreSQL's SQLSTATE for a foreign key that finds no row.
+const FOREIGN_KEY_VIOLATION: &str = "23503";
+
 fn not_found(id: Uuid) -> CommandError {
     CommandError::not_found(format!("task {id}"))
 }
 
 impl Handler<CreateTask> for TasksBackend {
     async fn execute(&self, c: &CreateTask, tx: &mut Tx<'_>) -> Result<(), CommandError> {
-        match tx.postgres() {
-            Some(db) => pg::insert_task(db, &c.task).await,
-            None => lite::insert_task(tx.require_sqlite()?, &c.task),
+        if let Some(db) = tx.sqlite() {
+            return lite::insert_task(db, &c.task).map_err(command_error);
         }
-        .map_err(command_error)
+        // The command's one write, deferred with its text: it goes with the operation's row
+        // as one statement. A project that is not there fails it at the server (its
+        // foreign key), which `api_error` answers as the unknown project.
+        let t = &c.task;
+        tx.defer_sql(
+            &pg::insert_sql(),
+            vec![
+                Box::new(t.id),
+                Box::new(t.project),
+                Box::new(t.title.clone()),
+                Box::new(t.description.clone()),
+                Box::new(t.priority.code()),
+                Box::new(t.status.code()),
+                Box::new(t.assignee.clone()),
+                Box::new(t.created_at),
+                Box::new(t.updated_at),
+            ],
+        )
+        .await
     }
 
     fn invalidate(&self, c: &CreateTask, _: &()) {

@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 pub struct CommandError {
     kind: ErrorKind,
     message: String,
+    /// PostgreSQL's code for the error (SQLSTATE), when the server refused a statement.
+    #[serde(default)]
+    code: Option<String>,
 }
 
 /// The kinds of [`CommandError`].
@@ -40,6 +43,7 @@ impl CommandError {
         Self {
             kind,
             message: message.into(),
+            code: None,
         }
     }
 
@@ -62,6 +66,15 @@ impl CommandError {
     pub fn message(&self) -> &str {
         &self.message
     }
+
+    /// The SQLSTATE of the PostgreSQL error behind it (`"23503"` for a foreign key), when
+    /// the server refused a statement: how a caller tells a constraint from an outage,
+    /// also for a write the pipeline sent after the handler returned ([`Tx::defer`]).
+    ///
+    /// [`Tx::defer`]: crate::Tx::defer
+    pub fn sql_state(&self) -> Option<&str> {
+        self.code.as_deref()
+    }
 }
 
 impl fmt::Display for CommandError {
@@ -81,11 +94,14 @@ impl From<rusqlite::Error> for CommandError {
 impl From<tokio_postgres::Error> for CommandError {
     fn from(e: tokio_postgres::Error) -> Self {
         // The server's own message: `Display` of a server error says only "db error".
-        let message = match e.as_db_error() {
-            Some(db) => format!("postgres: {} ({})", db.message(), db.code().code()),
-            None => format!("postgres: {e}"),
-        };
-        Self::new(ErrorKind::Database, message)
+        match e.as_db_error() {
+            Some(db) => Self {
+                kind: ErrorKind::Database,
+                message: format!("postgres: {} ({})", db.message(), db.code().code()),
+                code: Some(db.code().code().to_owned()),
+            },
+            None => Self::new(ErrorKind::Database, format!("postgres: {e}")),
+        }
     }
 }
 
