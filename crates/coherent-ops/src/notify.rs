@@ -128,10 +128,7 @@ pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), Comm
                 .iter()
                 .map(|c| (c.as_str(), payload.as_str()))
                 .collect();
-            pool.get()
-                .await?
-                .batch_execute(&crate::db::notify_sql(&pairs)?)
-                .await?;
+            crate::db::pg_notify(&pool, &pairs).await?;
         }
         #[cfg(feature = "nats")]
         Route::Nats(client, subject) => {
@@ -448,9 +445,7 @@ async fn pg_notify_batches(
                 .iter()
                 .map(|(c, p)| (c.as_str(), p.as_str()))
                 .collect();
-            let sql = crate::db::notify_sql(&pairs)?;
-            pool.get().await?.batch_execute(&sql).await?;
-            Ok::<_, CommandError>(())
+            crate::db::pg_notify(&pool, &pairs).await
         }
         .await;
         if let Err(e) = result {
