@@ -128,7 +128,7 @@ pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), Comm
                 .iter()
                 .map(|c| (c.as_str(), payload.as_str()))
                 .collect();
-            crate::db::pg_notify(&pool, &pairs).await?;
+            crate::db::pg_notify(pool, &pairs).await?;
         }
         #[cfg(feature = "nats")]
         Route::Nats(client, subject) => {
