@@ -94,7 +94,7 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
     report.note("get_one.static: a handler answering every GET with one stored task's JSON, through the same HTTP stack and load generator: the ceiling of any backend's reads on this machine");
     report.note("order: every backend's reads and mixed rows, then every backend's post row, the tasks each created deleted (and the table vacuumed) before the next");
     report.note("get_list: the first page (20) of a random project, all or one status; get_one: a random task; summary: a random project's counts; post: a new task in a random project");
-    report.note(format!("mixed: {HOT} tasks; 95% GET of one, 5% PATCH of its status (never two writes to one task at once); a read is checked when no write to its task was in flight while it ran, against the last write that returned before it was sent"));
+    report.note(format!("mixed: {HOT} tasks; 95% GET of one, 5% PATCH of its status (never two writes to one task at once); a read is checked when no write to its task was in flight while it ran, against the last write that returned before it was sent; write_p50_ms, write_p99_ms: the PATCHes alone, over every run of the row"));
     if with_wrk && wrk::wrk_installed() {
         report.note("wrk_*: the same row run by wrk (its own Lua script), right after ours");
     } else if with_wrk {
@@ -373,7 +373,9 @@ fn measure(
             )
             .with("stale_reads", mixed.stale.load(Ordering::Relaxed))
             .with("checked_reads", mixed.checked.load(Ordering::Relaxed))
-            .with("writes", mixed.writes.load(Ordering::Relaxed));
+            .with("writes", mixed.writes.load(Ordering::Relaxed))
+            .with("write_p50_ms", round2(mixed.write_ms(0.5)))
+            .with("write_p99_ms", round2(mixed.write_ms(0.99)));
             rows.push(mixed_row);
         }
     }
@@ -582,6 +584,9 @@ struct Mixed {
     stale: AtomicU64,
     checked: AtomicU64,
     writes: AtomicU64,
+    /// The latency of every write (warm-ups included), in microseconds: the row's own
+    /// histogram is every request's, 95% of them reads.
+    write_latency: parking_lot::Mutex<hdrhistogram::Histogram<u64>>,
 }
 
 #[derive(Default)]
@@ -622,7 +627,16 @@ impl Mixed {
             stale: AtomicU64::new(0),
             checked: AtomicU64::new(0),
             writes: AtomicU64::new(0),
+            write_latency: parking_lot::Mutex::new(
+                hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 3)
+                    .expect("valid histogram bounds"),
+            ),
         }
+    }
+
+    /// The writes' latency at `quantile`, in milliseconds (0 with no writes).
+    fn write_ms(&self, quantile: f64) -> f64 {
+        self.write_latency.lock().value_at_quantile(quantile) as f64 / 1_000.0
     }
 }
 
@@ -685,12 +699,15 @@ impl Workload for Mixed {
         (_, flight): &mut Self::Conn,
         _: &Request,
         r: &Response<'_>,
-        _: Instant,
-        _: Instant,
+        sent: Instant,
+        done: Instant,
     ) -> Result<(), String> {
         expect_status(r, 200)?;
         match std::mem::replace(flight, InFlight::None) {
             InFlight::Write { task, status } => {
+                let micros =
+                    u64::try_from(done.duration_since(sent).as_micros()).unwrap_or(u64::MAX);
+                self.write_latency.lock().saturating_record(micros.max(1));
                 let track = &self.tracks[task];
                 track.status.store(status.code() as u8, Ordering::Release);
                 track.writing.store(false, Ordering::Release);
