@@ -627,10 +627,7 @@ impl Mixed {
             stale: AtomicU64::new(0),
             checked: AtomicU64::new(0),
             writes: AtomicU64::new(0),
-            write_latency: parking_lot::Mutex::new(
-                hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 3)
-                    .expect("valid histogram bounds"),
-            ),
+            write_latency: parking_lot::Mutex::new(load::latency_histogram()),
         }
     }
 
@@ -705,9 +702,7 @@ impl Workload for Mixed {
         expect_status(r, 200)?;
         match std::mem::replace(flight, InFlight::None) {
             InFlight::Write { task, status } => {
-                let micros =
-                    u64::try_from(done.duration_since(sent).as_micros()).unwrap_or(u64::MAX);
-                self.write_latency.lock().saturating_record(micros.max(1));
+                load::record_latency(&mut self.write_latency.lock(), sent, done);
                 let track = &self.tracks[task];
                 track.status.store(status.code() as u8, Ordering::Release);
                 track.writing.store(false, Ordering::Release);

@@ -347,6 +347,19 @@ struct Stats {
     first_errors: Vec<String>,
 }
 
+/// An empty latency histogram: 1 µs to 60 s, 3 significant digits.
+pub(crate) fn latency_histogram() -> Histogram<u64> {
+    // 1..=60 s with 3 digits is a valid range: this cannot fail.
+    Histogram::new_with_bounds(1, MAX_LATENCY_US, 3).expect("valid histogram bounds")
+}
+
+/// Records the time from `sent` to `done` in `histogram`, in microseconds (at least 1;
+/// longer than the histogram holds saturates).
+pub(crate) fn record_latency(histogram: &mut Histogram<u64>, sent: Instant, done: Instant) {
+    let micros = u64::try_from(done.duration_since(sent).as_micros()).unwrap_or(u64::MAX);
+    histogram.saturating_record(micros.max(1));
+}
+
 impl Stats {
     /// Zero counts and an empty histogram of 1 µs to 60 s at 3 significant digits.
     fn new() -> Self {
@@ -356,9 +369,7 @@ impl Stats {
             non_2xx: 0,
             not_modified: 0,
             reconnects: 0,
-            // 1..=60 s with 3 digits is a valid range: this cannot fail.
-            latency: Histogram::new_with_bounds(1, MAX_LATENCY_US, 3)
-                .expect("valid histogram bounds"),
+            latency: latency_histogram(),
             first_errors: Vec::new(),
         }
     }
@@ -478,8 +489,7 @@ async fn drive_connection<W: Workload>(
                 if measured {
                     let mut stats = stats.borrow_mut();
                     stats.requests += 1;
-                    let micros = u64::try_from((done - sent).as_micros()).unwrap_or(u64::MAX);
-                    stats.latency.saturating_record(micros.max(1));
+                    record_latency(&mut stats.latency, sent, done);
                     match resp.status {
                         200..=299 => {}
                         304 => stats.not_modified += 1,
