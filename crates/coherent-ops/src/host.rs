@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, oneshot, watch, Notify};
 
 use crate::command::{BoxFuture, Command, DynHandler, Handler, Handlers};
-use crate::db::{now_micros, Append, Database, Engine, Execute, Logged, Tx};
+use crate::db::{now_micros, Append, Cursor, Database, Engine, Execute, Logged, Reading, Tx};
 use crate::error::{CommandError, ErrorKind};
 use crate::notify::{self, Notifier, Publisher};
 
@@ -81,6 +81,9 @@ pub struct HostStats {
     pub unknown: u64,
     /// Operations whose logged command or output did not decode.
     pub undecodable: u64,
+    /// Replays (another host's invalidation run here) that panicked. Each flushed the
+    /// cache, as an operation that cannot be applied does.
+    pub replay_panics: u64,
     /// Notifications that did not decode, or claimed an implausible position: each only
     /// woke the log reader.
     pub implausible: u64,
@@ -123,6 +126,7 @@ struct Counters {
     duplicates: AtomicU64,
     unknown: AtomicU64,
     undecodable: AtomicU64,
+    replay_panics: AtomicU64,
     implausible: AtomicU64,
     rounds: AtomicU64,
     round_errors: AtomicU64,
@@ -365,7 +369,8 @@ impl HostBuilder {
         } else {
             self.registries
         };
-        let horizon = self.db.current_horizon().await?;
+        let cursor = self.db.start_cursor().await?;
+        let horizon = cursor.horizon;
         let (applied_tx, _) = broadcast::channel(4096);
         let batcher = Batcher {
             queue: Mutex::new(Queue {
@@ -380,7 +385,7 @@ impl HostBuilder {
             db: self.db,
             handlers: self.handlers,
             state: Mutex::new(State {
-                horizon,
+                cursor,
                 applied: HashMap::new(),
             }),
             round: tokio::sync::Mutex::new(()),
@@ -494,10 +499,11 @@ pub(crate) struct Inner {
 const PEER_ALIVE: Duration = Duration::from_secs(5);
 
 struct State {
-    /// Every operation before it is applied (or predates this host).
-    horizon: u64,
-    /// Operations at or after the horizon that are applied (or being applied), by id,
-    /// with their position.
+    /// What the reads of the log have read: every operation it has read is applied (or
+    /// predates this host).
+    cursor: Cursor,
+    /// Operations the cursor has not read that are applied (or being applied), by id,
+    /// with their position and the hash of their content.
     applied: HashMap<i64, (u64, u64)>,
 }
 
@@ -617,6 +623,7 @@ impl Host {
             duplicates: r(&c.duplicates),
             unknown: r(&c.unknown),
             undecodable: r(&c.undecodable),
+            replay_panics: r(&c.replay_panics),
             implausible: r(&c.implausible),
             rounds: r(&c.rounds),
             round_errors: r(&c.round_errors),
@@ -635,7 +642,7 @@ impl Host {
                 .values()
                 .filter(|&&suspect| !suspect)
                 .count() as u64,
-            horizon: self.inner.state.lock().horizon,
+            horizon: self.inner.state.lock().cursor.horizon,
         }
     }
 
@@ -737,7 +744,7 @@ impl Inner {
         {
             let mut state = self.state.lock();
             if via == Via::Notification
-                && (op.position > state.horizon.saturating_add(MAX_AHEAD)
+                && (op.position > state.cursor.next.saturating_add(MAX_AHEAD)
                     || state.applied.len() >= MAX_APPLIED)
             {
                 // Not a plausible operation (or a flood of them): notifications are only
@@ -747,13 +754,13 @@ impl Inner {
                 self.wake.notify_one();
                 return;
             }
-            // Behind the horizon: a read of the log applied it (or it predates this host).
-            // Ahead of it, the same id at the same position with the same content is the
+            // Read by the cursor: a read of the log applied it (or it predates this host).
+            // Otherwise, the same id at the same position with the same content is the
             // same operation; a notice that claimed the id with anything else was not,
             // and the log's version is applied.
             let mark = (op.position, content_hash(op));
-            let seen =
-                op.position < state.horizon || state.applied.insert(op.id, mark) == Some(mark);
+            let seen = state.cursor.has_read(op.position)
+                || state.applied.insert(op.id, mark) == Some(mark);
             if seen {
                 drop(state);
                 self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
@@ -761,26 +768,45 @@ impl Inner {
                 return;
             }
         }
-        match self.handlers.get(&op.kind) {
+        // An operation this host cannot replay (a command of another release, one that
+        // does not decode here, an invalidation that panics) may have changed anything
+        // this host's cache holds: the cache is flushed before the operation is
+        // acknowledged, as after a lost notifier (issue 30, holes 2 and 4).
+        let failed = match self.handlers.get(&op.kind) {
             Ok(registered) => {
-                if let Err(e) = (registered.replay)(&op.command, &op.output) {
-                    self.counters.undecodable.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(op = op.id, kind = op.kind, %e, "operation not applied");
-                    // Nothing more will come of it here: its host need not wait.
-                    self.acknowledge(&op.host, op.id);
-                    return;
+                let replay = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    (registered.replay)(&op.command, &op.output)
+                }));
+                match replay {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => {
+                        self.counters.undecodable.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(host = %self.id, op = op.id, kind = op.kind, %e,
+                            "an operation that does not decode here: flushing the cache");
+                        Some("an operation that does not decode here")
+                    }
+                    Err(_) => {
+                        self.counters.replay_panics.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(host = %self.id, op = op.id, kind = op.kind,
+                            "an operation's invalidation panicked here: flushing the cache");
+                        Some("an operation's invalidation panicked")
+                    }
                 }
             }
             Err(_) => {
                 self.counters.unknown.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    op = op.id,
-                    kind = op.kind,
-                    "no handler for this operation's command here"
-                );
-                self.acknowledge(&op.host, op.id);
-                return;
+                tracing::error!(host = %self.id, op = op.id, kind = op.kind,
+                    "no handler for this operation's command here (a host of another \
+                     release?): flushing the cache");
+                Some("an operation of a command this host does not know")
             }
+        };
+        if let Some(why) = failed {
+            // Not counted as applied (nor sent to subscribers): its own invalidation did
+            // not run. The flush stands in for it, so its host need not wait.
+            self.flush(why);
+            self.acknowledge(&op.host, op.id);
+            return;
         }
         match via {
             Via::Notification => &self.counters.applied_notified,
@@ -992,20 +1018,22 @@ impl Inner {
         }
     }
 
-    /// Reads the log from the horizon until a read comes back short.
+    /// Reads every operation the cursor has not read (page by page), applies those not
+    /// applied yet, and moves the cursor (see `db/log.rs`).
     async fn round(&self) -> Result<(), CommandError> {
         let _one_at_a_time = self.round.lock().await;
+        self.counters.rounds.fetch_add(1, Ordering::Relaxed);
+        let from = self.state.lock().cursor.clone();
+        let mut reading = Reading::new(from);
         loop {
-            let horizon = self.state.lock().horizon;
-            self.counters.rounds.fetch_add(1, Ordering::Relaxed);
-            let (rows, next) = match self.db.read_after(horizon).await {
-                Ok(read) => read,
+            let rows = match reading.next_page(&self.db).await {
+                Ok(Some(rows)) => rows,
+                Ok(None) => break,
                 Err(e) => {
                     self.counters.round_errors.fetch_add(1, Ordering::Relaxed);
                     return Err(e);
                 }
             };
-            let full = rows.len() >= 1000;
             for op in &rows {
                 if op.host == self.id {
                     // Ours: `run` invalidated here right after the commit (this id is this
@@ -1014,17 +1042,13 @@ impl Inner {
                 }
                 self.apply(op, op.logged_at, Via::Log);
             }
-            {
-                let mut state = self.state.lock();
-                if next > state.horizon {
-                    state.horizon = next;
-                    state.applied.retain(|_, (p, _)| *p >= next);
-                }
-            }
-            if !full {
-                return Ok(());
-            }
         }
+        let to = reading.finish();
+        let mut state = self.state.lock();
+        // Remembered only while the cursor has not read them.
+        state.applied.retain(|_, (p, _)| !to.has_read(*p));
+        state.cursor = to;
+        Ok(())
     }
 
     /// The notifier may have dropped operations: until the log has been read again, no
@@ -1304,11 +1328,20 @@ async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiv
         if last_ok.elapsed() > inner.host_expiry {
             inner.flush("this host read no log for longer than the host expiry");
         }
-        match inner.round().await {
-            Ok(()) => last_ok = Instant::now(),
-            Err(e) => tracing::warn!(host = %inner.id, %e, "reading the operation log failed"),
+        // A panic in a read (replays catch their own) must not end this task: the host
+        // would read, heartbeat and trim no more, its notifier still saying it is up.
+        match std::panic::AssertUnwindSafe(inner.round())
+            .catch_unwind()
+            .await
+        {
+            Ok(Ok(())) => last_ok = Instant::now(),
+            Ok(Err(e)) => tracing::warn!(host = %inner.id, %e, "reading the operation log failed"),
+            Err(_) => {
+                inner.counters.round_errors.fetch_add(1, Ordering::Relaxed);
+                inner.flush("a read of the operation log panicked");
+            }
         }
-        let horizon = inner.state.lock().horizon;
+        let horizon = inner.state.lock().cursor.horizon;
         if last_heartbeat.elapsed() >= Duration::from_secs(1).min(inner.host_expiry / 4) {
             match inner.db.heartbeat(&inner.id, horizon).await {
                 Ok(()) => last_heartbeat = Instant::now(),

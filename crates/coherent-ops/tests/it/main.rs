@@ -5,5 +5,6 @@
 mod acks;
 mod batches;
 mod deferred;
+mod holes;
 mod inproc;
 mod support;

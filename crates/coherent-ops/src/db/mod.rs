@@ -1,23 +1,13 @@
 //! The database the commands write to, and the operation log in it: the pipeline's
-//! transaction, the log's tables, appending, reading after a horizon, heartbeats, trimming.
+//! transaction, the log's tables, appending, reading (`log`), heartbeats, trimming.
 //!
-//! ## Positions and horizons
+//! ## Positions and cursors
 //!
-//! A host reads the log in rounds. Each round reads every operation at or after its
-//! *horizon* and then moves the horizon to a point before which nothing can appear any more:
-//!
-//! - PostgreSQL: an operation's position is the id of the transaction that wrote it
-//!   (`pg_current_xact_id()`), and the new horizon is the `xmin` of the snapshot the round
-//!   read with: every transaction below it had finished when the round read, so each of its
-//!   operations either was read by this round or never will exist. Sequence ids would not
-//!   do: they are taken in insert order, not commit order, and a reader that moved past id
-//!   11 while 10 was still uncommitted would skip 10 for good.
-//! - SQLite: one writer at a time holds the database from `BEGIN IMMEDIATE` to `COMMIT`, so
-//!   ids are taken in commit order; the position is the id, the new horizon one past the
-//!   last id read.
-//!
-//! Operations at or after the horizon may be read again in the next round; the host keeps
-//! the ids it applied there, so that none is applied twice.
+//! Every operation has a *position* in the log (PostgreSQL: the id of the transaction that
+//! wrote it; SQLite: its id). A host reads what it has not read yet, from its cursor, and
+//! moves the cursor past what can no longer appear: see [`log`] for the argument. Sequence
+//! ids would not do on PostgreSQL: they are taken in insert order, not commit order, and a
+//! reader that moved past id 11 while 10 was still uncommitted would skip 10 for good.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -25,6 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rusqlite::{params, Connection, OptionalExtension};
+
+mod log;
+
+pub(crate) use log::{Cursor, Reading};
 
 use crate::command::BoxFuture;
 use crate::error::{CommandError, ErrorKind};
@@ -39,9 +33,6 @@ pub(crate) fn now_micros() -> i64 {
 /// Connections of a PostgreSQL `Database`'s pool: the host's transactions, its reads of
 /// the log, and whatever the application reads through [`Database::postgres_pool`].
 const POOL_SIZE: usize = 16;
-
-/// Rows read per round at most.
-const READ_LIMIT: i64 = 1_000;
 
 /// Where commands write, and where the operation log lives: one SQLite file shared by the
 /// processes of one machine, or one PostgreSQL database (and schema) shared by every host.
@@ -208,7 +199,7 @@ CREATE TABLE IF NOT EXISTS coherent_operations (
     command TEXT NOT NULL,
     output TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS coherent_operations_xid ON coherent_operations (xid);
+CREATE INDEX IF NOT EXISTS coherent_operations_xid_id ON coherent_operations (xid, id);
 CREATE TABLE IF NOT EXISTS coherent_hosts (
     host TEXT PRIMARY KEY,
     horizon BIGINT NOT NULL,
@@ -577,105 +568,6 @@ impl Database {
                 // (`unnest` keeps the arrays' order); `RETURNING` need not.
                 ids.sort_unstable_by_key(|&(id, _)| id);
                 Ok(ids)
-            }
-        }
-    }
-
-    /// The horizon a host starts from: nothing before it concerns a host whose cache is
-    /// empty now.
-    pub(crate) async fn current_horizon(&self) -> Result<u64, CommandError> {
-        match &*self.inner {
-            Engine::Sqlite(s) => {
-                let c = s.reader.lock();
-                let max: Option<i64> =
-                    c.query_row("SELECT max(id) FROM coherent_operations", [], |r| r.get(0))?;
-                Ok(u64::try_from(max.unwrap_or(0)).unwrap_or(0) + 1)
-            }
-            Engine::Postgres(pg) => {
-                let client = pg.pool.get().await?;
-                let row = client
-                    .query_one("SELECT pg_snapshot_xmin(pg_current_snapshot())::text", &[])
-                    .await?;
-                parse_xid(row.get(0))
-            }
-        }
-    }
-
-    /// Every operation at or after `horizon` (at most a batch), and the next horizon.
-    pub(crate) async fn read_after(
-        &self,
-        horizon: u64,
-    ) -> Result<(Vec<Logged>, u64), CommandError> {
-        match &*self.inner {
-            Engine::Sqlite(s) => {
-                let c = s.reader.lock();
-                let mut q = c.prepare_cached(
-                    "SELECT id, host, logged_at, kind, command, output FROM coherent_operations \
-                     WHERE id >= ?1 ORDER BY id LIMIT ?2",
-                )?;
-                let rows = q
-                    .query_map(
-                        params![i64::try_from(horizon).unwrap_or(i64::MAX), READ_LIMIT],
-                        |r| {
-                            let id: i64 = r.get(0)?;
-                            Ok(Logged {
-                                id,
-                                position: u64::try_from(id).unwrap_or(0),
-                                host: r.get(1)?,
-                                logged_at: r.get(2)?,
-                                kind: r.get(3)?,
-                                command: r.get(4)?,
-                                output: r.get(5)?,
-                            })
-                        },
-                    )?
-                    .collect::<Result<Vec<_>, _>>()?;
-                let next = rows.last().map_or(horizon, |r| r.position + 1);
-                Ok((rows, next))
-            }
-            Engine::Postgres(pg) => {
-                let client = pg.pool.get().await?;
-                // One statement, one snapshot: the rows and the snapshot's xmin agree. The
-                // outer join answers the xmin even when there is no row.
-                let q = client
-                    .prepare_cached(
-                        "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, o.id, o.xid::text, \
-                                o.host, o.logged_at, o.kind, o.command, o.output \
-                         FROM (SELECT 1) AS one LEFT JOIN \
-                              (SELECT * FROM coherent_operations WHERE xid >= $1::text::xid8 \
-                               ORDER BY xid, id LIMIT $2) AS o ON true",
-                    )
-                    .await?;
-                let rows = client
-                    .query(&q, &[&horizon.to_string(), &READ_LIMIT])
-                    .await?;
-                let xmin = match rows.first() {
-                    Some(r) => parse_xid(r.get(0))?,
-                    None => horizon,
-                };
-                let mut out = Vec::with_capacity(rows.len());
-                for r in &rows {
-                    let Some(id) = r.get::<_, Option<i64>>(1) else {
-                        continue;
-                    };
-                    out.push(Logged {
-                        id,
-                        position: parse_xid(r.get(2))?,
-                        host: r.get(3),
-                        logged_at: r.get(4),
-                        kind: r.get(5),
-                        command: r.get(6),
-                        output: r.get(7),
-                    });
-                }
-                // A full batch may have left rows out: the next round starts at the last
-                // position read (its rows are read again and skipped).
-                let next = if out.len() as i64 >= READ_LIMIT {
-                    out.last().map_or(horizon, |r| r.position)
-                } else {
-                    xmin
-                };
-                Ok((out, next.max(horizon)))
             }
         }
     }
