@@ -1,0 +1,507 @@
+//! A host process of a checked run: the `Registers` service over PostgreSQL, a
+//! [`Host`](coherent::ops::Host) with the commands that write it, readers and writers that
+//! record their history, and a line protocol on stdin/stdout through which the parent
+//! starts and stops the workload and injects the faults that need the host's help.
+//!
+//! Settings come in environment variables (see [`Node`]); each answer is a stdout line
+//! that starts with `@@ ` (anything else on stdout is skipped by the parent).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use coherent::ops::{Command, CommandError, Database, Handler, Host, Notifier, Tx};
+use coherent::prelude::*;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::history::{now_ns, Read, Recorder, Write};
+
+/// Set (to anything) in a host process's environment: [`main`] runs.
+pub const NODE_MODE: &str = "COHERENT_CHECKER_NODE";
+
+/// The registers: `registers(id, value)`, one computed per register.
+#[derive(Clone, ComputeService)]
+pub struct Registers {
+    handle: ServiceHandle,
+    pool: deadpool_postgres::Pool,
+}
+
+#[compute_service]
+impl Registers {
+    /// A register's version, read from the database.
+    #[compute]
+    pub async fn value(&self, key: i64) -> Result<i64, String> {
+        let c = self.pool.get().await.map_err(|e| e.to_string())?;
+        let row = c
+            .query_one("SELECT value FROM registers WHERE id = $1", &[&key])
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(row.get(0))
+    }
+}
+
+/// Adds one to a register; answers the new version.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Increment {
+    /// The register.
+    pub key: i64,
+}
+
+impl Command for Increment {
+    const NAME: &'static str = "checker.increment";
+    type Output = i64;
+}
+
+/// The same write as a command of "the next release": only hosts started as such know it;
+/// the others cannot replay it, and must not serve stale entries because of it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IncrementNext {
+    /// The register.
+    pub key: i64,
+    /// A field the old release never had.
+    pub reason: String,
+}
+
+impl Command for IncrementNext {
+    const NAME: &'static str = "checker.increment_next";
+    type Output = i64;
+}
+
+/// An increment whose transaction takes its id first, then holds it open for `hold_ms`
+/// before it writes: a long transaction that pins every snapshot's `xmin` meanwhile.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SlowIncrement {
+    /// The register.
+    pub key: i64,
+    /// How long the transaction stays open before its write.
+    pub hold_ms: u64,
+}
+
+impl Command for SlowIncrement {
+    const NAME: &'static str = "checker.slow_increment";
+    type Output = i64;
+}
+
+async fn increment(key: i64, tx: &mut Tx<'_>) -> Result<i64, CommandError> {
+    let row = tx
+        .require_postgres()?
+        .query_one(
+            "UPDATE registers SET value = value + 1 WHERE id = $1 RETURNING value",
+            &[&key],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+impl Handler<Increment> for Registers {
+    async fn execute(&self, c: &Increment, tx: &mut Tx<'_>) -> Result<i64, CommandError> {
+        increment(c.key, tx).await
+    }
+
+    fn invalidate(&self, c: &Increment, _: &i64) {
+        self.invalidate_value(c.key);
+    }
+}
+
+impl Handler<IncrementNext> for Registers {
+    async fn execute(&self, c: &IncrementNext, tx: &mut Tx<'_>) -> Result<i64, CommandError> {
+        increment(c.key, tx).await
+    }
+
+    fn invalidate(&self, c: &IncrementNext, _: &i64) {
+        self.invalidate_value(c.key);
+    }
+}
+
+impl Handler<SlowIncrement> for Registers {
+    async fn execute(&self, c: &SlowIncrement, tx: &mut Tx<'_>) -> Result<i64, CommandError> {
+        tx.require_postgres()?
+            .query_one("SELECT pg_current_xact_id()::text", &[])
+            .await?;
+        tokio::time::sleep(Duration::from_millis(c.hold_ms)).await;
+        increment(c.key, tx).await
+    }
+
+    fn invalidate(&self, c: &SlowIncrement, _: &i64) {
+        self.invalidate_value(c.key);
+    }
+}
+
+/// Creates the registers table (if missing) with `keys` registers at version 0.
+pub async fn create_registers(client: &tokio_postgres::Client, keys: u32) -> anyhow::Result<()> {
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS registers (id BIGINT PRIMARY KEY, value BIGINT NOT NULL)",
+        )
+        .await?;
+    client
+        .execute(
+            "INSERT INTO registers SELECT i, 0 FROM generate_series(1, $1::bigint) AS i \
+             ON CONFLICT DO NOTHING",
+            &[&i64::from(keys)],
+        )
+        .await?;
+    Ok(())
+}
+
+/// A host process's settings, from its environment.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// `CHK_URL`: PostgreSQL.
+    pub url: String,
+    /// `CHK_SCHEMA`: the schema of the run.
+    pub schema: String,
+    /// `CHK_NATS`: a NATS URL, or empty for PostgreSQL's LISTEN/NOTIFY.
+    pub nats: Option<String>,
+    /// `CHK_HISTORY`: the file the history goes to.
+    pub history: std::path::PathBuf,
+    /// `CHK_KEYS`: how many registers.
+    pub keys: u32,
+    /// `CHK_READERS`, `CHK_WRITERS`: tasks of each.
+    pub readers: u32,
+    /// Writer tasks.
+    pub writers: u32,
+    /// `CHK_READ_BATCH`: reads between two pauses of 1 ms of a reader.
+    pub read_batch: u32,
+    /// `CHK_NEXT_RELEASE`: this host knows [`IncrementNext`] and writes it half the time.
+    pub next_release: bool,
+    /// `CHK_CLOCK_SKEW_MS`: this host's wall clock is off by this much.
+    pub clock_skew_ms: i64,
+}
+
+impl Node {
+    /// The settings from the environment.
+    pub fn from_env() -> anyhow::Result<Self> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let num = |k: &str, d: u32| var(k).map_or(Ok(d), |v| v.parse());
+        Ok(Self {
+            url: var("CHK_URL").ok_or_else(|| anyhow::anyhow!("CHK_URL"))?,
+            schema: var("CHK_SCHEMA").ok_or_else(|| anyhow::anyhow!("CHK_SCHEMA"))?,
+            nats: var("CHK_NATS"),
+            history: var("CHK_HISTORY")
+                .ok_or_else(|| anyhow::anyhow!("CHK_HISTORY"))?
+                .into(),
+            keys: num("CHK_KEYS", 32)?,
+            readers: num("CHK_READERS", 2)?,
+            writers: num("CHK_WRITERS", 2)?,
+            read_batch: num("CHK_READ_BATCH", 8)?,
+            next_release: var("CHK_NEXT_RELEASE").is_some(),
+            clock_skew_ms: var("CHK_CLOCK_SKEW_MS").map_or(Ok(0), |v| v.parse())?,
+        })
+    }
+
+    /// The environment that gives these settings.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        let mut env = vec![
+            (NODE_MODE, "1".to_owned()),
+            ("CHK_URL", self.url.clone()),
+            ("CHK_SCHEMA", self.schema.clone()),
+            ("CHK_HISTORY", self.history.display().to_string()),
+            ("CHK_KEYS", self.keys.to_string()),
+            ("CHK_READERS", self.readers.to_string()),
+            ("CHK_WRITERS", self.writers.to_string()),
+            ("CHK_READ_BATCH", self.read_batch.to_string()),
+            ("CHK_CLOCK_SKEW_MS", self.clock_skew_ms.to_string()),
+        ];
+        if let Some(nats) = &self.nats {
+            env.push(("CHK_NATS", nats.clone()));
+        }
+        if self.next_release {
+            env.push(("CHK_NEXT_RELEASE", "1".to_owned()));
+        }
+        env
+    }
+}
+
+fn say(line: &str) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "@@ {line}");
+    let _ = out.flush();
+}
+
+/// Counts of a host process's workload.
+#[derive(Default)]
+struct Counts {
+    reads: AtomicU64,
+    read_errors: AtomicU64,
+    writes: AtomicU64,
+    write_errors: AtomicU64,
+}
+
+struct Workload {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Runs a host process; returns its exit code. Call from a multi-threaded tokio runtime.
+pub async fn main() -> i32 {
+    match serve().await {
+        Ok(()) => 0,
+        Err(e) => {
+            say(&format!("err {e:#}"));
+            1
+        }
+    }
+}
+
+async fn serve() -> anyhow::Result<()> {
+    let node = Node::from_env()?;
+    let db = Database::postgres_in_schema(&node.url, &node.schema).await?;
+    let pool = db.postgres_pool().expect("PostgreSQL").clone();
+    let registry = Registry::new();
+    let registers = Registers {
+        handle: ServiceHandle::with_registry(&registry),
+        pool,
+    };
+    let mut builder = Host::builder(db)
+        .registry(&registry)
+        .command::<Increment>(registers.clone())
+        .command::<SlowIncrement>(registers.clone());
+    if node.next_release {
+        builder = builder.command::<IncrementNext>(registers.clone());
+    }
+    if let Some(url) = &node.nats {
+        builder = builder.notifier(Notifier::Nats(url.clone()));
+    }
+    let host = builder.start().await?;
+    let recorder = Arc::new(Recorder::create(&node.history)?);
+    let counts = Arc::new(Counts::default());
+    {
+        let recorder = recorder.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let _ = recorder.flush();
+            }
+        });
+    }
+    say(&format!("ready {}", host.id()));
+    let mut workload: Option<Workload> = None;
+    // Bursts and slow commands the parent started: waited for at `stop`.
+    let mut extra: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = lines.next_line().await? {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["start"] => {
+                if workload.is_none() {
+                    workload = Some(start(&node, &host, &registers, &recorder, &counts));
+                }
+                say("started");
+            }
+            ["burst", n] => {
+                // Answered at once: the burst runs beside the workload.
+                let n: u32 = n.parse()?;
+                let (node, host, recorder, counts) =
+                    (node.clone(), host.clone(), recorder.clone(), counts.clone());
+                extra.push(tokio::spawn(async move {
+                    burst(&node, &host, &recorder, &counts, n).await
+                }));
+                say("burst started");
+            }
+            ["slow", key, ms] => {
+                let (key, hold_ms): (i64, u64) = (key.parse()?, ms.parse()?);
+                let (host, recorder, counts) = (host.clone(), recorder.clone(), counts.clone());
+                extra.push(tokio::spawn(async move {
+                    let start = now_ns();
+                    let result = host.run(SlowIncrement { key, hold_ms }).await;
+                    record_write(&recorder, &counts, key, start, result);
+                }));
+                say("slow started");
+            }
+            ["stop"] => {
+                if let Some(w) = workload.take() {
+                    w.stop.store(true, Ordering::Relaxed);
+                    for t in w.tasks {
+                        let _ = t.await;
+                    }
+                }
+                for t in extra.drain(..) {
+                    let _ = t.await;
+                }
+                recorder.flush()?;
+                say("stopped");
+            }
+            ["final"] => {
+                host.catch_up().await?;
+                let mut values = Vec::new();
+                for key in 1..=i64::from(node.keys) {
+                    values.push(match registers.value(key).await {
+                        Ok(v) => v.to_string(),
+                        Err(_) => "err".to_owned(),
+                    });
+                }
+                say(&format!("final {}", values.join(" ")));
+            }
+            ["stats"] => {
+                let s = host.stats();
+                let c = &counts;
+                let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                say(&format!(
+                    "stats reads={} read_errors={} writes={} write_errors={} unknown={} \
+                     undecodable={} replay_panics={} flushes={} ack_timeouts={} duplicates={} \
+                     applied_notified={} applied_from_log={}",
+                    r(&c.reads),
+                    r(&c.read_errors),
+                    r(&c.writes),
+                    r(&c.write_errors),
+                    s.unknown,
+                    s.undecodable,
+                    s.replay_panics,
+                    s.flushes,
+                    s.ack_timeouts,
+                    s.duplicates,
+                    s.applied_notified,
+                    s.applied_from_log,
+                ));
+            }
+            ["quit"] => {
+                host.stop().await;
+                recorder.flush()?;
+                say("bye");
+                return Ok(());
+            }
+            _ => say(&format!("err unknown line {line:?}")),
+        }
+    }
+    Ok(())
+}
+
+fn record_write(
+    recorder: &Recorder,
+    counts: &Counts,
+    key: i64,
+    start: u64,
+    result: Result<i64, CommandError>,
+) {
+    match result {
+        Ok(version) => {
+            let end = now_ns();
+            counts.writes.fetch_add(1, Ordering::Relaxed);
+            recorder.write(&Write {
+                key: key as u32,
+                version,
+                start,
+                end,
+            });
+        }
+        Err(_) => {
+            counts.write_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+async fn write_once(node: &Node, host: &Host, key: i64, i: u64) -> Result<i64, CommandError> {
+    if node.next_release && i % 2 == 1 {
+        host.run(IncrementNext {
+            key,
+            reason: "next release".into(),
+        })
+        .await
+    } else {
+        host.run(Increment { key }).await
+    }
+}
+
+fn start(
+    node: &Node,
+    host: &Host,
+    registers: &Registers,
+    recorder: &Arc<Recorder>,
+    counts: &Arc<Counts>,
+) -> Workload {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for reader in 0..node.readers {
+        let (stop, registers, recorder, counts) = (
+            stop.clone(),
+            registers.clone(),
+            recorder.clone(),
+            counts.clone(),
+        );
+        let (keys, batch) = (node.keys, node.read_batch.max(1));
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                for _ in 0..batch {
+                    let key = rand::random_range(1..=keys);
+                    let start = now_ns();
+                    let answer = registers.value(i64::from(key)).await;
+                    let end = now_ns();
+                    match answer {
+                        Ok(seen) => {
+                            counts.reads.fetch_add(1, Ordering::Relaxed);
+                            recorder.read(&Read {
+                                key,
+                                seen,
+                                start,
+                                end,
+                                reader,
+                            });
+                        }
+                        Err(_) => {
+                            counts.read_errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }));
+    }
+    for _ in 0..node.writers {
+        let (stop, host, recorder, counts, node) = (
+            stop.clone(),
+            host.clone(),
+            recorder.clone(),
+            counts.clone(),
+            node.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let key = i64::from(rand::random_range(1..=node.keys));
+                let start = now_ns();
+                let result = write_once(&node, &host, key, i).await;
+                if result.is_err() {
+                    // A fault (a terminated connection, say): do not spin on it.
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                record_write(&recorder, &counts, key, start, result);
+                i += 1;
+            }
+        }));
+    }
+    Workload { stop, tasks }
+}
+
+/// `n` increments at once, 64 in flight: more than a page of the log between two reads
+/// of every other host.
+async fn burst(node: &Node, host: &Host, recorder: &Arc<Recorder>, counts: &Arc<Counts>, n: u32) {
+    let next = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (node, host, recorder, counts, next) = (
+            node.clone(),
+            host.clone(),
+            recorder.clone(),
+            counts.clone(),
+            next.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= u64::from(n) {
+                    return;
+                }
+                let key = i64::from(rand::random_range(1..=node.keys));
+                let start = now_ns();
+                let result = write_once(&node, &host, key, i).await;
+                record_write(&recorder, &counts, key, start, result);
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+}

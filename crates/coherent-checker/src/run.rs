@@ -1,0 +1,492 @@
+//! A checked run: host processes over one PostgreSQL schema, their workload, faults on a
+//! schedule, then the final reads, and the check of every history.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout};
+
+use crate::check::{check, Checked, Explained, Violation};
+use crate::history::decode;
+use crate::node::{create_registers, Node};
+
+/// A fault the run injects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Fault {
+    /// A host runs 1,500 increments at once (64 in flight), beside its workload: more than a
+    /// page of the log between two reads of every other host.
+    Burst,
+    /// A command's transaction takes its id, stays open 3 s (pinning every snapshot's
+    /// `xmin`) while another host bursts, then writes and commits.
+    LongTransaction,
+    /// Every database connection of every host is terminated (`pg_terminate_backend`):
+    /// listeners, pools, transactions in flight.
+    Terminate,
+    /// A host is stopped (SIGSTOP) past the acknowledgement deadline, then resumed.
+    Pause,
+    /// A host is killed (SIGKILL) and another started in its place.
+    Kill,
+    /// A host is stopped and replaced by one of the other release (a rolling deploy: the
+    /// next release writes a command kind the old one does not know).
+    Deploy,
+    /// The NATS server is killed and started again (NATS runs only).
+    NatsRestart,
+}
+
+impl Fault {
+    /// Its name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::Burst => "burst",
+            Fault::LongTransaction => "long_transaction",
+            Fault::Terminate => "terminate_connections",
+            Fault::Pause => "pause",
+            Fault::Kill => "kill",
+            Fault::Deploy => "deploy",
+            Fault::NatsRestart => "nats_restart",
+        }
+    }
+}
+
+/// How a run goes.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// PostgreSQL (e.g. `postgres://postgres@127.0.0.1:5432/test`).
+    pub url: String,
+    /// Use a private NATS server as the notifier (else PostgreSQL's LISTEN/NOTIFY).
+    pub nats: bool,
+    /// Host processes at a time.
+    pub hosts: usize,
+    /// How long the workload runs, faults included.
+    pub duration: Duration,
+    /// The faults, each injected in turn.
+    pub faults: Vec<Fault>,
+    /// Registers.
+    pub keys: u32,
+    /// Reader and writer tasks per host.
+    pub readers: u32,
+    /// Writer tasks per host.
+    pub writers: u32,
+    /// Reads between two 1 ms pauses of a reader.
+    pub read_batch: u32,
+}
+
+impl Config {
+    /// Every fault of the notifier, three hosts, the given duration.
+    pub fn new(url: impl Into<String>, nats: bool, duration: Duration) -> Self {
+        let mut faults = vec![
+            Fault::Burst,
+            Fault::LongTransaction,
+            Fault::Terminate,
+            Fault::Pause,
+            Fault::Kill,
+            Fault::Deploy,
+        ];
+        if nats {
+            faults.push(Fault::NatsRestart);
+        }
+        Self {
+            url: url.into(),
+            nats,
+            hosts: 3,
+            duration,
+            faults,
+            keys: 32,
+            readers: 2,
+            writers: 2,
+            read_batch: 8,
+        }
+    }
+}
+
+/// What a run found.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// The check of every history.
+    pub checked: Checked,
+    /// Faults injected, by kind.
+    pub faults: BTreeMap<&'static str, u32>,
+    /// Host processes started in all.
+    pub hosts_started: u32,
+    /// Reads that answered an error (a terminated connection, say): not checked.
+    pub read_errors: u64,
+    /// Commands that failed: not in the history.
+    pub write_errors: u64,
+    /// Operations hosts could not replay (another release's), summed over the hosts
+    /// still up at the end.
+    pub unknown: u64,
+    /// Acknowledgement waits that ran out, summed likewise.
+    pub ack_timeouts: u64,
+}
+
+impl Outcome {
+    /// The violations as timelines, at most `n` of them.
+    pub fn explain(&self, n: usize) -> String {
+        let mut out = String::new();
+        for v in self.checked.violations.iter().take(n) {
+            out.push_str(
+                &Explained {
+                    violation: v,
+                    origin: self.checked.origin,
+                }
+                .to_string(),
+            );
+            out.push('\n');
+        }
+        if self.checked.violations.len() > n {
+            out.push_str(&format!(
+                "... and {} more\n",
+                self.checked.violations.len() - n
+            ));
+        }
+        out
+    }
+}
+
+/// Starts a host process: the caller's command (its binary, in the mode that runs
+/// [`crate::node::main`]), with the node's environment added.
+pub type Spawn = dyn Fn() -> tokio::process::Command + Send + Sync;
+
+/// A host process, killed when dropped.
+struct Proc {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+    id: String,
+    history: PathBuf,
+}
+
+impl Proc {
+    async fn spawn(spawn: &Spawn, node: &Node) -> anyhow::Result<Proc> {
+        let mut command = spawn();
+        command
+            .envs(node.env())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = command.spawn().context("starting a host process")?;
+        let mut proc = Proc {
+            stdin: child.stdin.take().expect("piped"),
+            lines: BufReader::new(child.stdout.take().expect("piped")).lines(),
+            child,
+            id: String::new(),
+            history: node.history.clone(),
+        };
+        let ready = proc.answer().await?;
+        match ready.strip_prefix("ready ") {
+            Some(id) => proc.id = id.to_owned(),
+            None => bail!("a host process said {ready:?}"),
+        }
+        Ok(proc)
+    }
+
+    async fn answer(&mut self) -> anyhow::Result<String> {
+        let next = async {
+            loop {
+                match self.lines.next_line().await? {
+                    Some(line) => {
+                        if let Some(at) = line.find("@@ ") {
+                            return Ok::<_, anyhow::Error>(line[at + 3..].to_owned());
+                        }
+                    }
+                    None => bail!("host process {} exited", self.id),
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(120), next)
+            .await
+            .with_context(|| format!("host {} did not answer in 2 minutes", self.id))?
+    }
+
+    async fn cmd(&mut self, line: &str) -> anyhow::Result<String> {
+        self.stdin.write_all(format!("{line}\n").as_bytes()).await?;
+        self.stdin.flush().await?;
+        let answer = self.answer().await?;
+        if answer.starts_with("err") {
+            bail!("host {}: {line:?}: {answer}", self.id);
+        }
+        Ok(answer)
+    }
+
+    fn signal(&self, signal: i32) {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: a plain kill(2) of our own child's pid.
+            unsafe { libc::kill(pid as i32, signal) };
+        }
+    }
+
+    async fn kill(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+    }
+}
+
+/// A private `nats-server` on a port of its own.
+struct Nats {
+    port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl Nats {
+    fn start() -> anyhow::Result<Nats> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut nats = Nats { port, child: None };
+        nats.restart()?;
+        Ok(nats)
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn restart(&mut self) -> anyhow::Result<()> {
+        let server = ["/usr/sbin/nats-server", "/usr/local/bin/nats-server"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .unwrap_or("nats-server");
+        self.child = Some(
+            std::process::Command::new(server)
+                .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting nats-server")?,
+        );
+        for _ in 0..500 {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        bail!("nats-server did not listen on {}", self.port)
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Runs the workload on `config.hosts` host processes under the faults, then checks
+/// every history. `spawn` makes the command that starts one host process.
+pub async fn run(config: &Config, spawn: &Spawn) -> anyhow::Result<Outcome> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .subsec_nanos();
+    let schema = format!("chk_{}_{nanos}", std::process::id());
+    let dir = tempfile_dir(&schema)?;
+    let app = schema.clone();
+    let url = with_application_name(&config.url, &app);
+    let (admin, connection) = tokio_postgres::connect(&config.url, tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    admin
+        .batch_execute(&format!(
+            "CREATE SCHEMA {schema}; SET search_path TO {schema}"
+        ))
+        .await?;
+    create_registers(&admin, config.keys).await?;
+    let result = run_in(config, spawn, &schema, &url, &app, &dir, &admin).await;
+    let _ = admin
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn tempfile_dir(name: &str) -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("coherent-checker-{name}"));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn with_application_name(url: &str, app: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={app}")
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_in(
+    config: &Config,
+    spawn: &Spawn,
+    schema: &str,
+    url: &str,
+    app: &str,
+    dir: &std::path::Path,
+    admin: &tokio_postgres::Client,
+) -> anyhow::Result<Outcome> {
+    let mut nats = if config.nats {
+        Some(Nats::start()?)
+    } else {
+        None
+    };
+    let mut started = 0u32;
+    let node_for = |n: u32, next_release: bool, nats: &Option<Nats>| Node {
+        url: url.to_owned(),
+        schema: schema.to_owned(),
+        nats: nats.as_ref().map(Nats::url),
+        history: dir.join(format!("host-{n}.bin")),
+        keys: config.keys,
+        readers: config.readers,
+        writers: config.writers,
+        read_batch: config.read_batch,
+        next_release,
+        clock_skew_ms: 0,
+    };
+    let mut hosts = Vec::new();
+    for _ in 0..config.hosts {
+        let proc = Proc::spawn(spawn, &node_for(started, false, &nats)).await?;
+        started += 1;
+        hosts.push(proc);
+    }
+    let mut finished: Vec<(String, PathBuf)> = Vec::new();
+    for h in &mut hosts {
+        h.cmd("start").await?;
+    }
+    let mut faults: BTreeMap<&'static str, u32> = BTreeMap::new();
+    let begin = tokio::time::Instant::now();
+    let slots = (config.faults.len() as u32 * 3 + 1).max(2);
+    let every = config.duration / slots;
+    let mut turn = 0usize;
+    let mut next_release = false;
+    while begin.elapsed() + every < config.duration {
+        tokio::time::sleep(every.mul_f64(rand::random_range(0.5..1.0))).await;
+        if config.faults.is_empty() {
+            continue;
+        }
+        let fault = config.faults[turn % config.faults.len()];
+        turn += 1;
+        let i = rand::random_range(0..hosts.len());
+        match fault {
+            Fault::Burst => {
+                hosts[i].cmd("burst 1500").await?;
+            }
+            Fault::LongTransaction => {
+                let key = rand::random_range(1..=config.keys);
+                hosts[i].cmd(&format!("slow {key} 3000")).await?;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let j = (i + 1) % hosts.len();
+                hosts[j].cmd("burst 1500").await?;
+            }
+            Fault::Terminate => {
+                admin
+                    .execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                         WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                        &[&app],
+                    )
+                    .await?;
+            }
+            Fault::Pause => {
+                hosts[i].signal(libc::SIGSTOP);
+                tokio::time::sleep(Duration::from_millis(800)).await;
+                hosts[i].signal(libc::SIGCONT);
+            }
+            Fault::Kill => {
+                hosts[i].kill().await;
+                finished.push((hosts[i].id.clone(), hosts[i].history.clone()));
+                let mut proc = Proc::spawn(spawn, &node_for(started, false, &nats)).await?;
+                started += 1;
+                proc.cmd("start").await?;
+                hosts[i] = proc;
+            }
+            Fault::Deploy => {
+                // Replace the hosts one by one with the other release.
+                next_release = !next_release;
+                let mut old = std::mem::replace(
+                    &mut hosts[i],
+                    Proc::spawn(spawn, &node_for(started, next_release, &nats)).await?,
+                );
+                started += 1;
+                hosts[i].cmd("start").await?;
+                old.cmd("stop").await?;
+                old.cmd("quit").await?;
+                let _ = old.child.wait().await;
+                finished.push((old.id.clone(), old.history.clone()));
+            }
+            Fault::NatsRestart => {
+                if let Some(nats) = nats.as_mut() {
+                    nats.stop();
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    nats.restart()?;
+                }
+            }
+        }
+        *faults.entry(fault.name()).or_default() += 1;
+    }
+    let rest = config.duration.saturating_sub(begin.elapsed());
+    tokio::time::sleep(rest).await;
+    for h in &mut hosts {
+        h.cmd("stop").await?;
+    }
+    // Converged: after catching up, every host answers what the database holds.
+    let stored: Vec<i64> = admin
+        .query("SELECT value FROM registers ORDER BY id", &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut not_converged = Vec::new();
+    let (mut read_errors, mut write_errors, mut unknown, mut ack_timeouts) = (0, 0, 0, 0);
+    for h in &mut hosts {
+        let answer = h.cmd("final").await?;
+        for (k, seen) in answer.split_whitespace().skip(1).enumerate() {
+            let seen: i64 = seen.parse().unwrap_or(-1);
+            if seen != stored[k] {
+                not_converged.push(Violation::NotConverged {
+                    host: h.id.clone(),
+                    key: k as u32 + 1,
+                    seen,
+                    stored: stored[k],
+                });
+            }
+        }
+        let stats = h.cmd("stats").await?;
+        for kv in stats.split_whitespace().skip(1) {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, "0"));
+            let v: u64 = v.parse().unwrap_or(0);
+            match k {
+                "read_errors" => read_errors += v,
+                "write_errors" => write_errors += v,
+                "unknown" => unknown += v,
+                "ack_timeouts" => ack_timeouts += v,
+                _ => {}
+            }
+        }
+        h.cmd("quit").await?;
+        finished.push((h.id.clone(), h.history.clone()));
+    }
+    for h in &mut hosts {
+        let _ = h.child.wait().await;
+    }
+    let mut histories = Vec::new();
+    for (id, path) in &finished {
+        let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
+        histories.push(decode(id, &bytes)?);
+    }
+    let mut checked = check(&histories);
+    checked.violations.extend(not_converged);
+    Ok(Outcome {
+        checked,
+        faults,
+        hosts_started: started,
+        read_errors,
+        write_errors,
+        unknown,
+        ack_timeouts,
+    })
+}
