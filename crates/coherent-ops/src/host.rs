@@ -54,9 +54,9 @@ pub struct Applied {
     pub host: Arc<str>,
     /// The command's name.
     pub kind: Arc<str>,
-    /// When the command's transaction committed on its host (µs since the epoch, wall
-    /// clock), when the notification said; otherwise when the operation was appended,
-    /// just before the commit.
+    /// When the command's transaction committed (µs since the epoch): by its host's wall
+    /// clock, when the notification said; otherwise by the database's clock, when the
+    /// operation was appended, just before the commit.
     pub committed_at: i64,
     /// When this host finished applying it (µs since the epoch, wall clock).
     pub applied_at: i64,
@@ -196,6 +196,7 @@ pub struct HostBuilder {
     max_batch: usize,
     acknowledgements: Option<Duration>,
     notify_interval: Duration,
+    clock_skew: i64,
 }
 
 /// What [`Host::run`] awaits after a command's local invalidation (see
@@ -236,6 +237,8 @@ impl HostBuilder {
     /// A host not seen for this long is taken for dead: it no longer holds trimming back,
     /// and a host that finds itself silent this long (paused, cut off) invalidates its
     /// whole cache, since the log may have been trimmed past it. Default: five minutes.
+    /// Seen means its row in the hosts table written, every second (a quarter of this, if
+    /// shorter), by the database's clock.
     pub fn host_expiry(mut self, expiry: Duration) -> Self {
         self.host_expiry = expiry;
         self
@@ -306,7 +309,8 @@ impl HostBuilder {
     /// (as it does on this host without it): the command's answer waits for one more trip
     /// of the notifier, from each other host back to this one. The hosts waited for are
     /// those seen in the hosts table in the last few seconds (each host writes its row
-    /// every second) or heard from since. One that does not answer in time is not waited
+    /// every second, whatever its poll interval; the database's clock says when) or heard
+    /// from since. One that does not answer in time is not waited
     /// for again until it is heard from (its acknowledgements come in again): a host that
     /// died costs one command this wait, not every command until its row expires. Such
     /// answers are counted in [`HostStats::ack_timeouts`]; on that host, reads may be
@@ -334,6 +338,18 @@ impl HostBuilder {
     /// frequent. `Duration::ZERO` sends as soon as the previous one is done.
     pub fn notify_interval(mut self, interval: Duration) -> Self {
         self.notify_interval = interval;
+        self
+    }
+
+    /// A test hook: this host's wall clock reads `micros` µs ahead of the machine's
+    /// (behind, when negative), as a host whose clock is off would. Not for production.
+    ///
+    /// What a host reads its own clock for is only reported ([`Applied::committed_at`] of
+    /// its commands, [`Applied::applied_at`]); which hosts are alive, and what trimming
+    /// deletes, go by the database's clock, which a skew here does not reach.
+    #[doc(hidden)]
+    pub fn clock_skew(mut self, micros: i64) -> Self {
+        self.clock_skew = micros;
         self
     }
 
@@ -408,6 +424,8 @@ impl HostBuilder {
             peers: Mutex::new(HashMap::new()),
             waiting: Mutex::new(HashMap::new()),
             left: Mutex::new(HashMap::new()),
+            clock_skew: self.clock_skew,
+            beat: tokio::sync::Mutex::new(()),
         });
         inner.db.heartbeat(&id, horizon).await?;
         let host = Host { inner };
@@ -420,6 +438,10 @@ impl HostBuilder {
         tokio::spawn(read_loop(
             Arc::downgrade(&host.inner),
             host.inner.wake.clone(),
+            host.inner.stop.subscribe(),
+        ));
+        tokio::spawn(heartbeat_loop(
+            Arc::downgrade(&host.inner),
             host.inner.stop.subscribe(),
         ));
         tracing::info!(host = %id, horizon, "coherent-ops host started");
@@ -493,9 +515,15 @@ pub(crate) struct Inner {
     /// Hosts that said they stopped, and when: not taken for live again (a read of the
     /// hosts table that began before one left may still list it).
     left: Mutex<HashMap<String, Instant>>,
+    /// How far this host's wall clock is off (a test hook, [`HostBuilder::clock_skew`]).
+    clock_skew: i64,
+    /// Held by the heartbeat while it writes this host's row: [`Host::stop`] takes it
+    /// after the stop, so that no heartbeat writes the row again after it left.
+    beat: tokio::sync::Mutex<()>,
 }
 
-/// How recently a host must have written its row to be waited for.
+/// How recently (by the database's clock) a host must have written its row to be waited
+/// for. Each host writes it every second ([`heartbeat_loop`]), whatever its poll interval.
 const PEER_ALIVE: Duration = Duration::from_secs(5);
 
 struct State {
@@ -525,6 +553,7 @@ impl Host {
             max_batch: 64,
             acknowledgements: Some(Duration::from_millis(500)),
             notify_interval: Duration::from_millis(1),
+            clock_skew: 0,
         }
     }
 
@@ -672,6 +701,9 @@ impl Host {
     pub async fn stop(&self) {
         self.inner.stop.send_replace(true);
         self.inner.batcher.close();
+        // A heartbeat under way ends first (the next sees the stop): none comes after the
+        // row is deleted.
+        drop(self.inner.beat.lock().await);
         if let Err(e) = self.inner.db.leave(&self.inner.id).await {
             tracing::warn!(host = %self.inner.id, %e, "could not leave the hosts table");
         }
@@ -818,7 +850,7 @@ impl Inner {
             host: op.host.as_str().into(),
             kind: op.kind.as_str().into(),
             committed_at,
-            applied_at: now_micros(),
+            applied_at: now_micros() + self.clock_skew,
             via,
         });
         self.acknowledge(&op.host, op.id);
@@ -1129,14 +1161,14 @@ impl<C: Command> Job for TypedJob<C> {
         match (result, job.output) {
             (Ok((id, position)), Some((output, output_json))) => {
                 job.handler.invalidate(&job.command, &output);
-                let committed_at = now_micros();
+                let committed_at = now_micros() + inner.clock_skew;
                 inner.counters.commands.fetch_add(1, Ordering::Relaxed);
                 let _ = inner.applied_tx.send(Applied {
                     id,
                     host: inner.id.as_str().into(),
                     kind: C::NAME.into(),
                     committed_at,
-                    applied_at: now_micros(),
+                    applied_at: now_micros() + inner.clock_skew,
                     via: Via::Local,
                 });
                 let publisher = inner.publisher.lock();
@@ -1303,11 +1335,10 @@ impl Drop for Committing {
     }
 }
 
-/// Reads the log when woken, and at least every poll interval; heartbeats and trims now
-/// and then. Ends when the host is dropped or stopped.
+/// Reads the log when woken, and at least every poll interval; trims now and then. Ends
+/// when the host is dropped or stopped.
 async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiver<bool>) {
     let mut last_ok = Instant::now();
-    let mut last_heartbeat = Instant::now();
     let mut last_trim = Instant::now();
     loop {
         let every = {
@@ -1329,7 +1360,7 @@ async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiv
             inner.flush("this host read no log for longer than the host expiry");
         }
         // A panic in a read (replays catch their own) must not end this task: the host
-        // would read, heartbeat and trim no more, its notifier still saying it is up.
+        // would read and trim no more, its notifier still saying it is up.
         match std::panic::AssertUnwindSafe(inner.round())
             .catch_unwind()
             .await
@@ -1341,21 +1372,50 @@ async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiv
                 inner.flush("a read of the operation log panicked");
             }
         }
-        let horizon = inner.state.lock().cursor.horizon;
-        if last_heartbeat.elapsed() >= Duration::from_secs(1).min(inner.host_expiry / 4) {
-            match inner.db.heartbeat(&inner.id, horizon).await {
-                Ok(()) => last_heartbeat = Instant::now(),
-                Err(e) => tracing::warn!(host = %inner.id, %e, "heartbeat failed"),
-            }
-            if let Err(e) = inner.refresh_peers().await {
-                tracing::warn!(host = %inner.id, %e, "reading the live hosts failed");
-            }
-        }
         if last_trim.elapsed() >= Duration::from_secs(60).min(inner.retention) {
             last_trim = Instant::now();
             if let Err(e) = inner.trim().await {
                 tracing::warn!(host = %inner.id, %e, "trimming the log failed");
             }
+        }
+    }
+}
+
+/// Writes this host's row (alive, and its horizon) and reads which other hosts are alive,
+/// every second (a quarter of the host expiry when that is shorter), on a timer of its own:
+/// not after reads of the log, whose pace follows the poll interval and which may stall
+/// (issue 30, hole 3: a host that polled every 5 s or more, or whose read hung, dropped out
+/// of the others' acknowledgement waits). Ends when the host is dropped or stopped.
+async fn heartbeat_loop(host: Weak<Inner>, mut stop: watch::Receiver<bool>) {
+    let every = {
+        let Some(inner) = host.upgrade() else { return };
+        Duration::from_secs(1)
+            .min(inner.host_expiry / 4)
+            .max(Duration::from_millis(10))
+    };
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // `start` wrote the row and read the live hosts: the first tick is a period away.
+    ticks.tick().await;
+    loop {
+        // Waits without holding the host, so that dropping its last handle ends this task.
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stop.wait_for(|&s| s) => return,
+        }
+        let Some(inner) = host.upgrade() else { return };
+        {
+            let _beat = inner.beat.lock().await;
+            if *inner.stop.borrow() {
+                return;
+            }
+            let horizon = inner.state.lock().cursor.horizon;
+            if let Err(e) = inner.db.heartbeat(&inner.id, horizon).await {
+                tracing::warn!(host = %inner.id, %e, "heartbeat failed");
+            }
+        }
+        if let Err(e) = inner.refresh_peers().await {
+            tracing::warn!(host = %inner.id, %e, "reading the live hosts failed");
         }
     }
 }

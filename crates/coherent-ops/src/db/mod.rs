@@ -23,12 +23,43 @@ pub(crate) use log::{Cursor, Reading};
 use crate::command::BoxFuture;
 use crate::error::{CommandError, ErrorKind};
 
-/// Microseconds since the Unix epoch, by the wall clock.
+/// Microseconds since the Unix epoch, by this machine's wall clock: what a host reports
+/// (when it applied an operation), never what the cluster decides by (see [`PG_NOW`]).
 pub(crate) fn now_micros() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
+
+/// [`PG_NOW`]'s text, for `concat!`.
+macro_rules! pg_now {
+    () => {
+        "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+    };
+}
+
+/// The database's clock, in µs since the Unix epoch, as PostgreSQL reads it: for
+/// `logged_at` and `seen_at`, and the cutoffs they are compared with (which hosts are
+/// alive, what trimming may delete). Hosts' clocks disagree (issue 30, hole 3: a host
+/// whose clock was 5 s behind dropped out of the others' acknowledgement waits, and one an
+/// hour off had its row, or the others' rows and operations, trimmed while alive); the one
+/// database they share reads one clock, so every comparison is between readings of it.
+const PG_NOW: &str = pg_now!();
+
+/// [`SQLITE_NOW`]'s text, for `concat!`.
+macro_rules! sqlite_now {
+    () => {
+        "CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)"
+    };
+}
+
+/// The database's clock on SQLite, as [`PG_NOW`] (to the millisecond: `julianday('now')`;
+/// `unixepoch('subsec')` needs SQLite 3.42). SQLite's clock is the machine's, which every
+/// process sharing the file reads alike, so `now_micros()` in each host would do as well;
+/// it is read in the statement all the same, so that both engines follow one rule and no
+/// host's own idea of the time (such as the `HostBuilder::clock_skew` test hook) reaches
+/// the liveness of hosts or trimming.
+const SQLITE_NOW: &str = sqlite_now!();
 
 /// Connections of a PostgreSQL `Database`'s pool: the host's transactions, its reads of
 /// the log, and whatever the application reads through [`Database::postgres_pool`].
@@ -91,12 +122,11 @@ impl Postgres {
         let text = format!(
             "WITH coherent_write AS (\n{body}\n) \
              INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
-             VALUES (${}, ${}, ${}, ${}, ${}) RETURNING id, xid::text",
+             VALUES (${}, {PG_NOW}, ${}, ${}, ${}) RETURNING id, xid::text",
             n + 1,
             n + 2,
             n + 3,
-            n + 4,
-            n + 5
+            n + 4
         );
         let unfusable = || {
             let mut set = self.unfusable.lock();
@@ -119,7 +149,6 @@ impl Postgres {
             unfusable();
             return None;
         }
-        let logged_at = now_micros();
         let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = queued
             .params
             .iter()
@@ -127,7 +156,6 @@ impl Postgres {
             .collect();
         params.extend([
             &row.host as &(dyn tokio_postgres::types::ToSql + Sync),
-            &logged_at,
             &row.kind,
             &row.command,
             &row.output,
@@ -359,16 +387,10 @@ impl Database {
                         };
                         let row = run_handler(job.execute(&mut tx)).await?;
                         drop(tx);
-                        let id: i64 = conn
-                            .prepare_cached(
-                                "INSERT INTO coherent_operations \
-                                 (host, logged_at, kind, command, output) \
-                                 VALUES (?1, ?2, ?3, ?4, ?5) RETURNING id",
-                            )?
-                            .query_row(
-                                params![row.host, now_micros(), row.kind, row.command, row.output],
-                                |r| r.get(0),
-                            )?;
+                        let id: i64 = conn.prepare_cached(SQLITE_APPEND_SQL)?.query_row(
+                            params![row.host, row.kind, row.command, row.output],
+                            |r| r.get(0),
+                        )?;
                         ids.push((id, u64::try_from(id).unwrap_or(0)));
                     }
                     Ok::<_, CommandError>(ids)
@@ -494,10 +516,9 @@ impl Database {
                 // The operations' rows and the commit, pipelined behind the deferred
                 // statements: one round trip. The statement is prepared once per
                 // connection, so the server neither parses nor plans it again.
-                let logged_at = now_micros();
                 let (begun, deferred, (inserted, committed)) = if let [row] = &rows[..] {
-                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                        [&row.host, &logged_at, &row.kind, &row.command, &row.output];
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                        [&row.host, &row.kind, &row.command, &row.output];
                     futures::join!(begun, futures::future::join_all(deferred), async {
                         futures::join!(
                             client.query(&append, &params),
@@ -509,8 +530,8 @@ impl Database {
                     let kinds: Vec<&str> = rows.iter().map(|r| r.kind).collect();
                     let commands: Vec<&str> = rows.iter().map(|r| r.command.as_str()).collect();
                     let outputs: Vec<&str> = rows.iter().map(|r| r.output.as_str()).collect();
-                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                        [&hosts, &logged_at, &kinds, &commands, &outputs];
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                        [&hosts, &kinds, &commands, &outputs];
                     futures::join!(begun, futures::future::join_all(deferred), async {
                         futures::join!(
                             client.query(&append, &params),
@@ -572,48 +593,58 @@ impl Database {
         }
     }
 
-    /// Records that `host` is alive and has applied everything before `horizon`.
+    /// Records that `host` is alive (now, by the database's clock) and has applied
+    /// everything before `horizon`.
     pub(crate) async fn heartbeat(&self, host: &str, horizon: u64) -> Result<(), CommandError> {
         let horizon = i64::try_from(horizon).unwrap_or(i64::MAX);
-        const UPSERT: &str = "INSERT INTO coherent_hosts (host, horizon, seen_at) VALUES ($1, $2, $3) \
-             ON CONFLICT (host) DO UPDATE SET horizon = excluded.horizon, seen_at = excluded.seen_at";
         match &*self.inner {
             Engine::Sqlite(s) => {
                 s.reader
                     .lock()
-                    .prepare_cached(&UPSERT.replace('$', "?"))?
-                    .execute(params![host, horizon, now_micros()])?;
+                    .prepare_cached(&format!(
+                        "INSERT INTO coherent_hosts (host, horizon, seen_at) \
+                         VALUES (?1, ?2, {SQLITE_NOW}) ON CONFLICT (host) DO UPDATE \
+                         SET horizon = excluded.horizon, seen_at = excluded.seen_at"
+                    ))?
+                    .execute(params![host, horizon])?;
             }
             Engine::Postgres(pg) => {
                 let client = pg.pool.get().await?;
-                let q = client.prepare_cached(UPSERT).await?;
-                client
-                    .execute(&q, &[&host, &horizon, &now_micros()])
+                let q = client
+                    .prepare_cached(&format!(
+                        "INSERT INTO coherent_hosts (host, horizon, seen_at) \
+                         VALUES ($1, $2, {PG_NOW}) ON CONFLICT (host) DO UPDATE \
+                         SET horizon = excluded.horizon, seen_at = excluded.seen_at"
+                    ))
                     .await?;
+                client.execute(&q, &[&host, &horizon]).await?;
             }
         }
         Ok(())
     }
 
-    /// The hosts seen within `within`, this one included.
+    /// The hosts seen within `within` (by the database's clock), this one included.
     pub(crate) async fn live_hosts(&self, within: Duration) -> Result<Vec<String>, CommandError> {
-        let after = now_micros().saturating_sub(micros(within));
+        let within = micros(within);
         match &*self.inner {
             Engine::Sqlite(s) => {
                 let reader = s.reader.lock();
-                let mut q =
-                    reader.prepare_cached("SELECT host FROM coherent_hosts WHERE seen_at > ?1")?;
+                let mut q = reader.prepare_cached(&format!(
+                    "SELECT host FROM coherent_hosts WHERE seen_at > {SQLITE_NOW} - ?1"
+                ))?;
                 let hosts = q
-                    .query_map(params![after], |r| r.get(0))?
+                    .query_map(params![within], |r| r.get(0))?
                     .collect::<Result<Vec<String>, _>>()?;
                 Ok(hosts)
             }
             Engine::Postgres(pg) => {
                 let client = pg.pool.get().await?;
                 let q = client
-                    .prepare_cached("SELECT host FROM coherent_hosts WHERE seen_at > $1")
+                    .prepare_cached(&format!(
+                        "SELECT host FROM coherent_hosts WHERE seen_at > {PG_NOW} - $1"
+                    ))
                     .await?;
-                let rows = client.query(&q, &[&after]).await?;
+                let rows = client.query(&q, &[&within]).await?;
                 rows.iter()
                     .map(|r| r.try_get(0).map_err(CommandError::from))
                     .collect()
@@ -640,26 +671,27 @@ impl Database {
     }
 
     /// Deletes the operations older than `retention` that every live host has passed, and
-    /// the hosts not seen for `host_expiry`. Returns how many operations were deleted.
+    /// the hosts not seen for `host_expiry` (both by the database's clock). Returns how
+    /// many operations were deleted.
     pub(crate) async fn trim(
         &self,
         retention: Duration,
         host_expiry: Duration,
     ) -> Result<u64, CommandError> {
-        let now = now_micros();
-        let cutoff = now.saturating_sub(micros(retention));
-        let alive_after = now.saturating_sub(micros(host_expiry));
+        let (retention, host_expiry) = (micros(retention), micros(host_expiry));
         match &*self.inner {
             Engine::Sqlite(s) => {
                 let c = s.reader.lock();
                 c.execute(
-                    "DELETE FROM coherent_hosts WHERE seen_at < ?1",
-                    params![alive_after],
+                    &format!("DELETE FROM coherent_hosts WHERE seen_at < {SQLITE_NOW} - ?1"),
+                    params![host_expiry],
                 )?;
                 let n = c.execute(
-                    "DELETE FROM coherent_operations WHERE logged_at < ?1 \
-                     AND id < (SELECT min(horizon) FROM coherent_hosts)",
-                    params![cutoff],
+                    &format!(
+                        "DELETE FROM coherent_operations WHERE logged_at < {SQLITE_NOW} - ?1 \
+                         AND id < (SELECT min(horizon) FROM coherent_hosts)"
+                    ),
+                    params![retention],
                 )?;
                 Ok(n as u64)
             }
@@ -667,15 +699,17 @@ impl Database {
                 let client = pg.pool.get().await?;
                 client
                     .execute(
-                        "DELETE FROM coherent_hosts WHERE seen_at < $1",
-                        &[&alive_after],
+                        &format!("DELETE FROM coherent_hosts WHERE seen_at < {PG_NOW} - $1"),
+                        &[&host_expiry],
                     )
                     .await?;
                 Ok(client
                     .execute(
-                        "DELETE FROM coherent_operations WHERE logged_at < $1 \
-                         AND xid < (SELECT min(horizon) FROM coherent_hosts)::text::xid8",
-                        &[&cutoff],
+                        &format!(
+                            "DELETE FROM coherent_operations WHERE logged_at < {PG_NOW} - $1 \
+                             AND xid < (SELECT min(horizon) FROM coherent_hosts)::text::xid8"
+                        ),
+                        &[&retention],
                     )
                     .await?)
             }
@@ -737,16 +771,29 @@ fn parse_xid(text: &str) -> Result<u64, CommandError> {
         .map_err(|e| CommandError::new(ErrorKind::Database, format!("xid {text:?}: {e}")))
 }
 
-/// The operation's row, answering its id and position (the writing transaction's id).
-const APPEND_SQL: &str =
-    "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
-     VALUES ($1, $2, $3, $4, $5) RETURNING id, xid::text";
+/// The operation's row, answering its id and position (the writing transaction's id);
+/// `logged_at` is the database's clock ([`PG_NOW`]).
+const APPEND_SQL: &str = concat!(
+    "INSERT INTO coherent_operations (host, logged_at, kind, command, output) VALUES ($1, ",
+    pg_now!(),
+    ", $2, $3, $4) RETURNING id, xid::text"
+);
 
 /// Several operations' rows in one statement, from arrays in the order of the batch.
-const APPEND_MANY_SQL: &str =
-    "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
-     SELECT h, $2::bigint, k, c, o FROM unnest($1::text[], $3::text[], $4::text[], $5::text[]) \
-     AS batch (h, k, c, o) RETURNING id, xid::text";
+const APPEND_MANY_SQL: &str = concat!(
+    "INSERT INTO coherent_operations (host, logged_at, kind, command, output) SELECT h, ",
+    pg_now!(),
+    ", k, c, o FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) \
+     AS batch (h, k, c, o) RETURNING id, xid::text"
+);
+
+/// The operation's row on SQLite, answering its id; `logged_at` is the database's clock
+/// ([`SQLITE_NOW`]).
+const SQLITE_APPEND_SQL: &str = concat!(
+    "INSERT INTO coherent_operations (host, logged_at, kind, command, output) VALUES (?1, ",
+    sqlite_now!(),
+    ", ?2, ?3, ?4) RETURNING id"
+);
 
 /// How long a batch of several commands waits for a row lock before it gives up and its
 /// commands run one at a time (see [`Database::transact`]).

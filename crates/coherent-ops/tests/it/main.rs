@@ -4,6 +4,7 @@
 
 mod acks;
 mod batches;
+mod clocks;
 mod deferred;
 mod holes;
 mod inproc;

@@ -1,0 +1,241 @@
+//! Liveness and bounds (issue 30, holes 3 and 5). A host is alive while it writes its row
+//! to the hosts table, whatever its poll interval, and by the database's clock, whatever
+//! its own says: the others wait for its acknowledgements, and trimming waits for it. And
+//! what a host holds for its commands and notices stays bounded: the waits of callers that
+//! went away, the size of a `NOTIFY` payload, the queue of notices during an outage.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use coherent_ops::{Command, CommandError, Database, Handler, Tx};
+use serde::{Deserialize, Serialize};
+
+use crate::inproc::{postgres_db, sqlite_db, wait_until};
+use crate::support::{host, open_sqlite, SetValue};
+
+/// Long enough never to run out in a test, however loaded the machine.
+const PATIENT: Duration = Duration::from_secs(60);
+
+/// A command that writes nothing; its invalidation takes `delay` on the host that runs
+/// it, then counts itself. `pad` makes its notice as long as a test needs.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Mark {
+    #[serde(default)]
+    pad: String,
+}
+
+impl Command for Mark {
+    const NAME: &'static str = "test.mark";
+    type Output = ();
+}
+
+/// The handler of [`Mark`] on one host.
+#[derive(Clone, Default)]
+struct Marks {
+    delay: Duration,
+    invalidated: Arc<AtomicU64>,
+}
+
+impl Marks {
+    fn slow(delay: Duration) -> Self {
+        Self {
+            delay,
+            ..Self::default()
+        }
+    }
+
+    fn invalidated(&self) -> u64 {
+        self.invalidated.load(Ordering::SeqCst)
+    }
+}
+
+impl Handler<Mark> for Marks {
+    async fn execute(&self, _: &Mark, _: &mut Tx<'_>) -> Result<(), CommandError> {
+        Ok(())
+    }
+
+    fn invalidate(&self, _: &Mark, _: &()) {
+        std::thread::sleep(self.delay);
+        self.invalidated.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// One number from the database: `sqlite` or `postgres`, whichever `db` is.
+async fn query(db: &Database, sqlite: &str, postgres: &str) -> i64 {
+    match (db.sqlite_path(), db.postgres_pool()) {
+        (Some(path), _) => open_sqlite(path)
+            .query_row(sqlite, [], |r| r.get(0))
+            .unwrap(),
+        (None, Some(pool)) => pool
+            .get()
+            .await
+            .unwrap()
+            .query_one(postgres, &[])
+            .await
+            .unwrap()
+            .get(0),
+        (None, None) => unreachable!(),
+    }
+}
+
+/// Hole 3: a host whose poll interval is longer than the 5 s a row counts as alive (or
+/// whose reads of the log stall: it wrote its row only after a read) dropped out of the
+/// others' peers, and their commands answered before it applied them, uncounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_host_that_reads_the_log_seldom_is_still_waited_for() {
+    let Some(db) = postgres_db("seldom_reader").await else {
+        return;
+    };
+    let (a, _) = host(&db, |b| {
+        b.acknowledgements(Some(PATIENT))
+            .command::<Mark>(Marks::default())
+    })
+    .await;
+    // B applies A's operations from notices; it reads the log (by itself) every 30 s. Its
+    // invalidation takes a while: if A's command does not wait for B, it answers first.
+    let marks_b = Marks::slow(Duration::from_millis(300));
+    let (b, _) = host(&db, |b| {
+        b.poll_interval(Duration::from_secs(30))
+            .acknowledgements(Some(PATIENT))
+            .command::<Mark>(marks_b.clone())
+    })
+    .await;
+    wait_until(|| a.stats().peers == 1 && a.notifier_connected() && b.notifier_connected()).await;
+    // Longer than a row counts as alive, and a few reads of the hosts table by A.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let peers = a.stats().peers;
+    a.run(Mark::default()).await.unwrap();
+    let b_stats = b.stats();
+    let seen = (
+        peers,
+        marks_b.invalidated(),
+        b_stats.applied_notified + b_stats.applied_from_log,
+        a.stats().ack_timeouts,
+    );
+    assert_eq!(
+        seen,
+        (1, 1, 1, 0),
+        "(A's peers 7 s on, B's invalidations and operations applied when A's command \
+         answered, A's acknowledgement timeouts)"
+    );
+    a.stop().await;
+    b.stop().await;
+}
+
+/// What a cluster looks like after a host with a skewed clock and a host with a right one
+/// each logged an operation, every host passed both, and both hosts trimmed.
+#[derive(Debug, PartialEq, Eq)]
+struct AfterTrims {
+    /// The peers the right host and the skewed host wait for (`None` where commands do not
+    /// wait for acknowledgements: SQLite's default notifier polls).
+    peers: Option<(u64, u64)>,
+    /// The two hosts' rows in the hosts table.
+    rows: i64,
+    /// Operations the two trims deleted (none is older than the retention, one hour).
+    trimmed: u64,
+    /// Operations in the log.
+    logged: u64,
+}
+
+/// Hole 3: `seen_at`, `logged_at` and the cutoffs were each host's own wall clock. A host
+/// whose clock is behind looked dead to the others (not waited for), its row was trimmed
+/// (it no longer held trimming back) and its operations were taken for old; a host whose
+/// clock is ahead took the others for dead, trimmed their rows and their operations.
+async fn a_skewed_host_stays_live_and_nothing_is_trimmed_early(db: Database, skew: Duration) {
+    let (mut seen, mut expected) = (Vec::new(), Vec::new());
+    for ahead in [true, false] {
+        let skew = i64::try_from(skew.as_micros()).unwrap() * if ahead { 1 } else { -1 };
+        let (a, _) = host(&db, |b| b).await;
+        let (s, _) = host(&db, |b| b.clock_skew(skew)).await;
+        a.run(SetValue { id: 1, value: 1 }).await.unwrap();
+        s.run(SetValue { id: 2, value: 2 }).await.unwrap();
+        // Both hosts have passed both operations, and their rows say so: only the
+        // retention holds them in the log now.
+        let deadline = std::time::Instant::now() + PATIENT;
+        while hosts_past_the_log(&db).await < 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the hosts pass the log"
+            );
+            a.catch_up().await.unwrap();
+            s.catch_up().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // A few reads of the hosts table by each.
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        let peers = db
+            .postgres_pool()
+            .map(|_| (a.stats().peers, s.stats().peers));
+        let trimmed = a.trim().await.unwrap() + s.trim().await.unwrap();
+        let rows = query(
+            &db,
+            "SELECT count(*) FROM coherent_hosts",
+            "SELECT count(*) FROM coherent_hosts",
+        )
+        .await;
+        let after = AfterTrims {
+            peers,
+            rows,
+            trimmed,
+            logged: db.log_len().await.unwrap(),
+        };
+        let right = AfterTrims {
+            peers: peers.map(|_| (1, 1)),
+            rows: 2,
+            trimmed: 0,
+            logged: 2,
+        };
+        a.stop().await;
+        s.stop().await;
+        // The next round starts from an empty log.
+        clear_log(&db).await;
+        seen.push((skew, after));
+        expected.push((skew, right));
+    }
+    assert_eq!(seen, expected, "(the skew in µs, what two trims left)");
+}
+
+/// How many hosts' rows say they have passed every operation in the log.
+async fn hosts_past_the_log(db: &Database) -> i64 {
+    query(
+        db,
+        "SELECT count(*) FROM coherent_hosts \
+         WHERE horizon > (SELECT max(id) FROM coherent_operations)",
+        "SELECT count(*) FROM coherent_hosts \
+         WHERE horizon > (SELECT max(xid)::text::bigint FROM coherent_operations)",
+    )
+    .await
+}
+
+async fn clear_log(db: &Database) {
+    match (db.sqlite_path(), db.postgres_pool()) {
+        (Some(path), _) => open_sqlite(path)
+            .execute_batch("DELETE FROM coherent_operations; DELETE FROM coherent_hosts")
+            .unwrap(),
+        (None, Some(pool)) => pool
+            .get()
+            .await
+            .unwrap()
+            .batch_execute("DELETE FROM coherent_operations; DELETE FROM coherent_hosts")
+            .await
+            .unwrap(),
+        (None, None) => unreachable!(),
+    }
+}
+
+const AN_HOUR: Duration = Duration::from_secs(3600);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_host_whose_clock_is_an_hour_off_stays_live_and_nothing_is_trimmed_early() {
+    let Some(db) = postgres_db("skewed_clock").await else {
+        return;
+    };
+    a_skewed_host_stays_live_and_nothing_is_trimmed_early(db, AN_HOUR).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_host_whose_clock_is_an_hour_off_keeps_its_row_and_nothing_is_trimmed_early() {
+    let dir = tempfile::tempdir().unwrap();
+    a_skewed_host_stays_live_and_nothing_is_trimmed_early(sqlite_db(&dir).await, AN_HOUR).await;
+}
