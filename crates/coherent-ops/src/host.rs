@@ -113,6 +113,10 @@ pub struct HostStats {
     pub peers: u64,
     /// Hosts that said they stopped ([`Host::stop`]), and were no longer waited for.
     pub peers_left: u64,
+    /// This host's commands waiting for acknowledgements now (committed, their callers
+    /// not answered yet). A caller that goes away takes its wait with it: this does not
+    /// grow with callers that dropped [`Host::run`]'s future.
+    pub acks_waiting: u64,
     /// Everything before this position is applied (see the crate's docs).
     pub horizon: u64,
 }
@@ -156,10 +160,24 @@ struct Waiter {
     done: Option<oneshot::Sender<()>>,
 }
 
-/// What [`Host::run`] awaits after the commit when other hosts must acknowledge.
+/// This host's commands waiting for acknowledgements, by operation id.
+type Waiting = Mutex<HashMap<i64, Waiter>>;
+
+/// What [`Host::run`] awaits after the commit when other hosts must acknowledge. Dropped,
+/// however that happens (answered, timed out, or with the answer of a caller that went
+/// away: issue 30, hole 5), it removes its entry from the host's map.
 struct AckWait {
     id: i64,
     done: oneshot::Receiver<()>,
+    waiting: Weak<Waiting>,
+}
+
+impl Drop for AckWait {
+    fn drop(&mut self) {
+        if let Some(waiting) = self.waiting.upgrade() {
+            waiting.lock().remove(&self.id);
+        }
+    }
 }
 
 /// What a notification carries: the whole operation when it fits, so that the hosts that
@@ -422,7 +440,7 @@ impl HostBuilder {
             acknowledgements: self.acknowledgements,
             notify_interval: self.notify_interval,
             peers: Mutex::new(HashMap::new()),
-            waiting: Mutex::new(HashMap::new()),
+            waiting: Arc::default(),
             left: Mutex::new(HashMap::new()),
             clock_skew: self.clock_skew,
             beat: tokio::sync::Mutex::new(()),
@@ -510,8 +528,9 @@ pub(crate) struct Inner {
     /// The other live hosts, by id: `true` for one that missed an acknowledgement's
     /// deadline (not waited for until it is heard from again).
     peers: Mutex<HashMap<String, bool>>,
-    /// This host's commands waiting for acknowledgements, by operation id.
-    waiting: Mutex<HashMap<i64, Waiter>>,
+    /// This host's commands waiting for acknowledgements, by operation id; each entry is
+    /// removed when its [`AckWait`] drops, if not before.
+    waiting: Arc<Waiting>,
     /// Hosts that said they stopped, and when: not taken for live again (a read of the
     /// hosts table that began before one left may still list it).
     left: Mutex<HashMap<String, Instant>>,
@@ -672,6 +691,7 @@ impl Host {
                 .filter(|&&suspect| !suspect)
                 .count() as u64,
             horizon: self.inner.state.lock().cursor.horizon,
+            acks_waiting: self.inner.waiting.lock().len() as u64,
         }
     }
 
@@ -902,22 +922,20 @@ impl Inner {
                 done: Some(done),
             },
         );
-        Some(AckWait { id, done: rx })
+        Some(AckWait {
+            id,
+            done: rx,
+            waiting: Arc::downgrade(&self.waiting),
+        })
     }
 
     /// Waits for a command's acknowledgements, at most the configured time; hosts that
     /// did not answer in it are not waited for again until heard from.
-    async fn await_acks(&self, wait: AckWait) {
-        /// Forgets the wait however this ends (the caller may drop `run`'s future).
-        struct Forget<'a>(&'a Inner, i64);
-        impl Drop for Forget<'_> {
-            fn drop(&mut self) {
-                self.0.waiting.lock().remove(&self.1);
-            }
-        }
-        let _forget = Forget(self, wait.id);
+    async fn await_acks(&self, mut wait: AckWait) {
+        // However this ends (the caller may drop `run`'s future), `wait` drops, and with
+        // it the entry.
         let timeout = self.acknowledgements.unwrap_or_default();
-        if tokio::time::timeout(timeout, wait.done).await.is_ok() {
+        if tokio::time::timeout(timeout, &mut wait.done).await.is_ok() {
             return;
         }
         let Some(waiter) = self.waiting.lock().remove(&wait.id) else {

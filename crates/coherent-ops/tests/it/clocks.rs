@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use coherent_ops::{Command, CommandError, Database, Handler, Tx};
+use futures::FutureExt;
 use serde::{Deserialize, Serialize};
 
 use crate::inproc::{postgres_db, sqlite_db, wait_until};
@@ -238,4 +239,67 @@ async fn postgres_a_host_whose_clock_is_an_hour_off_stays_live_and_nothing_is_tr
 async fn sqlite_a_host_whose_clock_is_an_hour_off_keeps_its_row_and_nothing_is_trimmed_early() {
     let dir = tempfile::tempdir().unwrap();
     a_skewed_host_stays_live_and_nothing_is_trimmed_early(sqlite_db(&dir).await, AN_HOUR).await;
+}
+
+/// Polls `value` until it reads `target`, for at most `within`; answers the last reading
+/// (the caller asserts on it, so that a failure shows the value).
+async fn settles<T: PartialEq>(within: Duration, target: T, mut value: impl FnMut() -> T) -> T {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let now = value();
+        if now == target || std::time::Instant::now() >= deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A row in the hosts table of a host that is alive for the next hour (by the database's
+/// clock) and never acknowledges anything.
+async fn ghost(db: &Database) {
+    db.postgres_pool()
+        .unwrap()
+        .get()
+        .await
+        .unwrap()
+        .execute(
+            "INSERT INTO coherent_hosts (host, horizon, seen_at) VALUES ('ghost', 0, \
+             (extract(epoch FROM clock_timestamp()) * 1000000)::bigint + 3600000000)",
+            &[],
+        )
+        .await
+        .unwrap();
+}
+
+/// Hole 5 (a): a caller that dropped `Host::run`'s future once its command was in the
+/// pipeline left its wait for acknowledgements in the host's map: with a peer that never
+/// acknowledges, for good, one entry per such command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_callers_that_go_away_leave_no_acknowledgement_wait_behind() {
+    let Some(db) = postgres_db("dropped_waits").await else {
+        return;
+    };
+    ghost(&db).await;
+    let (a, _) = host(&db, |b| {
+        b.acknowledgements(Some(PATIENT))
+            .command::<Mark>(Marks::default())
+    })
+    .await;
+    wait_until(|| a.notifier_connected()).await;
+    assert_eq!(a.stats().peers, 1, "the ghost is waited for");
+    const RUNS: u64 = 200;
+    for _ in 0..RUNS {
+        // Polled once (the command is handed to the pipeline), then dropped: the command
+        // commits all the same, and nobody waits for its acknowledgements. (A timeout of
+        // zero polls it again until the timer fires, ~1 ms: some would reach their wait.)
+        assert!(a.run(Mark::default()).now_or_never().is_none());
+    }
+    wait_until(|| a.stats().commands + a.stats().command_errors >= RUNS).await;
+    let waiting = settles(Duration::from_secs(5), 0, || a.stats().acks_waiting).await;
+    assert_eq!(
+        (a.stats().commands, waiting),
+        (RUNS, 0),
+        "(commands committed, acknowledgement waits left in the map)"
+    );
+    a.stop().await;
 }
