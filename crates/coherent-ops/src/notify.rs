@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::sync::watch;
 
-use crate::db::{Database, Engine, PG_PAYLOAD_MAX};
+use crate::db::{Database, Engine, PG_PAYLOAD_LIMIT};
 use crate::error::{CommandError, ErrorKind};
 use crate::host::{Ack, Host, Inner, Notice};
 
@@ -35,6 +35,9 @@ pub(crate) enum Publisher {
     Postgres {
         queue: tokio::sync::mpsc::UnboundedSender<Outgoing>,
         channel: String,
+        /// The longest notice that fits in a payload of this host's (see [`Packer`]):
+        /// a longer one goes without its operation.
+        notice_max: usize,
     },
     #[cfg(feature = "nats")]
     Nats(async_nats::Client, String),
@@ -185,7 +188,7 @@ impl Publisher {
         let _ = from;
         match self {
             Publisher::None => None,
-            Publisher::Postgres { queue, channel } => Some(AckSender::Postgres {
+            Publisher::Postgres { queue, channel, .. } => Some(AckSender::Postgres {
                 queue: queue.clone(),
                 channel: channel.clone(),
             }),
@@ -201,9 +204,11 @@ impl Publisher {
     pub(crate) fn publish(&self, mut notice: Notice) {
         match self {
             Publisher::None => {}
-            Publisher::Postgres { queue, .. } => {
+            Publisher::Postgres {
+                queue, notice_max, ..
+            } => {
                 let mut payload = serde_json::to_string(&notice).unwrap_or_default();
-                if payload.len() > PG_PAYLOAD_MAX {
+                if payload.len() > *notice_max {
                     notice.op = None;
                     payload = serde_json::to_string(&notice).unwrap_or_default();
                 }
@@ -248,6 +253,7 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             *inner.publisher.lock() = Publisher::Postgres {
                 queue,
                 channel: channel.clone(),
+                notice_max: Packer::notices(host.id()).item_max(),
             };
             tokio::spawn(pg_listen(
                 std::sync::Arc::downgrade(inner),
@@ -383,11 +389,8 @@ async fn pg_notify_batches(
     mut outgoing: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
 ) {
     const BATCH: usize = 256;
-    /// Operation ids per acknowledgement: well under the 8,000 bytes of a payload.
-    const IDS_PER_ACK: usize = 400;
     let mut batch = Vec::with_capacity(BATCH);
     let mut last: Option<std::time::Instant> = None;
-    let packed_head = packed_head(&from);
     while outgoing.recv_many(&mut batch, BATCH).await > 0 {
         // At most one NOTIFY per interval: what queues meanwhile goes in the next one
         // (unless a full batch waits already).
@@ -404,41 +407,37 @@ async fn pg_notify_batches(
         }
         last = Some(std::time::Instant::now());
         let mut payloads: Vec<(String, String)> = Vec::with_capacity(batch.len());
-        // Acknowledgements to one host in this batch go in one payload.
+        // Acknowledgements to one host in this batch go in as few payloads as fit.
         let mut acks: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
         // Notices go several to a payload (`Packed`): PostgreSQL queues, and every
         // listening connection reads and sends, one notification instead of each.
-        let mut packed = String::new();
+        let mut notices = Packer::notices(&from);
+        let mut unsent = 0usize;
         for item in batch.drain(..) {
             match item {
                 Outgoing::Notice(payload) => {
-                    if !packed.is_empty() && packed.len() + payload.len() + 3 > PG_PAYLOAD_MAX {
-                        packed.push_str("]}");
-                        payloads.push((channel.clone(), std::mem::take(&mut packed)));
+                    if !notices.push(&payload) {
+                        unsent += 1;
                     }
-                    if packed.is_empty() {
-                        packed.push_str(&packed_head);
-                    } else {
-                        packed.push(',');
-                    }
-                    packed.push_str(&payload);
                 }
                 Outgoing::Ack { to, id } => acks.entry(to).or_default().push(id),
             }
         }
-        if !packed.is_empty() {
-            packed.push_str("]}");
-            payloads.push((channel.clone(), packed));
-        }
+        payloads.extend(notices.finish().into_iter().map(|p| (channel.clone(), p)));
         for (to, ids) in acks {
-            for ids in ids.chunks(IDS_PER_ACK) {
-                let ack = Ack {
-                    from: from.clone(),
-                    ids: ids.to_vec(),
-                    bye: false,
-                };
-                payloads.push((to.clone(), serde_json::to_string(&ack).unwrap_or_default()));
+            let mut packer = Packer::acks(&from);
+            for id in ids {
+                if !packer.push(&id.to_string()) {
+                    unsent += 1;
+                }
             }
+            payloads.extend(packer.finish().into_iter().map(|p| (to.clone(), p)));
+        }
+        if unsent > 0 {
+            tracing::warn!(host = %from, unsent, "notices or acknowledgements longer than a NOTIFY payload (the host's id is too long): not sent");
+        }
+        if payloads.is_empty() {
+            continue;
         }
         let result = async {
             let pairs: Vec<(&str, &str)> = payloads
@@ -466,6 +465,80 @@ struct Packed {
 fn packed_head(host: &str) -> String {
     let host = serde_json::to_string(host).unwrap_or_default();
     format!("{{\"from\":{host},\"notices\":[")
+}
+
+/// Packs JSON items into as few payloads as hold them, each `head`, the items separated by
+/// commas, then `tail`, and each at most [`PG_PAYLOAD_LIMIT`] bytes, every byte counted:
+/// the head (the host's id, escaped, is most of it), the commas, the tail (issue 30,
+/// hole 5: a long host id took a payload past the limit, and PostgreSQL refused the whole
+/// `NOTIFY`). An item that does not fit even alone is left out (see
+/// [`item_max`](Self::item_max)).
+struct Packer {
+    head: String,
+    tail: &'static str,
+    current: String,
+    done: Vec<String>,
+}
+
+impl Packer {
+    /// Notices of `host`: a [`Packed`] payload.
+    fn notices(host: &str) -> Self {
+        Self::new(packed_head(host), "]}")
+    }
+
+    /// Acknowledgements from `host`, as an [`Ack`] without `bye` serializes:
+    /// `{"from":"<host>","ids":[...]}` (the items are the ids).
+    fn acks(host: &str) -> Self {
+        let host = serde_json::to_string(host).unwrap_or_default();
+        Self::new(format!("{{\"from\":{host},\"ids\":["), "]}")
+    }
+
+    fn new(head: String, tail: &'static str) -> Self {
+        Self {
+            head,
+            tail,
+            current: String::new(),
+            done: Vec::new(),
+        }
+    }
+
+    /// The longest item that fits in a payload (alone).
+    fn item_max(&self) -> usize {
+        PG_PAYLOAD_LIMIT.saturating_sub(self.head.len() + self.tail.len())
+    }
+
+    /// Adds `item`; `false` when it is longer than [`item_max`](Self::item_max) (it is
+    /// left out).
+    fn push(&mut self, item: &str) -> bool {
+        if item.len() > self.item_max() {
+            return false;
+        }
+        if !self.current.is_empty()
+            && self.current.len() + 1 + item.len() + self.tail.len() > PG_PAYLOAD_LIMIT
+        {
+            self.close();
+        }
+        if self.current.is_empty() {
+            self.current.push_str(&self.head);
+        } else {
+            self.current.push(',');
+        }
+        self.current.push_str(item);
+        true
+    }
+
+    fn close(&mut self) {
+        if !self.current.is_empty() {
+            self.current.push_str(self.tail);
+            self.done.push(std::mem::take(&mut self.current));
+        }
+    }
+
+    /// The payloads.
+    fn finish(mut self) -> Vec<String> {
+        self.close();
+        self.done
+    }
 }
 
 /// Applies a notification's payload: one notice (a JSON object), or several ([`Packed`]).
@@ -589,4 +662,66 @@ async fn pg_listen_once(
     drop(client);
     driver.abort();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Packed, Packer, PG_PAYLOAD_LIMIT};
+    use crate::host::{Ack, Notice, NoticeOp};
+
+    /// Every payload is within PostgreSQL's limit, however long the host's id (escapes
+    /// included) and the items, and holds exactly the items given, in order.
+    #[test]
+    fn packed_payloads_stay_within_the_limit_and_hold_every_item() {
+        for host in [
+            "h".to_owned(),
+            "é\"\\\u{1}".repeat(50),
+            "a".repeat(200),
+            "b".repeat(3_000),
+        ] {
+            let mut packer = Packer::notices(&host);
+            let mut sent = Vec::new();
+            for (i, len) in (0..400).map(|i| (i, (i * 997) % 8_100)).chain([(400, 0)]) {
+                let notice = Notice {
+                    id: i,
+                    position: 1,
+                    host: host.clone(),
+                    committed_at: 0,
+                    op: Some(NoticeOp {
+                        kind: "k".to_owned(),
+                        command: "x".repeat(len as usize),
+                        output: String::new(),
+                    }),
+                };
+                let json = serde_json::to_string(&notice).unwrap();
+                let fits = json.len() <= packer.item_max();
+                assert_eq!(packer.push(&json), fits);
+                if fits {
+                    sent.push(i);
+                }
+            }
+            let mut got = Vec::new();
+            for payload in packer.finish() {
+                assert!(payload.len() <= PG_PAYLOAD_LIMIT, "{}", payload.len());
+                let packed: Packed = serde_json::from_str(&payload).unwrap();
+                got.extend(packed.notices.iter().map(|n| n.id));
+            }
+            assert_eq!(got, sent);
+
+            let mut packer = Packer::acks(&host);
+            let ids: Vec<i64> = (0..2_000).map(|i| i64::MIN + i).collect();
+            for id in &ids {
+                assert!(packer.push(&id.to_string()));
+            }
+            let mut got = Vec::new();
+            for payload in packer.finish() {
+                assert!(payload.len() <= PG_PAYLOAD_LIMIT, "{}", payload.len());
+                let ack: Ack = serde_json::from_str(&payload).unwrap();
+                assert_eq!(ack.from, host);
+                assert!(!ack.bye);
+                got.extend(ack.ids);
+            }
+            assert_eq!(got, ids);
+        }
+    }
 }

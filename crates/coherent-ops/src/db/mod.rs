@@ -304,9 +304,12 @@ impl Database {
             .build()
             .map_err(|e| CommandError::new(ErrorKind::Database, e.to_string()))?;
         let dbname = config.get_dbname().unwrap_or("postgres");
-        let channel = format!("coherent_ops.{dbname}.{schema}");
-        // Channel names are identifiers: 63 bytes at most.
-        let channel = channel.chars().take(63).collect();
+        let mut channel = format!("coherent_ops.{dbname}.{schema}");
+        // Channel names are identifiers: 63 bytes at most (a database's name may hold
+        // characters of several bytes).
+        while channel.len() > PG_CHANNEL_MAX {
+            channel.pop();
+        }
         Ok(Self {
             inner: Arc::new(Engine::Postgres(Postgres {
                 pool,
@@ -832,8 +835,14 @@ pub(crate) async fn pg_notify(
     Ok(())
 }
 
-/// `NOTIFY` payloads are limited to 8,000 bytes; larger operations are announced by id.
-pub(crate) const PG_PAYLOAD_MAX: usize = 7_900;
+/// The most bytes PostgreSQL takes in one `NOTIFY` payload: it refuses 8,000 and more
+/// (`NOTIFY_PAYLOAD_MAX_LENGTH`, with the default block size of 8 KiB), and with them the
+/// whole transaction's notifications. The channel's name counts apart (at most 63 bytes:
+/// see `PG_CHANNEL_MAX`). Operations whose notice does not fit are announced by id.
+pub(crate) const PG_PAYLOAD_LIMIT: usize = 7_999;
+
+/// The longest channel name PostgreSQL takes, in bytes (`NAMEDATALEN - 1`).
+const PG_CHANNEL_MAX: usize = 63;
 
 /// A connection inside `BEGIN`. If it is dropped still open (the command's future was
 /// dropped mid-way, or a `ROLLBACK` failed), the connection is closed rather than returned

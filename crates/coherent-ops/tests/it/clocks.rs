@@ -303,3 +303,75 @@ async fn postgres_callers_that_go_away_leave_no_acknowledgement_wait_behind() {
     );
     a.stop().await;
 }
+
+/// Hole 5 (b): notices (and acknowledgements) go to PostgreSQL several to a payload, which
+/// must stay under its 8,000 bytes. The packing left room for the notices alone: with a
+/// long host id, a payload whose first notice was long passed the limit, and PostgreSQL
+/// refused the whole `NOTIFY` (every notice and acknowledgement in it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_notices_and_acknowledgements_of_a_host_with_a_long_id_all_go_out() {
+    let Some(db) = postgres_db("long_id").await else {
+        return;
+    };
+    // Ids of 19 digits: notices and acknowledgements as long as they get.
+    db.postgres_pool()
+        .unwrap()
+        .get()
+        .await
+        .unwrap()
+        .batch_execute("ALTER SEQUENCE coherent_operations_id_seq RESTART WITH 9000000000000000000")
+        .await
+        .unwrap();
+    // A waits for B's acknowledgements, long enough that only a lost one runs out.
+    let (a, _) = host(&db, |b| {
+        b.id("a".repeat(200))
+            .acknowledgements(Some(Duration::from_secs(5)))
+            .command::<Mark>(Marks::default())
+    })
+    .await;
+    // B applies what notices carry, and reads its log only when a notice says to (one
+    // too long to carry its operation); it acknowledges several operations at a time.
+    let (b, _) = host(&db, |b| {
+        b.id("b".repeat(200))
+            .poll_interval(Duration::from_secs(3600))
+            .notify_interval(Duration::from_millis(20))
+            .command::<Mark>(Marks::default())
+    })
+    .await;
+    wait_until(|| a.stats().peers == 1 && a.notifier_connected() && b.notifier_connected()).await;
+    // Notices of 7,560 to 7,860 bytes, each alone in its payload (A notifies every 1 ms):
+    // with A's id around them, some no longer fit (and, short of PostgreSQL's limit for
+    // one notice, they carried their operation).
+    let mut n = 0;
+    for pad in (7_200..7_500).step_by(2) {
+        a.run(Mark {
+            pad: "x".repeat(pad),
+        })
+        .await
+        .unwrap();
+        n += 1;
+    }
+    // And many short ones together: B acknowledges many in one payload.
+    let runs: Vec<_> = (0..300)
+        .map(|_| {
+            let a = a.clone();
+            tokio::spawn(async move { a.run(Mark::default()).await })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    n += 300;
+    let applied = || {
+        let s = b.stats();
+        s.applied_notified + s.applied_from_log
+    };
+    let applied = settles(Duration::from_secs(20), n, applied).await;
+    assert_eq!(
+        (applied, a.stats().ack_timeouts, a.stats().commands),
+        (n, 0, n),
+        "(A's operations B applied, A's commands whose acknowledgement did not come, A's commands)"
+    );
+    a.stop().await;
+    b.stop().await;
+}
