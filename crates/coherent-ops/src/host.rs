@@ -119,6 +119,19 @@ pub struct HostStats {
     pub acks_waiting: u64,
     /// Everything before this position is applied (see the crate's docs).
     pub horizon: u64,
+    /// Notices and acknowledgements waiting for this host's notifying task now
+    /// (PostgreSQL; at most [`HostBuilder::notify_queue`]).
+    pub notify_queued: u64,
+    /// Notices of this host's commands not sent: its notifying queue was full (the
+    /// database slow or out of reach), or one did not fit in a payload. The other hosts
+    /// apply those operations from the log, at their next poll, and acknowledge them then:
+    /// until they do, this host's command waits, at most [`HostBuilder::acknowledgements`]
+    /// (then counted in `ack_timeouts`).
+    pub notices_dropped: u64,
+    /// Acknowledgements this host did not send, for the same reasons: the host whose
+    /// command it was waits out its [`HostBuilder::acknowledgements`] (and counts it in
+    /// its `ack_timeouts`), then does not wait for this host until it hears from it.
+    pub acks_dropped: u64,
 }
 
 #[derive(Default)]
@@ -214,6 +227,7 @@ pub struct HostBuilder {
     max_batch: usize,
     acknowledgements: Option<Duration>,
     notify_interval: Duration,
+    notify_queue: usize,
     clock_skew: i64,
 }
 
@@ -359,6 +373,21 @@ impl HostBuilder {
         self
     }
 
+    /// On PostgreSQL, how many notices and acknowledgements may wait for this host's
+    /// notifying task (while the database is slow or out of reach). Default: 65,536.
+    /// Past it, what comes is dropped and counted ([`HostStats::notices_dropped`],
+    /// [`HostStats::acks_dropped`]): a notice is only a wake-up (the other hosts read the
+    /// log at their next poll), and a missing acknowledgement costs the command that waits
+    /// for it its [`acknowledgements`](Self::acknowledgements) timeout.
+    ///
+    /// # Panics
+    /// When `entries` is 0.
+    pub fn notify_queue(mut self, entries: usize) -> Self {
+        assert!(entries > 0, "the notifying queue holds at least one entry");
+        self.notify_queue = entries;
+        self
+    }
+
     /// A test hook: this host's wall clock reads `micros` µs ahead of the machine's
     /// (behind, when negative), as a host whose clock is off would. Not for production.
     ///
@@ -439,6 +468,8 @@ impl HostBuilder {
             stop: watch::Sender::new(false),
             acknowledgements: self.acknowledgements,
             notify_interval: self.notify_interval,
+            notify_queue: self.notify_queue,
+            outbox: Arc::default(),
             peers: Mutex::new(HashMap::new()),
             waiting: Arc::default(),
             left: Mutex::new(HashMap::new()),
@@ -525,6 +556,10 @@ pub(crate) struct Inner {
     acknowledgements: Option<Duration>,
     /// The least time between two `NOTIFY` transactions.
     pub(crate) notify_interval: Duration,
+    /// How many entries the notifying task's queue holds at most (PostgreSQL).
+    pub(crate) notify_queue: usize,
+    /// What the notifying task (PostgreSQL) dropped.
+    pub(crate) outbox: Arc<notify::OutboxCounts>,
     /// The other live hosts, by id: `true` for one that missed an acknowledgement's
     /// deadline (not waited for until it is heard from again).
     peers: Mutex<HashMap<String, bool>>,
@@ -540,6 +575,9 @@ pub(crate) struct Inner {
     /// after the stop, so that no heartbeat writes the row again after it left.
     beat: tokio::sync::Mutex<()>,
 }
+
+/// The default of [`HostBuilder::notify_queue`].
+const NOTIFY_QUEUE: usize = 65_536;
 
 /// How recently (by the database's clock) a host must have written its row to be waited
 /// for. Each host writes it every second ([`heartbeat_loop`]), whatever its poll interval.
@@ -572,6 +610,7 @@ impl Host {
             max_batch: 64,
             acknowledgements: Some(Duration::from_millis(500)),
             notify_interval: Duration::from_millis(1),
+            notify_queue: NOTIFY_QUEUE,
             clock_skew: 0,
         }
     }
@@ -692,6 +731,12 @@ impl Host {
                 .count() as u64,
             horizon: self.inner.state.lock().cursor.horizon,
             acks_waiting: self.inner.waiting.lock().len() as u64,
+            notify_queued: match &*self.inner.publisher.lock() {
+                Publisher::Postgres { queue, .. } => queue.queued() as u64,
+                _ => 0,
+            },
+            notices_dropped: r(&self.inner.outbox.notices_dropped),
+            acks_dropped: r(&self.inner.outbox.acks_dropped),
         }
     }
 

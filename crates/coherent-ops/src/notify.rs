@@ -33,7 +33,7 @@ pub enum Notifier {
 pub(crate) enum Publisher {
     None,
     Postgres {
-        queue: tokio::sync::mpsc::UnboundedSender<Outgoing>,
+        queue: Outbox,
         channel: String,
         /// The longest notice that fits in a payload of this host's (see [`Packer`]):
         /// a longer one goes without its operation.
@@ -41,6 +41,62 @@ pub(crate) enum Publisher {
     },
     #[cfg(feature = "nats")]
     Nats(async_nats::Client, String),
+}
+
+/// What a host's notifying task (PostgreSQL) dropped, from its start (see
+/// [`HostStats`](crate::HostStats)).
+#[derive(Default)]
+pub(crate) struct OutboxCounts {
+    pub(crate) notices_dropped: std::sync::atomic::AtomicU64,
+    pub(crate) acks_dropped: std::sync::atomic::AtomicU64,
+}
+
+impl OutboxCounts {
+    /// Counts `n` notices (or acknowledgements) dropped, and says so now and then (at the
+    /// first, the second, the fourth...: an outage does not flood the log).
+    fn dropped(&self, ack: bool, n: u64, why: &str) {
+        let counter = if ack {
+            &self.acks_dropped
+        } else {
+            &self.notices_dropped
+        };
+        let before = counter.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        if (before + n).ilog2() != before.checked_ilog2().unwrap_or(u32::MAX) {
+            let what = if ack { "acknowledgements" } else { "notices" };
+            tracing::warn!(dropped = before + n, what, why, "notifications dropped");
+        }
+    }
+}
+
+/// The queue of a host's notifying task (PostgreSQL): it holds at most
+/// [`HostBuilder::notify_queue`](crate::HostBuilder::notify_queue) entries (issue 30,
+/// hole 5: it was unbounded, and grew for as long as the `NOTIFY`s did not go out); what
+/// comes while it is full is dropped and counted.
+#[derive(Clone)]
+pub(crate) struct Outbox {
+    queue: tokio::sync::mpsc::Sender<Outgoing>,
+    counts: std::sync::Arc<OutboxCounts>,
+}
+
+impl Outbox {
+    fn push(&self, item: Outgoing) {
+        use tokio::sync::mpsc::error::TrySendError;
+        match self.queue.try_send(item) {
+            Ok(()) => {}
+            Err(TrySendError::Full(item)) => self.counts.dropped(
+                matches!(item, Outgoing::Ack { .. }),
+                1,
+                "the notifying queue is full",
+            ),
+            // The host stopped.
+            Err(TrySendError::Closed(_)) => {}
+        }
+    }
+
+    /// Entries in the queue now.
+    pub(crate) fn queued(&self) -> usize {
+        self.queue.max_capacity() - self.queue.capacity()
+    }
 }
 
 /// What a host's notifying task sends (PostgreSQL).
@@ -55,7 +111,7 @@ pub(crate) enum Outgoing {
 #[derive(Clone)]
 pub(crate) enum AckSender {
     Postgres {
-        queue: tokio::sync::mpsc::UnboundedSender<Outgoing>,
+        queue: Outbox,
         channel: String,
     },
     #[cfg(feature = "nats")]
@@ -71,7 +127,7 @@ impl AckSender {
     pub(crate) fn send(&self, to: &str, id: i64) {
         match self {
             AckSender::Postgres { queue, channel } => {
-                let _ = queue.send(Outgoing::Ack {
+                queue.push(Outgoing::Ack {
                     to: ack_channel(channel, to),
                     id,
                 });
@@ -212,7 +268,7 @@ impl Publisher {
                     notice.op = None;
                     payload = serde_json::to_string(&notice).unwrap_or_default();
                 }
-                let _ = queue.send(Outgoing::Notice(payload));
+                queue.push(Outgoing::Notice(payload));
             }
             #[cfg(feature = "nats")]
             Publisher::Nats(client, subject) => {
@@ -242,16 +298,20 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             let mut config = pg.config.clone();
             config.application_name(format!("coherent-listener:{}", host.id()));
             let channel = pg.channel.clone();
-            let (queue, payloads) = tokio::sync::mpsc::unbounded_channel();
+            let (queue, payloads) = tokio::sync::mpsc::channel(inner.notify_queue);
             tokio::spawn(pg_notify_batches(
                 pg.pool.clone(),
                 channel.clone(),
                 host.id().to_owned(),
                 inner.notify_interval,
                 payloads,
+                inner.outbox.clone(),
             ));
             *inner.publisher.lock() = Publisher::Postgres {
-                queue,
+                queue: Outbox {
+                    queue,
+                    counts: inner.outbox.clone(),
+                },
                 channel: channel.clone(),
                 notice_max: Packer::notices(host.id()).item_max(),
             };
@@ -386,7 +446,8 @@ async fn pg_notify_batches(
     channel: String,
     from: String,
     interval: Duration,
-    mut outgoing: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
+    mut outgoing: tokio::sync::mpsc::Receiver<Outgoing>,
+    counts: std::sync::Arc<OutboxCounts>,
 ) {
     const BATCH: usize = 256;
     let mut batch = Vec::with_capacity(BATCH);
@@ -412,12 +473,13 @@ async fn pg_notify_batches(
         // Notices go several to a payload (`Packed`): PostgreSQL queues, and every
         // listening connection reads and sends, one notification instead of each.
         let mut notices = Packer::notices(&from);
-        let mut unsent = 0usize;
+        // Items longer than a payload even alone (a host id of thousands of bytes).
+        let (mut unsent_notices, mut unsent_acks) = (0, 0);
         for item in batch.drain(..) {
             match item {
                 Outgoing::Notice(payload) => {
                     if !notices.push(&payload) {
-                        unsent += 1;
+                        unsent_notices += 1;
                     }
                 }
                 Outgoing::Ack { to, id } => acks.entry(to).or_default().push(id),
@@ -428,13 +490,19 @@ async fn pg_notify_batches(
             let mut packer = Packer::acks(&from);
             for id in ids {
                 if !packer.push(&id.to_string()) {
-                    unsent += 1;
+                    unsent_acks += 1;
                 }
             }
             payloads.extend(packer.finish().into_iter().map(|p| (to.clone(), p)));
         }
-        if unsent > 0 {
-            tracing::warn!(host = %from, unsent, "notices or acknowledgements longer than a NOTIFY payload (the host's id is too long): not sent");
+        for (ack, n) in [(false, unsent_notices), (true, unsent_acks)] {
+            if n > 0 {
+                counts.dropped(
+                    ack,
+                    n,
+                    "longer than a NOTIFY payload (the host's id is too long)",
+                );
+            }
         }
         if payloads.is_empty() {
             continue;

@@ -375,3 +375,60 @@ async fn postgres_notices_and_acknowledgements_of_a_host_with_a_long_id_all_go_o
     a.stop().await;
     b.stop().await;
 }
+
+/// Hole 5 (c): the queue of a host's notifying task (PostgreSQL) had no bound: while its
+/// `NOTIFY`s did not go out, every notice and acknowledgement it made waited in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_the_notifying_queue_stays_bounded_while_nothing_goes_out() {
+    let Some(db) = postgres_db("outbox").await else {
+        return;
+    };
+    const BOUND: u64 = 16;
+    const RUNS: u64 = 400;
+    // B's notifying task sends one `NOTIFY`, then none for an hour: a stand-in for a
+    // database its notifications do not reach. B applies A's operations from A's notices
+    // (it reads its log only when told to: every operation is applied, and acknowledged,
+    // once).
+    let (b, _) = host(&db, |b| {
+        b.notify_interval(Duration::from_secs(3600))
+            .notify_queue(BOUND as usize)
+            .poll_interval(Duration::from_secs(3600))
+            .acknowledgements(None)
+            .command::<Mark>(Marks::default())
+    })
+    .await;
+    let (a, _) = host(&db, |b| {
+        b.acknowledgements(None).command::<Mark>(Marks::default())
+    })
+    .await;
+    wait_until(|| a.notifier_connected() && b.notifier_connected()).await;
+    // B's notices: the first goes out; the notifying task holds at most one batch (256)
+    // while it waits; the queue holds BOUND.
+    for _ in 0..RUNS {
+        b.run(Mark::default()).await.unwrap();
+    }
+    // B's acknowledgements of A's operations.
+    for _ in 0..RUNS {
+        a.run(Mark::default()).await.unwrap();
+    }
+    wait_until(|| {
+        let s = b.stats();
+        s.applied_notified + s.applied_from_log == RUNS
+    })
+    .await;
+    let acks_dropped = settles(Duration::from_secs(5), RUNS, || b.stats().acks_dropped).await;
+    let s = b.stats();
+    assert_eq!(
+        (
+            s.notify_queued,
+            acks_dropped,
+            s.notices_dropped >= RUNS - 1 - 256 - BOUND
+        ),
+        (BOUND, RUNS, true),
+        "(B's queue, acknowledgements B dropped, whether B dropped the notices that did \
+         not fit: {} of {RUNS})",
+        s.notices_dropped
+    );
+    a.stop().await;
+    b.stop().await;
+}
