@@ -433,6 +433,15 @@ impl HostBuilder {
             self.registries
         };
         let cursor = self.db.start_cursor().await?;
+        // What a registry holds now (warmed before the start, or by a host stopped before
+        // this one) may predate operations the cursor counts as read: dropped.
+        let stale: usize = registries.iter().map(Registry::invalidate_all).sum();
+        if stale > 0 {
+            tracing::info!(
+                invalidated = stale,
+                "a host starting over a warm registry flushed it"
+            );
+        }
         let horizon = cursor.horizon;
         let (applied_tx, _) = broadcast::channel(4096);
         let batcher = Batcher {
@@ -831,7 +840,9 @@ impl Inner {
         let finished =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.finish(self, result)));
         if finished.is_err() {
-            tracing::error!(host = %self.id, "a command's invalidation panicked");
+            // Its invalidation may not have run: the log reader skips this host's own
+            // operations, so nothing else would ever invalidate what it changed.
+            self.flush("a command's invalidation panicked");
         }
     }
 
@@ -1129,6 +1140,8 @@ impl Inner {
                     return Err(e);
                 }
             };
+            // A page of SQLite is read without an await: let the runtime breathe.
+            tokio::task::yield_now().await;
             for op in &rows {
                 if op.host == self.id {
                     // Ours: `run` invalidated here right after the commit (this id is this

@@ -26,8 +26,12 @@
 //! starting after the last row of the one before (so that one transaction of more rows than
 //! a page is read through, not read again for ever). Later pages are later statements, with
 //! later snapshots: they see every row the first one saw (the log is trimmed only below the
-//! horizon of every host, this one's included) and maybe more, which are applied and
-//! remembered by the host (their positions are still unread by the new cursor).
+//! horizon of every host, this one's included). They stop at the first page's bound (its
+//! snapshot's `xmax`; SQLite: the last id committed when the read began): what commits
+//! meanwhile is the next read's, so that a read ends even while the log grows faster than
+//! the host applies it (a read that chased the writers never ended: no heartbeat, no
+//! `catch_up`). A later page may still return an operation of a transaction that was in
+//! flight at the first: it is applied, and remembered by the host until a read passes it.
 
 use rusqlite::params;
 
@@ -134,12 +138,24 @@ impl Reading {
                 let after = self.after.map_or(-1, |(_, id)| id);
                 let from = i64::try_from(self.from.next).unwrap_or(i64::MAX);
                 let c = s.reader.lock();
+                // The read ends at the last id committed when it began (ids are taken in
+                // commit order): what commits meanwhile is the next read's, so that a read
+                // ends even while the log grows faster than this host applies it.
+                let upper = match &self.to {
+                    Some(to) => i64::try_from(to.next).unwrap_or(i64::MAX) - 1,
+                    None => c
+                        .query_row("SELECT max(id) FROM coherent_operations", [], |r| {
+                            r.get::<_, Option<i64>>(0)
+                        })?
+                        .unwrap_or(0)
+                        .max(from - 1),
+                };
                 let mut q = c.prepare_cached(
                     "SELECT id, host, logged_at, kind, command, output FROM coherent_operations \
-                     WHERE id >= ?1 AND id > ?2 ORDER BY id LIMIT ?3",
+                     WHERE id >= ?1 AND id > ?2 AND id <= ?3 ORDER BY id LIMIT ?4",
                 )?;
                 let rows = q
-                    .query_map(params![from, after, PAGE as i64], |r| {
+                    .query_map(params![from, after, upper, PAGE as i64], |r| {
                         let id: i64 = r.get(0)?;
                         Ok(Logged {
                             id,
@@ -152,14 +168,10 @@ impl Reading {
                         })
                     })?
                     .collect::<Result<Vec<_>, _>>()?;
-                // Past the last row read, in this page or an earlier one.
-                let next = match (rows.last(), &self.to) {
-                    (Some(last), _) => last.position + 1,
-                    (None, Some(to)) => to.next,
-                    (None, None) => self.from.next,
-                };
-                self.to = Some(Cursor::at(next));
-                (rows, None)
+                (
+                    rows,
+                    Some(Cursor::at(u64::try_from(upper + 1).unwrap_or(0))),
+                )
             }
             Engine::Postgres(pg) => {
                 let client = pg.pool.get().await?;
@@ -169,25 +181,41 @@ impl Reading {
                     .prepare_cached(
                         "SELECT pg_current_snapshot()::text, o.id, o.xid::text, \
                                 o.host, o.logged_at, o.kind, o.command, o.output \
-                         FROM (SELECT 1) AS one LEFT JOIN \
+                         FROM (SELECT 1) AS one LEFT JOIN (SELECT * FROM ( \
                               (SELECT * FROM coherent_operations \
-                               WHERE (xid >= $1::text::xid8 OR xid = ANY($2::text[]::xid8[])) \
-                                 AND (xid, id) > ($3::text::xid8, $4) \
-                               ORDER BY xid, id LIMIT $5) AS o ON true",
+                               WHERE (xid, id) > ($1::text::xid8, $2) AND xid < $3::text::xid8 \
+                               ORDER BY xid, id LIMIT $4) \
+                              UNION ALL \
+                              (SELECT * FROM coherent_operations \
+                               WHERE xid = ANY($5::text[]::xid8[]) \
+                                 AND (xid, id) > ($6::text::xid8, $7) \
+                               ORDER BY xid, id LIMIT $4)) AS u \
+                              ORDER BY xid, id LIMIT $4) AS o ON true ORDER BY o.xid, o.id",
                     )
                     .await?;
+                // Two index ranges, merged: the positions at or after the cursor's `next`
+                // (from after the last row read), and those in flight at the last read.
+                // The first bounds its start by itself, so that a caught-up host's read
+                // touches a few index pages however long the log is. From the second page
+                // on, the range stops at the first page's `xmax`: what is past it is the
+                // next read's (the new cursor is the first page's snapshot), so that a
+                // read ends even while the log grows faster than this host applies it.
                 let in_flight: Vec<String> =
                     self.from.in_flight.iter().map(u64::to_string).collect();
-                let (after_position, after_id) = self.after.unwrap_or((0, i64::MIN));
+                let after = self.after.unwrap_or((0, i64::MIN));
+                let range = after.max((self.from.next.saturating_sub(1), i64::MAX));
+                let upper = self.to.as_ref().map_or(i64::MAX as u64, |t| t.next);
                 let rows = client
                     .query(
                         &q,
                         &[
-                            &self.from.next.to_string(),
-                            &in_flight,
-                            &after_position.to_string(),
-                            &after_id,
+                            &range.0.to_string(),
+                            &range.1,
+                            &upper.to_string(),
                             &(PAGE as i64),
+                            &in_flight,
+                            &after.0.to_string(),
+                            &after.1,
                         ],
                     )
                     .await?;
@@ -213,6 +241,7 @@ impl Reading {
                 (out, snapshot)
             }
         };
+        // PostgreSQL: the first page's snapshot; SQLite: the bound of the first page.
         if self.to.is_none() {
             self.to = snapshot;
         }

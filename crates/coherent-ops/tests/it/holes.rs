@@ -295,3 +295,160 @@ async fn a_replay_that_panics_fails_safe_postgres() {
     };
     a_replay_that_panics_fails_safe(db, Some(Notifier::Postgres)).await;
 }
+
+/// The `SetValue` handler of a host whose replay takes a millisecond.
+#[derive(Clone)]
+struct Slow(Items);
+
+impl Handler<SetValue> for Slow {
+    async fn execute(&self, c: &SetValue, tx: &mut Tx<'_>) -> Result<i64, CommandError> {
+        Handler::<SetValue>::execute(&self.0, c, tx).await
+    }
+
+    fn invalidate(&self, c: &SetValue, old: &i64) {
+        std::thread::sleep(Duration::from_millis(1));
+        Handler::<SetValue>::invalidate(&self.0, c, old);
+    }
+}
+
+/// A read of the log that chased the writers: later pages read what committed after the
+/// read began, so while the log grew faster than the host applied it, the read (and
+/// `catch_up`, the heartbeat, the prune of what the host remembers) never ended. Found by
+/// review; it failed before the read was bounded by its first page.
+async fn a_read_ends_while_the_log_grows_faster_than_it_is_applied(db: Database) {
+    let registry = Registry::new();
+    let items = Items {
+        handle: ServiceHandle::with_registry(&registry),
+        reader: Reader::for_db(&db),
+    };
+    let b = Host::builder(db.clone())
+        .registry(&registry)
+        .poll_interval(Duration::from_secs(3600))
+        .command::<SetValue>(Slow(items.clone()))
+        .start()
+        .await
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (stop, db) = (stop.clone(), db.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                log_twenty(&db).await;
+                n += 20;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            n
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let caught = tokio::time::timeout(Duration::from_secs(15), b.catch_up()).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let written = writer.await.unwrap();
+    assert!(
+        caught.is_ok(),
+        "catch_up did not end in 15 s while {written} operations were logged"
+    );
+}
+
+/// Twenty operations of another host on item 2, in one transaction.
+async fn log_twenty(db: &Database) {
+    match db.postgres_pool() {
+        Some(pool) => {
+            pool.get()
+                .await
+                .unwrap()
+                .batch_execute(
+                    "INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+                     SELECT 'w', 0, 'test.set_value', '{\"id\":2,\"value\":1}', '0' \
+                     FROM generate_series(1, 20)",
+                )
+                .await
+                .unwrap();
+        }
+        None => {
+            let path = db.sqlite_path().unwrap().to_owned();
+            tokio::task::spawn_blocking(move || {
+                let c = open_sqlite(&path);
+                c.execute_batch(
+                    "BEGIN IMMEDIATE; \
+                     WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 20) \
+                     INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+                     SELECT 'w', 0, 'test.set_value', '{\"id\":2,\"value\":1}', '0' FROM n; \
+                     COMMIT",
+                )
+                .unwrap();
+            })
+            .await
+            .unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_ends_while_the_log_grows_postgres() {
+    let Some(db) = postgres_db("read_chases").await else {
+        return;
+    };
+    a_read_ends_while_the_log_grows_faster_than_it_is_applied(db).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_ends_while_the_log_grows_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    a_read_ends_while_the_log_grows_faster_than_it_is_applied(db).await;
+}
+
+/// The writer's own invalidation panicked: the command's caller hears that its outcome is
+/// unknown, but the write committed, and the log reader skips the host's own operations:
+/// the host served the entry from before its write for good. Found by review; it failed
+/// before the host flushed on such a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_invalidation_that_panics_leaves_no_stale_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let (a, items) = touchy_host(&db, None).await;
+    assert_eq!(items.value(1).await, Ok(0));
+    let answered = a
+        .run(SetValue {
+            id: 1,
+            value: PANICS,
+        })
+        .await;
+    assert!(answered.is_err(), "{answered:?}");
+    assert!(db.is_logged(1).await.unwrap());
+    assert_eq!(items.value(1).await, Ok(PANICS));
+    assert_eq!(a.stats().flushes, 1);
+}
+
+/// A host started over a registry that holds entries (warmed first, or left by a host
+/// stopped before it): what committed in between is before the new host's cursor, so it
+/// is never applied. Found by review; it failed before `start` flushed the registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_started_over_a_warm_registry_serves_nothing_stale() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let registry = Registry::new();
+    let items = Items {
+        handle: ServiceHandle::with_registry(&registry),
+        reader: Reader::for_db(&db),
+    };
+    let start = || {
+        Host::builder(db.clone())
+            .registry(&registry)
+            .command::<SetValue>(items.clone())
+            .start()
+    };
+    let first = start().await.unwrap();
+    assert_eq!(items.value(1).await, Ok(0));
+    first.stop().await;
+    drop(first);
+    let (writer, _) = host(&db, |b| b).await;
+    writer.run(SetValue { id: 1, value: 5 }).await.unwrap();
+    let second = start().await.unwrap();
+    within("the second host's read", second.catch_up())
+        .await
+        .unwrap();
+    assert_eq!(items.value(1).await, Ok(5));
+}
