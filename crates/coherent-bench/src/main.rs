@@ -78,6 +78,9 @@ enum Suite {
     /// A host of the `cluster` suite (the suite starts these as child processes).
     #[command(hide = true)]
     ClusterHost(cluster::HostArgs),
+    /// A host process of the `cluster` suite's checker phases (settings in its environment).
+    #[command(hide = true)]
+    CheckerHost,
     /// A fixed number of single-reader `local` calls on one contender, untimed: for counting
     /// instructions per call under callgrind (see BENCHMARKS.md).
     #[command(hide = true)]
@@ -138,6 +141,7 @@ fn main() -> anyhow::Result<()> {
         Suite::Cluster => cluster::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Tasks { wrk } => tasks::run(timing, *wrk, cli.only.as_deref().unwrap_or(""))?,
         Suite::ClusterHost(args) => return cluster::host::main(args.clone()),
+        Suite::CheckerHost => return cluster::checker::host_main(),
     };
     report.print_table();
     if let Some(path) = &cli.json {

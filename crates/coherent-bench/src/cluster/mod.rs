@@ -49,6 +49,7 @@
 //! (`NATS_URL`, default `nats://127.0.0.1:4222`) its rows are.
 
 mod board;
+pub(crate) mod checker;
 pub(crate) mod host;
 
 use std::io::BufRead;
@@ -556,6 +557,10 @@ async fn suite(
         "direct",
         "ttl",
         "commands",
+        "checker.pg",
+        "checker.nats",
+        "checker.pause",
+        "burst",
     ];
     let wanted: Vec<&str> = phases.into_iter().filter(|p| p.contains(only)).collect();
     anyhow::ensure!(
@@ -642,6 +647,26 @@ async fn suite(
         rows.push(plain);
         bar.inc(1);
     }
+    for phase in ["checker.pg", "checker.nats", "checker.pause", "burst"] {
+        if !want(phase) {
+            continue;
+        }
+        bar.set_message(format!("cluster.{phase}"));
+        let row = match phase {
+            "checker.pg" => Some(checker::checker_row(&settings.url, false, timing).await?),
+            "checker.nats" if std::path::Path::new("/usr/sbin/nats-server").exists() => {
+                Some(checker::checker_row(&settings.url, true, timing).await?)
+            }
+            "checker.nats" => {
+                report.note("cluster.checker.nats skipped: no /usr/sbin/nats-server");
+                None
+            }
+            "checker.pause" => Some(checker::pause_row(&settings.url, timing).await?),
+            _ => Some(checker::burst_row(&settings.url, timing).await?),
+        };
+        rows.extend(row);
+        bar.inc(1);
+    }
     bar.finish_and_clear();
 
     for row in rows.into_iter().chain(propagation) {
@@ -655,6 +680,7 @@ async fn suite(
     report.note("stale_reads: a read starting >= 10 ms after the newer version's command returned to the mutator; stale_after_apply: a read starting after its host applied the newer version");
     report.note("ttl: moka, 1 s TTL per host, its own host's writes invalidated; direct and ttl hosts run the command as a plain UPDATE");
     report.note(format!("commands vs plain_writes: {WRITERS} concurrent tasks in one process, Host::run vs the same UPDATE through the same pool"));
+    report.note("checker: coherent-checker's runs (3 host processes over PostgreSQL, 2 readers and 2 writers each, every returned write and every read recorded and checked); the value is the violations (reads that began after a write of their key returned and saw an older version, reads of a host that went backwards, hosts that did not converge); faults_injected.* counts each fault; burst: 10 writers per host, bursts of 1,500 commands and 3 s transactions holding an xid across them");
     report.note("propagation: commit on one host to applied on another (Applied events), mutator only, readers idle; p99_under_readers_us: during the cached readers phase");
     Ok(())
 }
