@@ -265,6 +265,9 @@ async fn serve() -> anyhow::Result<()> {
     if let Some(url) = &node.nats {
         builder = builder.notifier(Notifier::Nats(url.clone()));
     }
+    if node.clock_skew_ms != 0 {
+        builder = builder.clock_skew(node.clock_skew_ms.saturating_mul(1000));
+    }
     let host = builder.start().await?;
     let recorder = Arc::new(Recorder::create(&node.history)?);
     let counts = Arc::new(Counts::default());

@@ -35,6 +35,9 @@ pub enum Fault {
     Deploy,
     /// The NATS server is killed and started again (NATS runs only).
     NatsRestart,
+    /// A host is replaced by one whose wall clock is an hour ahead or behind (in turn):
+    /// its liveness, its heartbeats and the log's trimming must not depend on it.
+    Skew,
 }
 
 impl Fault {
@@ -48,6 +51,7 @@ impl Fault {
             Fault::Kill => "kill",
             Fault::Deploy => "deploy",
             Fault::NatsRestart => "nats_restart",
+            Fault::Skew => "clock_skew",
         }
     }
 }
@@ -85,6 +89,7 @@ impl Config {
             Fault::Pause,
             Fault::Kill,
             Fault::Deploy,
+            Fault::Skew,
         ];
         if nats {
             faults.push(Fault::NatsRestart);
@@ -335,7 +340,7 @@ async fn run_in(
         None
     };
     let mut started = 0u32;
-    let node_for = |n: u32, next_release: bool, nats: &Option<Nats>| Node {
+    let node_for = |n: u32, next_release: bool, nats: &Option<Nats>, clock_skew_ms: i64| Node {
         url: url.to_owned(),
         schema: schema.to_owned(),
         nats: nats.as_ref().map(Nats::url),
@@ -345,11 +350,11 @@ async fn run_in(
         writers: config.writers,
         read_batch: config.read_batch,
         next_release,
-        clock_skew_ms: 0,
+        clock_skew_ms,
     };
     let mut hosts = Vec::new();
     for _ in 0..config.hosts {
-        let proc = Proc::spawn(spawn, &node_for(started, false, &nats)).await?;
+        let proc = Proc::spawn(spawn, &node_for(started, false, &nats, 0)).await?;
         started += 1;
         hosts.push(proc);
     }
@@ -363,6 +368,7 @@ async fn run_in(
     let every = config.duration / slots;
     let mut turn = 0usize;
     let mut next_release = false;
+    let mut skew = 0i64;
     while begin.elapsed() + every < config.duration {
         tokio::time::sleep(every.mul_f64(rand::random_range(0.5..1.0))).await;
         if config.faults.is_empty() {
@@ -399,7 +405,7 @@ async fn run_in(
             Fault::Kill => {
                 hosts[i].kill().await;
                 finished.push((hosts[i].id.clone(), hosts[i].history.clone()));
-                let mut proc = Proc::spawn(spawn, &node_for(started, false, &nats)).await?;
+                let mut proc = Proc::spawn(spawn, &node_for(started, false, &nats, 0)).await?;
                 started += 1;
                 proc.cmd("start").await?;
                 hosts[i] = proc;
@@ -409,7 +415,20 @@ async fn run_in(
                 next_release = !next_release;
                 let mut old = std::mem::replace(
                     &mut hosts[i],
-                    Proc::spawn(spawn, &node_for(started, next_release, &nats)).await?,
+                    Proc::spawn(spawn, &node_for(started, next_release, &nats, 0)).await?,
+                );
+                started += 1;
+                hosts[i].cmd("start").await?;
+                old.cmd("stop").await?;
+                old.cmd("quit").await?;
+                let _ = old.child.wait().await;
+                finished.push((old.id.clone(), old.history.clone()));
+            }
+            Fault::Skew => {
+                skew = if skew > 0 { -3_600_000 } else { 3_600_000 };
+                let mut old = std::mem::replace(
+                    &mut hosts[i],
+                    Proc::spawn(spawn, &node_for(started, next_release, &nats, skew)).await?,
                 );
                 started += 1;
                 hosts[i].cmd("start").await?;
