@@ -24,7 +24,7 @@ pub enum Fault {
     /// `xmin`) while another host bursts, then writes and commits.
     LongTransaction,
     /// Every database connection of every host is terminated (`pg_terminate_backend`):
-    /// listeners, pools, transactions in flight.
+    /// listeners, pools, transactions in flight (a failover, a restarted pooler).
     Terminate,
     /// A host is stopped (SIGSTOP) past the acknowledgement deadline, then resumed.
     Pause,
@@ -369,12 +369,15 @@ async fn run_in(
     let mut turn = 0usize;
     let mut next_release = false;
     let mut skew = 0i64;
-    while begin.elapsed() + every < config.duration {
+    // Every fault in turn, each at least three times (the run goes on past its duration
+    // if the faults take longer), then more while the duration lasts; a random pause
+    // before each.
+    let kinds = config.faults.len().max(1);
+    while !config.faults.is_empty()
+        && (turn < 3 * kinds || begin.elapsed() + every < config.duration)
+    {
         tokio::time::sleep(every.mul_f64(rand::random_range(0.5..1.0))).await;
-        if config.faults.is_empty() {
-            continue;
-        }
-        let fault = config.faults[turn % config.faults.len()];
+        let fault = config.faults[turn % kinds];
         turn += 1;
         let i = rand::random_range(0..hosts.len());
         match fault {
@@ -389,11 +392,18 @@ async fn run_in(
                 hosts[j].cmd("burst 1500").await?;
             }
             Fault::Terminate => {
+                // The pools' connections carry the run's application name, the listeners
+                // their host's (`coherent-listener:<id>`).
+                let listeners: Vec<String> = hosts
+                    .iter()
+                    .map(|h| format!("coherent-listener:{}", h.id))
+                    .collect();
                 admin
                     .execute(
                         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                         WHERE application_name = $1 AND pid <> pg_backend_pid()",
-                        &[&app],
+                         WHERE (application_name = $1 OR application_name = ANY($2)) \
+                           AND pid <> pg_backend_pid()",
+                        &[&app, &listeners],
                     )
                     .await?;
             }

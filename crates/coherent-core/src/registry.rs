@@ -44,6 +44,9 @@ pub struct Registry {
 
 pub(crate) struct RegistryInner {
     capacity: usize,
+    /// How many holders fence the registry now ([`Registry::fence`]); read by every hit,
+    /// written only when a fence goes up or down, so it sits with the read-only fields.
+    fences: AtomicUsize,
     pub(crate) counters: Arc<Counters>,
     len: CachePadded<AtomicIsize>,
     inserts_since_prune: CachePadded<AtomicUsize>,
@@ -81,6 +84,7 @@ impl RegistryBuilder {
         Registry {
             inner: Arc::new(RegistryInner {
                 capacity: self.capacity,
+                fences: AtomicUsize::new(0),
                 counters: Arc::new(Counters::default()),
                 len: CachePadded::new(AtomicIsize::new(0)),
                 inserts_since_prune: CachePadded::new(AtomicUsize::new(0)),
@@ -152,6 +156,31 @@ impl Registry {
         let n = self.live_tables().iter().map(|t| t.invalidate_all()).sum();
         tracing::debug!(target: "coherent::invalidate", n, "invalidated every entry");
         n
+    }
+
+    /// Fences the registry: until every fence is lifted ([`unfence`](Self::unfence)), no
+    /// call answers from a cached result. A call that finds one consistent invalidates it
+    /// (and its dependants) and computes anew; results computed meanwhile are stored as
+    /// usual, but not answered from while the fence stands. For a cache that cannot tell
+    /// whether its entries are current until something outside it catches up: a host of a
+    /// cluster whose notifier is down, or that its peers have not yet counted in. Fences
+    /// nest (each holder lifts its own). A hit pays one relaxed load for it.
+    pub fn fence(&self) {
+        self.inner.fences.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Lifts one [`fence`](Self::fence); calls answer from the cache again once none is left.
+    pub fn unfence(&self) {
+        let _ = self
+            .inner
+            .fences
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    /// Whether a fence stands ([`fence`](Self::fence)).
+    #[inline]
+    pub fn is_fenced(&self) -> bool {
+        self.inner.fences.load(Ordering::Relaxed) != 0
     }
 
     pub(crate) fn register_table(&self, table: Weak<dyn Prunable>) {

@@ -42,6 +42,8 @@ pub struct Table<K, T> {
 
 enum Found<T> {
     Ready(Arc<ComputedInner<T>>),
+    /// Consistent, but the registry is fenced: invalidated (outside the lock), then again.
+    Fenced(Arc<ComputedInner<T>>),
     Wait(Arc<ComputedInner<T>>),
     Own(Arc<ComputedInner<T>>),
 }
@@ -74,7 +76,7 @@ where
         let hash = self.hasher.hash_one(key);
         let map = self.map.read();
         let computed = &map.find(hash, |e| e.key == *key)?.computed;
-        if computed.node.state() != CONSISTENT {
+        if computed.node.state() != CONSISTENT || self.registry.is_fenced() {
             return None;
         }
         computed.node.touch(clock::now());
@@ -156,6 +158,9 @@ where
                 };
                 match map.find_mut(hash, |e| e.key == key) {
                     Some(entry) => match entry.computed.node.state() {
+                        CONSISTENT if self.registry.is_fenced() => {
+                            Found::Fenced(entry.computed.clone())
+                        }
                         CONSISTENT => Found::Ready(entry.computed.clone()),
                         COMPUTING | COMPUTING_INVALIDATED => Found::Wait(entry.computed.clone()),
                         _ => {
@@ -187,6 +192,9 @@ where
                     self.map.local_stripe().count_hit();
                     computed.record_use();
                     return computed;
+                }
+                Found::Fenced(computed) => {
+                    node::invalidate(&*computed);
                 }
                 Found::Wait(computed) => {
                     computed

@@ -113,6 +113,12 @@ pub struct HostStats {
     pub peers: u64,
     /// Hosts that said they stopped ([`Host::stop`]), and were no longer waited for.
     pub peers_left: u64,
+    /// Times this host fenced its registries (see [`Host::is_fenced`]): at start, and each
+    /// time its notifier dropped.
+    pub fences: u64,
+    /// Rejoins that lifted the fence without every live host's welcome, after trying for
+    /// [`REJOIN_GIVE_UP`] (hosts of a release without the handshake never answer).
+    pub rejoins_incomplete: u64,
     /// This host's commands waiting for acknowledgements now (committed, their callers
     /// not answered yet). A caller that goes away takes its wait with it: this does not
     /// grow with callers that dropped [`Host::run`]'s future.
@@ -155,16 +161,27 @@ struct Counters {
     acks_received: AtomicU64,
     ack_timeouts: AtomicU64,
     peers_left: AtomicU64,
+    fences: AtomicU64,
+    rejoins_incomplete: AtomicU64,
 }
 
 /// An acknowledgement: `from` applied these operations of the host it is sent to.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, Default)]
 pub(crate) struct Ack {
     pub(crate) from: String,
+    #[serde(default)]
     pub(crate) ids: Vec<i64>,
     /// `from` stopped: not waited for any more.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) bye: bool,
+    /// `from` asks to be counted in: answered with a welcome, after which the commands of
+    /// the host that answers wait for `from` (the rejoin handshake).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) hello: bool,
+    /// The answer to a hello: sent after every notice of the sender that did not wait for
+    /// the host greeted.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) welcome: bool,
 }
 
 /// A command of this host waiting for the other hosts to apply its operation.
@@ -482,22 +499,31 @@ impl HostBuilder {
             peers: Mutex::new(HashMap::new()),
             waiting: Arc::default(),
             left: Mutex::new(HashMap::new()),
+            fenced: AtomicBool::new(false),
+            losses: AtomicU64::new(0),
+            rejoin: AtomicBool::new(false),
+            welcomed: Mutex::new(HashSet::new()),
             clock_skew: self.clock_skew,
             beat: tokio::sync::Mutex::new(()),
         });
+        if inner.notifier_down.load(Ordering::Acquire) {
+            // Until it hears notices and its peers count it in, it answers nothing from
+            // its cache (the rejoin handshake lifts the fence).
+            inner.fence();
+        }
         inner.db.heartbeat(&id, horizon).await?;
         let host = Host { inner };
         notify::start(&host, notifier).await?;
         host.inner.refresh_peers().await?;
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while host.inner.notifier_down.load(Ordering::Acquire) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
         tokio::spawn(read_loop(
             Arc::downgrade(&host.inner),
             host.inner.wake.clone(),
             host.inner.stop.subscribe(),
         ));
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while host.inner.fenced.load(Ordering::Acquire) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
         tokio::spawn(heartbeat_loop(
             Arc::downgrade(&host.inner),
             host.inner.stop.subscribe(),
@@ -578,6 +604,14 @@ pub(crate) struct Inner {
     /// Hosts that said they stopped, and when: not taken for live again (a read of the
     /// hosts table that began before one left may still list it).
     left: Mutex<HashMap<String, Instant>>,
+    /// Whether this host fences its registries now (see [`Host::is_fenced`]).
+    fenced: AtomicBool,
+    /// Times the notifier dropped: a rejoin lifts the fence only if none dropped meanwhile.
+    losses: AtomicU64,
+    /// The notifier is up again: the log reader runs the rejoin handshake.
+    rejoin: AtomicBool,
+    /// The hosts that welcomed this one in its current rejoin.
+    welcomed: Mutex<HashSet<String>>,
     /// How far this host's wall clock is off (a test hook, [`HostBuilder::clock_skew`]).
     clock_skew: i64,
     /// Held by the heartbeat while it writes this host's row: [`Host::stop`] takes it
@@ -587,6 +621,10 @@ pub(crate) struct Inner {
 
 /// The default of [`HostBuilder::notify_queue`].
 const NOTIFY_QUEUE: usize = 65_536;
+
+/// How long a rejoin greets the live hosts before it lifts the fence without the
+/// welcomes it lacks.
+pub(crate) const REJOIN_GIVE_UP: Duration = Duration::from_secs(10);
 
 /// How recently (by the database's clock) a host must have written its row to be waited
 /// for. Each host writes it every second ([`heartbeat_loop`]), whatever its poll interval.
@@ -731,6 +769,8 @@ impl Host {
             acks_received: r(&c.acks_received),
             ack_timeouts: r(&c.ack_timeouts),
             peers_left: r(&c.peers_left),
+            fences: r(&c.fences),
+            rejoins_incomplete: r(&c.rejoins_incomplete),
             peers: self
                 .inner
                 .peers
@@ -762,6 +802,18 @@ impl Host {
         !self.inner.notifier_down.load(Ordering::Acquire)
     }
 
+    /// Whether this host fences its registries now: no call answers from their caches
+    /// (each recomputes, from the database). A host with a notifier is fenced from its
+    /// start, and again whenever its notifier drops, until it has rejoined: its notifier
+    /// is up, every live host has welcomed it (from then on their commands wait for it,
+    /// and it has the notices of those that did not), and it has read the log. Meanwhile
+    /// the other hosts' commands may return without its acknowledgement, so an entry it
+    /// computed could be stale by the time it is read (issue 30: found by the checker,
+    /// under a restarted NATS server). With [`Notifier::Poll`], never.
+    pub fn is_fenced(&self) -> bool {
+        self.inner.fenced.load(Ordering::Acquire)
+    }
+
     /// Deletes the operations older than the retention that every live host has passed
     /// (hosts do it on their own every minute or so). Returns how many were deleted.
     pub async fn trim(&self) -> Result<u64, CommandError> {
@@ -775,6 +827,8 @@ impl Host {
     pub async fn stop(&self) {
         self.inner.stop.send_replace(true);
         self.inner.batcher.close();
+        // Its registries are a local cache from now on: not left fenced.
+        self.inner.unfence();
         // A heartbeat under way ends first (the next sees the stop): none comes after the
         // row is deleted.
         drop(self.inner.beat.lock().await);
@@ -1019,6 +1073,28 @@ impl Inner {
             self.peer_left(&ack.from);
             return;
         }
+        if ack.hello {
+            // Counted in, and welcomed, under the publisher's lock: a command of this host
+            // either registered its wait before (and its notice is queued before the
+            // welcome, so the greeting host applies it before it lifts its fence), or
+            // after (and it waits for the greeting host).
+            let publisher = self.publisher.lock();
+            self.heard_from(&ack.from);
+            publisher.send_control(
+                &ack.from,
+                &Ack {
+                    from: self.id.clone(),
+                    welcome: true,
+                    ..Ack::default()
+                },
+            );
+            return;
+        }
+        if ack.welcome {
+            self.welcomed.lock().insert(ack.from.clone());
+            self.heard_from(&ack.from);
+            return;
+        }
         self.counters
             .acks_received
             .fetch_add(ack.ids.len() as u64, Ordering::Relaxed);
@@ -1162,16 +1238,112 @@ impl Inner {
     /// The notifier may have dropped operations: until the log has been read again, no
     /// entry of this host's cache can be trusted, so every one is invalidated (the next
     /// reads recompute from the database), and the log is read at once.
+    ///
+    /// And until it has rejoined ([`Inner::rejoin`]), it answers nothing from its cache
+    /// (its registries are fenced): the other hosts' commands may return without its
+    /// acknowledgement meanwhile, so an entry computed now may be stale by the time it
+    /// is read.
     pub(crate) fn notifier_lost(&self, why: &str) {
+        self.losses.fetch_add(1, Ordering::AcqRel);
         self.notifier_down.store(true, Ordering::Release);
+        self.fence();
         self.flush(why);
         self.wake.notify_one();
     }
 
     pub(crate) fn notifier_up(&self) {
         self.notifier_down.store(false, Ordering::Release);
-        // What was committed while it was down: read it now that notifications flow.
+        // What was committed while it was down is read, and the fence lifted, by the
+        // rejoin that the log reader runs now.
+        self.rejoin.store(true, Ordering::Release);
         self.wake.notify_one();
+    }
+
+    /// Fences this host's registries (once, however many times it is called).
+    fn fence(&self) {
+        if !self.fenced.swap(true, Ordering::AcqRel) {
+            self.counters.fences.fetch_add(1, Ordering::Relaxed);
+            for r in &self.registries {
+                r.fence();
+            }
+        }
+    }
+
+    fn unfence(&self) {
+        if self.fenced.swap(false, Ordering::AcqRel) {
+            for r in &self.registries {
+                r.unfence();
+            }
+        }
+    }
+
+    /// The rejoin handshake, once the notifier is up (again): greets every live host and
+    /// waits for each one's welcome (sent after every notice of its that did not wait for
+    /// this host; commands after it wait for this host), reads the log (what committed
+    /// before, whose notices this host may have missed), then lifts the fence, unless
+    /// the notifier dropped meanwhile. A host that does not answer is greeted again; after
+    /// [`REJOIN_GIVE_UP`] the fence is lifted without it (counted, and said).
+    async fn rejoin(&self) -> Result<(), CommandError> {
+        let losses = self.losses.load(Ordering::Acquire);
+        let started = Instant::now();
+        self.welcomed.lock().clear();
+        let greet = self.acknowledgements.is_some() && self.publisher.lock().acks();
+        loop {
+            if !greet {
+                break;
+            }
+            if self.notifier_down.load(Ordering::Acquire)
+                || self.losses.load(Ordering::Acquire) != losses
+            {
+                return Ok(());
+            }
+            let left: HashSet<String> = self.left.lock().keys().cloned().collect();
+            let pending: Vec<String> = self
+                .db
+                .live_hosts(PEER_ALIVE.min(self.host_expiry))
+                .await?
+                .into_iter()
+                .filter(|h| *h != self.id && !left.contains(h))
+                .filter(|h| !self.welcomed.lock().contains(h))
+                .collect();
+            if pending.is_empty() {
+                break;
+            }
+            if started.elapsed() > REJOIN_GIVE_UP {
+                self.counters
+                    .rejoins_incomplete
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(host = %self.id, missing = ?pending,
+                    "hosts did not welcome this one: it serves from its cache without them");
+                break;
+            }
+            {
+                let publisher = self.publisher.lock();
+                let hello = Ack {
+                    from: self.id.clone(),
+                    hello: true,
+                    ..Ack::default()
+                };
+                for peer in &pending {
+                    publisher.send_control(peer, &hello);
+                }
+            }
+            let wait = self.acknowledgements.unwrap_or_default();
+            let asked = Instant::now();
+            while asked.elapsed() < wait
+                && !pending.iter().all(|h| self.welcomed.lock().contains(h))
+            {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        self.round().await?;
+        if !self.notifier_down.load(Ordering::Acquire)
+            && self.losses.load(Ordering::Acquire) == losses
+        {
+            self.unfence();
+            tracing::debug!(host = %self.id, "rejoined: serving from the cache");
+        }
+        Ok(())
     }
 
     fn flush(&self, why: &str) {
@@ -1184,6 +1356,12 @@ impl Inner {
         let n = self.db.trim(self.retention, self.host_expiry).await?;
         self.counters.trimmed.fetch_add(n, Ordering::Relaxed);
         Ok(n)
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.unfence();
     }
 }
 
@@ -1434,6 +1612,15 @@ async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiv
         let Some(inner) = host.upgrade() else { return };
         if last_ok.elapsed() > inner.host_expiry {
             inner.flush("this host read no log for longer than the host expiry");
+        }
+        if inner.rejoin.swap(false, Ordering::AcqRel) {
+            if let Err(e) = inner.rejoin().await {
+                tracing::warn!(host = %inner.id, %e, "rejoining failed: trying again");
+                inner.rejoin.store(true, Ordering::Release);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                inner.wake.notify_one();
+            }
+            continue;
         }
         // A panic in a read (replays catch their own) must not end this task: the host
         // would read and trim no more, its notifier still saying it is up.

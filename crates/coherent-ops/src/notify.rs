@@ -5,7 +5,7 @@
 use std::sync::Weak;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::watch;
 
 use crate::db::{Database, Engine, PG_PAYLOAD_LIMIT};
@@ -39,8 +39,44 @@ pub(crate) enum Publisher {
         /// a longer one goes without its operation.
         notice_max: usize,
     },
+    /// The client (for farewells), the notices' subject, and the queue of the one task
+    /// that publishes, in order: a welcome must reach its host after every notice
+    /// published before it (issue 30).
     #[cfg(feature = "nats")]
-    Nats(async_nats::Client, String),
+    Nats(async_nats::Client, String, NatsOutbox),
+}
+
+/// The queue of a host's NATS publishing task: (subject, payload), published in order.
+#[cfg(feature = "nats")]
+#[derive(Clone)]
+pub(crate) struct NatsOutbox {
+    queue: tokio::sync::mpsc::Sender<(String, Vec<u8>)>,
+    counts: std::sync::Arc<OutboxCounts>,
+}
+
+#[cfg(feature = "nats")]
+impl NatsOutbox {
+    fn push(&self, ack: bool, subject: String, payload: Vec<u8>) {
+        use tokio::sync::mpsc::error::TrySendError;
+        if let Err(TrySendError::Full(_)) = self.queue.try_send((subject, payload)) {
+            self.counts
+                .dropped(ack, 1, "the NATS publishing queue is full");
+        }
+    }
+}
+
+/// Publishes what the host queues, one message after the other (so in order). Ends when
+/// the host's publisher is dropped.
+#[cfg(feature = "nats")]
+async fn nats_publish(
+    client: async_nats::Client,
+    mut queue: tokio::sync::mpsc::Receiver<(String, Vec<u8>)>,
+) {
+    while let Some((subject, payload)) = queue.recv().await {
+        if let Err(e) = client.publish(subject, payload.into()).await {
+            tracing::debug!(%e, "NATS publish failed: the other hosts read the log at their next poll");
+        }
+    }
 }
 
 /// What a host's notifying task (PostgreSQL) dropped, from its start (see
@@ -84,7 +120,7 @@ impl Outbox {
         match self.queue.try_send(item) {
             Ok(()) => {}
             Err(TrySendError::Full(item)) => self.counts.dropped(
-                matches!(item, Outgoing::Ack { .. }),
+                matches!(item, Outgoing::Ack { .. } | Outgoing::Control { .. }),
                 1,
                 "the notifying queue is full",
             ),
@@ -105,6 +141,9 @@ pub(crate) enum Outgoing {
     Notice(String),
     /// An acknowledgement of the operation `id`, on the channel `to` (its host's).
     Ack { to: String, id: i64 },
+    /// A message of the rejoin handshake (a hello or a welcome, an [`Ack`] as JSON) on the
+    /// channel `to`: sent after everything queued before it.
+    Control { to: String, payload: String },
 }
 
 /// Where this host's acknowledgements go, cloned out of its publisher.
@@ -116,7 +155,7 @@ pub(crate) enum AckSender {
     },
     #[cfg(feature = "nats")]
     Nats {
-        client: async_nats::Client,
+        queue: NatsOutbox,
         subject: String,
         from: String,
     },
@@ -134,22 +173,17 @@ impl AckSender {
             }
             #[cfg(feature = "nats")]
             AckSender::Nats {
-                client,
+                queue,
                 subject,
                 from,
             } => {
                 let payload = serde_json::to_vec(&Ack {
                     from: from.clone(),
                     ids: vec![id],
-                    bye: false,
+                    ..Ack::default()
                 })
                 .unwrap_or_default();
-                let (client, subject) = (client.clone(), ack_channel(subject, to));
-                tokio::spawn(async move {
-                    if let Err(e) = client.publish(subject, payload.into()).await {
-                        tracing::debug!(%e, "NATS acknowledgement not sent");
-                    }
-                });
+                queue.push(true, ack_channel(subject, to), payload);
             }
         }
     }
@@ -163,8 +197,8 @@ pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), Comm
     }
     let payload = serde_json::to_string(&Ack {
         from: inner.id.clone(),
-        ids: Vec::new(),
         bye: true,
+        ..Ack::default()
     })?;
     enum Route {
         Postgres(String),
@@ -175,7 +209,7 @@ pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), Comm
         Publisher::None => return Ok(()),
         Publisher::Postgres { channel, .. } => Route::Postgres(channel.clone()),
         #[cfg(feature = "nats")]
-        Publisher::Nats(client, subject) => Route::Nats(client.clone(), subject.clone()),
+        Publisher::Nats(client, subject, _) => Route::Nats(client.clone(), subject.clone()),
     };
     match route {
         Route::Postgres(channel) => {
@@ -229,7 +263,7 @@ impl Publisher {
         match (self, &*db.inner) {
             (Publisher::Postgres { .. }, Engine::Postgres(pg)) => Some(pg.channel.clone()),
             #[cfg(feature = "nats")]
-            (Publisher::Nats(_, subject), _) => Some(subject.clone()),
+            (Publisher::Nats(_, subject, _), _) => Some(subject.clone()),
             _ => None,
         }
     }
@@ -249,8 +283,8 @@ impl Publisher {
                 channel: channel.clone(),
             }),
             #[cfg(feature = "nats")]
-            Publisher::Nats(client, subject) => Some(AckSender::Nats {
-                client: client.clone(),
+            Publisher::Nats(_, subject, queue) => Some(AckSender::Nats {
+                queue: queue.clone(),
                 subject: subject.clone(),
                 from: from.to_owned(),
             }),
@@ -271,14 +305,28 @@ impl Publisher {
                 queue.push(Outgoing::Notice(payload));
             }
             #[cfg(feature = "nats")]
-            Publisher::Nats(client, subject) => {
+            Publisher::Nats(_, subject, queue) => {
                 let payload = serde_json::to_vec(&notice).unwrap_or_default();
-                let (client, subject) = (client.clone(), subject.clone());
-                tokio::spawn(async move {
-                    if let Err(e) = client.publish(subject, payload.into()).await {
-                        tracing::warn!(%e, "NATS publish failed");
-                    }
-                });
+                queue.push(false, subject.clone(), payload);
+            }
+        }
+    }
+
+    /// Sends a message of the rejoin handshake to `to`'s acknowledgement channel, after
+    /// every notice and acknowledgement this host queued before it.
+    pub(crate) fn send_control(&self, to: &str, message: &Ack) {
+        let Ok(payload) = serde_json::to_string(message) else {
+            return;
+        };
+        match self {
+            Publisher::None => {}
+            Publisher::Postgres { queue, channel, .. } => queue.push(Outgoing::Control {
+                to: ack_channel(channel, to),
+                payload,
+            }),
+            #[cfg(feature = "nats")]
+            Publisher::Nats(_, subject, queue) => {
+                queue.push(true, ack_channel(subject, to), payload.into_bytes());
             }
         }
     }
@@ -372,7 +420,13 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             // the subscriptions again before the flush's ping. `start` waits for it, a while.
             let _ = made.set(client.clone());
             tokio::spawn(up_after_flush(weak.clone(), client.clone()));
-            *inner.publisher.lock() = Publisher::Nats(client, subject);
+            let (queue, outgoing) = tokio::sync::mpsc::channel(inner.notify_queue);
+            tokio::spawn(nats_publish(client.clone(), outgoing));
+            let outbox = NatsOutbox {
+                queue,
+                counts: inner.outbox.clone(),
+            };
+            *inner.publisher.lock() = Publisher::Nats(client, subject, outbox);
             tokio::spawn(nats_listen(
                 weak,
                 inner.stop.subscribe(),
@@ -417,7 +471,20 @@ async fn nats_listen(
                 let Some(a) = a else { return };
                 let Some(inner) = host.upgrade() else { return };
                 match serde_json::from_slice::<Ack>(&a.payload) {
-                    Ok(ack) => inner.ack_received(ack),
+                    Ok(ack) => {
+                        if ack.welcome {
+                            // The client hands each subscription its messages in the order
+                            // they came: the notices that came before the welcome are
+                            // queued already. Applied first.
+                            while let Some(Some(m)) = subscription.next().now_or_never() {
+                                match serde_json::from_slice::<Notice>(&m.payload) {
+                                    Ok(notice) => inner.apply_notice(notice),
+                                    Err(e) => inner.bad_notice(&e),
+                                }
+                            }
+                        }
+                        inner.ack_received(ack)
+                    }
                     Err(e) => tracing::debug!(%e, "an undecodable acknowledgement"),
                 }
                 continue;
@@ -473,6 +540,8 @@ async fn pg_notify_batches(
         // Notices go several to a payload (`Packed`): PostgreSQL queues, and every
         // listening connection reads and sends, one notification instead of each.
         let mut notices = Packer::notices(&from);
+        // Handshake messages: after the notices and acknowledgements queued before them.
+        let mut controls: Vec<(String, String)> = Vec::new();
         // Items longer than a payload even alone (a host id of thousands of bytes).
         let (mut unsent_notices, mut unsent_acks) = (0, 0);
         for item in batch.drain(..) {
@@ -483,6 +552,7 @@ async fn pg_notify_batches(
                     }
                 }
                 Outgoing::Ack { to, id } => acks.entry(to).or_default().push(id),
+                Outgoing::Control { to, payload } => controls.push((to, payload)),
             }
         }
         payloads.extend(notices.finish().into_iter().map(|p| (channel.clone(), p)));
@@ -495,6 +565,7 @@ async fn pg_notify_batches(
             }
             payloads.extend(packer.finish().into_iter().map(|p| (to.clone(), p)));
         }
+        payloads.extend(controls);
         for (ack, n) in [(false, unsent_notices), (true, unsent_acks)] {
             if n > 0 {
                 counts.dropped(

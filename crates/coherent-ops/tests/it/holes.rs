@@ -452,3 +452,86 @@ async fn a_host_started_over_a_warm_registry_serves_nothing_stale() {
         .unwrap();
     assert_eq!(items.value(1).await, Ok(5));
 }
+
+/// A fenced registry answers nothing from its cache: every call recomputes (here, reads
+/// the database, where a write made behind the cache's back shows at once); lifted, the
+/// cache answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_registry_answers_from_the_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let registry = Registry::new();
+    let items = Items {
+        handle: ServiceHandle::with_registry(&registry),
+        reader: Reader::for_db(&db),
+    };
+    let behind = |value: i64| {
+        open_sqlite(db.sqlite_path().unwrap())
+            .execute(
+                "UPDATE items SET value = ?1 WHERE id = 1",
+                rusqlite::params![value],
+            )
+            .unwrap();
+    };
+    assert_eq!(items.value(1).await, Ok(0));
+    let pair = items.pair(1, 1).await;
+    assert_eq!(pair, Ok(0));
+    behind(77);
+    assert_eq!(items.value(1).await, Ok(0), "cached");
+    registry.fence();
+    assert!(registry.is_fenced());
+    assert_eq!(items.value(1).await, Ok(77), "fenced: from the database");
+    assert_eq!(items.pair(1, 1).await, Ok(77_077), "and what depends on it");
+    behind(78);
+    assert_eq!(items.value(1).await, Ok(78));
+    registry.unfence();
+    assert_eq!(items.value(1).await, Ok(78));
+    behind(79);
+    assert_eq!(items.value(1).await, Ok(78), "cached again");
+}
+
+/// A host starts fenced and rejoins (its peers welcome it); when its listener's connection
+/// is terminated, it fences again, and rejoins once the listener is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_fences_while_its_notifier_is_down_and_rejoins() {
+    let Some(db) = postgres_db("fence_rejoin").await else {
+        return;
+    };
+    let (a, _) = host(&db, |b| b).await;
+    let (b, items_b) = host(&db, |b| b).await;
+    within("B's rejoin", async {
+        while b.is_fenced() || a.is_fenced() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert_eq!(b.stats().fences, 1, "fenced from its start");
+    assert_eq!(b.stats().rejoins_incomplete, 0, "A welcomed it");
+    assert_eq!(items_b.value(1).await, Ok(0));
+
+    sql(&db)
+        .await
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&format!("coherent-listener:{}", b.id())],
+        )
+        .await
+        .unwrap();
+    within("B's fence", async {
+        while b.stats().fences < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    within("B's second rejoin", async {
+        while b.is_fenced() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    // And the cluster works as before: A's write reaches B before it returns.
+    let value_b = items_b.value_computed(1).await;
+    a.run(SetValue { id: 1, value: 3 }).await.unwrap();
+    assert_eq!(value_b.state(), coherent::ConsistencyState::Invalidated);
+    assert_eq!(items_b.value(1).await, Ok(3));
+}
