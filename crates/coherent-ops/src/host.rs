@@ -749,6 +749,22 @@ impl Host {
     pub fn stats(&self) -> HostStats {
         let c = &self.inner.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        // One lock at a time, each let go before the next is taken: a command's finish
+        // holds the publisher while it takes the peers and the waits, so holding these
+        // together (the temporaries of one expression live to its end) could deadlock.
+        let peers = self
+            .inner
+            .peers
+            .lock()
+            .values()
+            .filter(|&&suspect| !suspect)
+            .count() as u64;
+        let horizon = self.inner.state.lock().cursor.horizon;
+        let acks_waiting = self.inner.waiting.lock().len() as u64;
+        let notify_queued = match &*self.inner.publisher.lock() {
+            Publisher::Postgres { queue, .. } => queue.queued() as u64,
+            _ => 0,
+        };
         HostStats {
             commands: r(&c.commands),
             command_errors: r(&c.command_errors),
@@ -771,19 +787,10 @@ impl Host {
             peers_left: r(&c.peers_left),
             fences: r(&c.fences),
             rejoins_incomplete: r(&c.rejoins_incomplete),
-            peers: self
-                .inner
-                .peers
-                .lock()
-                .values()
-                .filter(|&&suspect| !suspect)
-                .count() as u64,
-            horizon: self.inner.state.lock().cursor.horizon,
-            acks_waiting: self.inner.waiting.lock().len() as u64,
-            notify_queued: match &*self.inner.publisher.lock() {
-                Publisher::Postgres { queue, .. } => queue.queued() as u64,
-                _ => 0,
-            },
+            peers,
+            horizon,
+            acks_waiting,
+            notify_queued,
             notices_dropped: r(&self.inner.outbox.notices_dropped),
             acks_dropped: r(&self.inner.outbox.acks_dropped),
         }

@@ -432,3 +432,60 @@ async fn postgres_the_notifying_queue_stays_bounded_while_nothing_goes_out() {
     a.stop().await;
     b.stop().await;
 }
+
+/// `Host::stats` took the host's locks all at once (the temporaries of one expression),
+/// the publisher's among them once it reported the notifying queue, while a command's
+/// finish takes the publisher, then the peers: each could wait for the other for good
+/// (seen once in four runs of the test above, which polls the stats while commands
+/// finish). The runtime runs on a thread of its own, watched from this one: deadlocked
+/// workers drive no timer, and a runtime with a blocked worker cannot be dropped.
+#[test]
+fn postgres_stats_read_while_commands_finish_never_block_them() {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let Some(db) = postgres_db("stats_locks").await else {
+                return;
+            };
+            let (a, _) = host(&db, |b| b.command::<Mark>(Marks::default())).await;
+            wait_until(|| a.notifier_connected()).await;
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            // On a thread of its own, as a metrics exporter would.
+            let reader = {
+                let (a, stop) = (a.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::black_box(a.stats());
+                    }
+                })
+            };
+            let runs: Vec<_> = (0..2_000)
+                .map(|_| {
+                    let a = a.clone();
+                    tokio::spawn(async move { a.run(Mark::default()).await })
+                })
+                .collect();
+            for run in futures::future::join_all(runs).await {
+                run.unwrap().unwrap();
+            }
+            stop.store(true, Ordering::Relaxed);
+            reader.join().unwrap();
+            a.stop().await;
+        });
+        let _ = done.send(());
+    });
+    match finished.recv_timeout(Duration::from_secs(120)) {
+        Ok(()) => {}
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("2,000 commands did not finish in 2 minutes while another thread read the stats")
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            panic!("the test's thread panicked")
+        }
+    }
+}
