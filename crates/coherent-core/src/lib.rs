@@ -52,7 +52,7 @@ pub use metrics::Metrics;
 #[cfg(not(loom))]
 pub use options::{ComputeOptions, OutputKind, TransientError};
 #[cfg(not(loom))]
-pub use registry::{Registry, RegistryBuilder};
+pub use registry::{lease_clock, Registry, RegistryBuilder};
 #[cfg(not(loom))]
 pub use service::{ComputeService, ServiceHandle, MAX_METHODS};
 #[cfg(not(loom))]

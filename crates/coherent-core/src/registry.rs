@@ -47,6 +47,8 @@ pub(crate) struct RegistryInner {
     /// How many holders fence the registry now ([`Registry::fence`]); read by every hit,
     /// written only when a fence goes up or down, so it sits with the read-only fields.
     fences: AtomicUsize,
+    /// Until when (on [`lease_clock`]) the cache may answer; `u64::MAX`: no lease.
+    lease_until: std::sync::atomic::AtomicU64,
     pub(crate) counters: Arc<Counters>,
     len: CachePadded<AtomicIsize>,
     inserts_since_prune: CachePadded<AtomicUsize>,
@@ -56,6 +58,33 @@ pub(crate) struct RegistryInner {
 }
 
 static VERSIONS: AtomicU64 = AtomicU64::new(1);
+
+/// The clock of leases ([`Registry::set_lease`]): nanoseconds on `CLOCK_MONOTONIC_COARSE`
+/// on Linux (a few nanoseconds to read, millisecond resolution; it keeps counting while
+/// the process is stopped), elsewhere since the first call.
+#[inline]
+pub fn lease_clock() -> u64 {
+    #[cfg(target_os = "linux")]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant Linux has.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+        (ts.tv_sec as u64)
+            .wrapping_mul(1_000_000_000)
+            .wrapping_add(ts.tv_nsec as u64)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        static START: OnceLock<std::time::Instant> = OnceLock::new();
+        START
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_nanos() as u64
+    }
+}
 
 /// The next process-wide computed version.
 pub(crate) fn next_version() -> u64 {
@@ -85,6 +114,7 @@ impl RegistryBuilder {
             inner: Arc::new(RegistryInner {
                 capacity: self.capacity,
                 fences: AtomicUsize::new(0),
+                lease_until: std::sync::atomic::AtomicU64::new(u64::MAX),
                 counters: Arc::new(Counters::default()),
                 len: CachePadded::new(AtomicIsize::new(0)),
                 inserts_since_prune: CachePadded::new(AtomicUsize::new(0)),
@@ -177,10 +207,38 @@ impl Registry {
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
     }
 
-    /// Whether a fence stands ([`fence`](Self::fence)).
+    /// Whether a fence stands ([`fence`](Self::fence)), or the lease ran out
+    /// ([`set_lease`](Self::set_lease)).
     #[inline]
     pub fn is_fenced(&self) -> bool {
-        self.inner.fences.load(Ordering::Relaxed) != 0
+        if self.inner.fences.load(Ordering::Relaxed) != 0 {
+            return true;
+        }
+        let until = self.inner.lease_until.load(Ordering::Relaxed);
+        until != u64::MAX && lease_clock() > until
+    }
+
+    /// Lets the cache answer until `until` (nanoseconds on [`lease_clock`]) and no longer:
+    /// past it, the registry is fenced until the lease is renewed. For a cache whose
+    /// holder must prove now and then that it still hears about every write (a host of a
+    /// cluster, whose peers stop waiting for it after a deadline): a process paused past
+    /// its lease (SIGSTOP, a stalled VM) answers nothing from its cache when it resumes,
+    /// before it has run anything else. A hit pays a coarse clock read while a lease is
+    /// set. A lease never moves back.
+    pub fn set_lease(&self, until: u64) {
+        self.inner.lease_until.fetch_max(until, Ordering::SeqCst);
+        // `fetch_max` would keep `u64::MAX` (no lease) for ever: replace it.
+        let _ = self.inner.lease_until.compare_exchange(
+            u64::MAX,
+            until,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+    }
+
+    /// Drops the lease: the cache answers without one (see [`set_lease`](Self::set_lease)).
+    pub fn clear_lease(&self) {
+        self.inner.lease_until.store(u64::MAX, Ordering::SeqCst);
     }
 
     pub(crate) fn register_table(&self, table: Weak<dyn Prunable>) {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use coherent_core::Registry;
+use coherent_core::{lease_clock, Registry};
 use futures::FutureExt;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -119,6 +119,9 @@ pub struct HostStats {
     /// Rejoins that lifted the fence without every live host's welcome, after trying for
     /// [`REJOIN_GIVE_UP`] (hosts of a release without the handshake never answer).
     pub rejoins_incomplete: u64,
+    /// Times this host's lease ran out ([`HostBuilder::lease`]): it was paused, or its
+    /// pings stalled; each fenced it until it rejoined.
+    pub leases_lost: u64,
     /// This host's commands waiting for acknowledgements now (committed, their callers
     /// not answered yet). A caller that goes away takes its wait with it: this does not
     /// grow with callers that dropped [`Host::run`]'s future.
@@ -163,6 +166,7 @@ struct Counters {
     peers_left: AtomicU64,
     fences: AtomicU64,
     rejoins_incomplete: AtomicU64,
+    leases_lost: AtomicU64,
 }
 
 /// An acknowledgement: `from` applied these operations of the host it is sent to.
@@ -182,6 +186,14 @@ pub(crate) struct Ack {
     /// the host greeted.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) welcome: bool,
+    /// A ping a host sends itself (the time it sent it, on its lease clock): see
+    /// [`HostBuilder::lease`].
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) ping: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// A command of this host waiting for the other hosts to apply its operation.
@@ -243,6 +255,8 @@ pub struct HostBuilder {
     transactions: usize,
     max_batch: usize,
     acknowledgements: Option<Duration>,
+    /// `None`: the default (half the acknowledgement deadline).
+    lease: Option<Option<Duration>>,
     notify_interval: Duration,
     notify_queue: usize,
     clock_skew: i64,
@@ -376,6 +390,20 @@ impl HostBuilder {
         self
     }
 
+    /// How long this host's cache may answer after it last proved that it hears the other
+    /// hosts' notices: it sends itself a ping through its notifier every fifth of this, and
+    /// a ping that comes back renews the lease from the time it was sent (it came after
+    /// every notice published before it). A host paused longer (SIGSTOP, a stalled VM), or
+    /// whose pings stall, answers nothing from its cache (its registries are fenced by the
+    /// lease, checked on every hit with a coarse clock read) until it has rejoined. Keep it
+    /// well under [`acknowledgements`](Self::acknowledgements): the other hosts stop
+    /// waiting for this one after that deadline. Default: half the acknowledgement
+    /// deadline (250 ms). `None`, or without acknowledgements or a notifier: no lease.
+    pub fn lease(mut self, lease: Option<Duration>) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
     /// On PostgreSQL, the least time between two of this host's `NOTIFY` transactions:
     /// the notices (and acknowledgements) that queue in between go out together in the
     /// next. Default: 1 ms. A host that notifies seldom sends each at once; one that runs
@@ -493,6 +521,11 @@ impl HostBuilder {
             host_expiry: self.host_expiry,
             stop: watch::Sender::new(false),
             acknowledgements: self.acknowledgements,
+            lease: match (self.acknowledgements, &notifier) {
+                (None, _) | (_, Notifier::Poll) => None,
+                (Some(deadline), _) => self.lease.unwrap_or(Some(deadline / 2)),
+            },
+            lease_until: AtomicU64::new(0),
             notify_interval: self.notify_interval,
             notify_queue: self.notify_queue,
             outbox: Arc::default(),
@@ -524,6 +557,10 @@ impl HostBuilder {
         while host.inner.fenced.load(Ordering::Acquire) && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
+        tokio::spawn(lease_loop(
+            Arc::downgrade(&host.inner),
+            host.inner.stop.subscribe(),
+        ));
         tokio::spawn(heartbeat_loop(
             Arc::downgrade(&host.inner),
             host.inner.stop.subscribe(),
@@ -589,6 +626,10 @@ pub(crate) struct Inner {
     pub(crate) stop: watch::Sender<bool>,
     /// How long a command waits for the other hosts' acknowledgements.
     acknowledgements: Option<Duration>,
+    /// How long the cache may answer after a ping came back ([`HostBuilder::lease`]).
+    lease: Option<Duration>,
+    /// Until when (on [`lease_clock`]) the lease runs; 0: none taken yet.
+    lease_until: AtomicU64,
     /// The least time between two `NOTIFY` transactions.
     pub(crate) notify_interval: Duration,
     /// How many entries the notifying task's queue holds at most (PostgreSQL).
@@ -656,6 +697,7 @@ impl Host {
             transactions: 8,
             max_batch: 64,
             acknowledgements: Some(Duration::from_millis(500)),
+            lease: None,
             notify_interval: Duration::from_millis(1),
             notify_queue: NOTIFY_QUEUE,
             clock_skew: 0,
@@ -787,6 +829,7 @@ impl Host {
             peers_left: r(&c.peers_left),
             fences: r(&c.fences),
             rejoins_incomplete: r(&c.rejoins_incomplete),
+            leases_lost: r(&c.leases_lost),
             peers,
             horizon,
             acks_waiting,
@@ -835,7 +878,7 @@ impl Host {
         self.inner.stop.send_replace(true);
         self.inner.batcher.close();
         // Its registries are a local cache from now on: not left fenced.
-        self.inner.unfence();
+        self.inner.release();
         // A heartbeat under way ends first (the next sees the stop): none comes after the
         // row is deleted.
         drop(self.inner.beat.lock().await);
@@ -1074,6 +1117,9 @@ impl Inner {
     /// An acknowledgement from another host.
     pub(crate) fn ack_received(&self, ack: Ack) {
         if ack.from == self.id {
+            if ack.ping != 0 {
+                self.ping_back(ack.ping);
+            }
             return;
         }
         if ack.bye {
@@ -1276,12 +1322,79 @@ impl Inner {
         }
     }
 
+    /// Lifts the fence, and the lease, for good (the host stopped).
+    fn release(&self) {
+        for r in &self.registries {
+            r.clear_lease();
+        }
+        self.unfence();
+    }
+
     fn unfence(&self) {
         if self.fenced.swap(false, Ordering::AcqRel) {
             for r in &self.registries {
                 r.unfence();
             }
         }
+    }
+
+    /// Takes (or renews) the lease until `until` (on [`lease_clock`]).
+    fn renew_lease(&self, until: u64) {
+        self.lease_until.fetch_max(until, Ordering::AcqRel);
+        for r in &self.registries {
+            r.set_lease(until);
+        }
+    }
+
+    /// A ping this host sent itself at `sent` came back: every notice published before it
+    /// was applied here. The lease runs from `sent`; a ping that comes back after the
+    /// lease it would give ran out means the host was paused or its notifier stalled.
+    fn ping_back(&self, sent: u64) {
+        let Some(lease) = self.lease else { return };
+        if self.fenced.load(Ordering::Acquire) {
+            return;
+        }
+        let until = sent.saturating_add(lease.as_nanos() as u64);
+        if until > lease_clock() {
+            self.renew_lease(until);
+        } else {
+            self.lease_lost("a ping came back after its lease ran out");
+        }
+    }
+
+    /// The lease ran out (its readers are fenced by it already): fenced, flushed, and the
+    /// rejoin (its peers may have stopped waiting for it) lifts the fence.
+    fn lease_lost(&self, why: &str) {
+        self.counters.leases_lost.fetch_add(1, Ordering::Relaxed);
+        self.fence();
+        self.flush(why);
+        self.rejoin.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    /// Sends this host a ping through its notifier; or, when its lease ran out with no
+    /// ping back, fences it.
+    fn ping(&self) {
+        if self.lease.is_none()
+            || self.fenced.load(Ordering::Acquire)
+            || self.notifier_down.load(Ordering::Acquire)
+        {
+            return;
+        }
+        let now = lease_clock();
+        let until = self.lease_until.load(Ordering::Acquire);
+        if until != 0 && until < now {
+            self.lease_lost("no ping came back within the lease");
+            return;
+        }
+        self.publisher.lock().send_control(
+            &self.id,
+            &Ack {
+                from: self.id.clone(),
+                ping: now,
+                ..Ack::default()
+            },
+        );
     }
 
     /// The rejoin handshake, once the notifier is up (again): greets every live host and
@@ -1347,6 +1460,9 @@ impl Inner {
         if !self.notifier_down.load(Ordering::Acquire)
             && self.losses.load(Ordering::Acquire) == losses
         {
+            if let Some(lease) = self.lease {
+                self.renew_lease(lease_clock().saturating_add(lease.as_nanos() as u64));
+            }
             self.unfence();
             tracing::debug!(host = %self.id, "rejoined: serving from the cache");
         }
@@ -1368,7 +1484,7 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        self.unfence();
+        self.release();
     }
 }
 
@@ -1656,6 +1772,26 @@ async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiv
 /// not after reads of the log, whose pace follows the poll interval and which may stall
 /// (issue 30, hole 3: a host that polled every 5 s or more, or whose read hung, dropped out
 /// of the others' acknowledgement waits). Ends when the host is dropped or stopped.
+/// Pings the host through its notifier every fifth of its lease ([`HostBuilder::lease`]).
+/// Ends when the host is dropped or stopped.
+async fn lease_loop(host: Weak<Inner>, mut stop: watch::Receiver<bool>) {
+    let every = {
+        let Some(inner) = host.upgrade() else { return };
+        let Some(lease) = inner.lease else { return };
+        (lease / 5).max(Duration::from_millis(1))
+    };
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stop.wait_for(|&s| s) => return,
+        }
+        let Some(inner) = host.upgrade() else { return };
+        inner.ping();
+    }
+}
+
 async fn heartbeat_loop(host: Weak<Inner>, mut stop: watch::Receiver<bool>) {
     let every = {
         let Some(inner) = host.upgrade() else { return };
