@@ -86,6 +86,11 @@ pub fn lease_clock() -> u64 {
     }
 }
 
+/// The version the next computed will get: every computed made from now on has at least it.
+pub(crate) fn current_version() -> u64 {
+    VERSIONS.load(Ordering::SeqCst)
+}
+
 /// The next process-wide computed version.
 pub(crate) fn next_version() -> u64 {
     VERSIONS.fetch_add(1, Ordering::Relaxed)

@@ -42,7 +42,9 @@ pub struct Table<K, T> {
 
 enum Found<T> {
     Ready(Arc<ComputedInner<T>>),
-    /// Consistent, but the registry is fenced: invalidated (outside the lock), then again.
+    /// Consistent or computing, but begun before a call made while the registry is fenced:
+    /// invalidated (outside the lock; a computation is flagged, and born invalidated),
+    /// then again.
     Fenced(Arc<ComputedInner<T>>),
     Wait(Arc<ComputedInner<T>>),
     Own(Arc<ComputedInner<T>>),
@@ -148,6 +150,13 @@ where
         let hash = self.hasher.hash_one(&key);
         let mut input = Some(input);
         let mut body = Some(body);
+        // While the registry is fenced, only a result whose computation began after this
+        // call did may answer it (computeds are numbered as they are made): one that began
+        // earlier may have read the database before a write this call must see.
+        let fenced_since = self
+            .registry
+            .is_fenced()
+            .then(crate::registry::current_version);
         loop {
             let mut inserted = false;
             let found = {
@@ -158,7 +167,9 @@ where
                 };
                 match map.find_mut(hash, |e| e.key == key) {
                     Some(entry) => match entry.computed.node.state() {
-                        CONSISTENT if self.registry.is_fenced() => {
+                        CONSISTENT | COMPUTING
+                            if fenced_since.is_some_and(|v| entry.computed.node.version() < v) =>
+                        {
                             Found::Fenced(entry.computed.clone())
                         }
                         CONSISTENT => Found::Ready(entry.computed.clone()),

@@ -533,6 +533,7 @@ impl HostBuilder {
             waiting: Arc::default(),
             left: Mutex::new(HashMap::new()),
             fenced: AtomicBool::new(false),
+            fence_lock: Mutex::new(()),
             losses: AtomicU64::new(0),
             rejoin: AtomicBool::new(false),
             welcomed: Mutex::new(HashSet::new()),
@@ -647,6 +648,8 @@ pub(crate) struct Inner {
     left: Mutex<HashMap<String, Instant>>,
     /// Whether this host fences its registries now (see [`Host::is_fenced`]).
     fenced: AtomicBool,
+    /// Taken to raise or lift the fence, with the checks that decide it.
+    fence_lock: Mutex<()>,
     /// Times the notifier dropped: a rejoin lifts the fence only if none dropped meanwhile.
     losses: AtomicU64,
     /// The notifier is up again: the log reader runs the rejoin handshake.
@@ -1297,10 +1300,29 @@ impl Inner {
     /// acknowledgement meanwhile, so an entry computed now may be stale by the time it
     /// is read.
     pub(crate) fn notifier_lost(&self, why: &str) {
-        self.losses.fetch_add(1, Ordering::AcqRel);
-        self.notifier_down.store(true, Ordering::Release);
-        self.fence();
+        {
+            // With the fence's lock: a rejoin that checks for losses and lifts the fence
+            // runs wholly before this (and the fence goes up again) or after (and sees it).
+            let _fence = self.fence_lock.lock();
+            self.losses.fetch_add(1, Ordering::AcqRel);
+            self.notifier_down.store(true, Ordering::Release);
+            self.fence_locked();
+        }
         self.flush(why);
+        self.wake.notify_one();
+    }
+
+    /// This host may have missed notices though its notifier is up (its lease ran out, or
+    /// the NATS client dropped messages for a slow consumer): fenced and flushed, and the
+    /// rejoin lifts the fence.
+    pub(crate) fn missed(&self, why: &str) {
+        {
+            let _fence = self.fence_lock.lock();
+            self.losses.fetch_add(1, Ordering::AcqRel);
+            self.fence_locked();
+        }
+        self.flush(why);
+        self.rejoin.store(true, Ordering::Release);
         self.wake.notify_one();
     }
 
@@ -1312,8 +1334,17 @@ impl Inner {
         self.wake.notify_one();
     }
 
-    /// Fences this host's registries (once, however many times it is called).
+    /// Fences this host's registries (once, however many times it is called; never once
+    /// the host stopped).
     fn fence(&self) {
+        let _fence = self.fence_lock.lock();
+        self.fence_locked();
+    }
+
+    fn fence_locked(&self) {
+        if *self.stop.borrow() {
+            return;
+        }
         if !self.fenced.swap(true, Ordering::AcqRel) {
             self.counters.fences.fetch_add(1, Ordering::Relaxed);
             for r in &self.registries {
@@ -1324,13 +1355,14 @@ impl Inner {
 
     /// Lifts the fence, and the lease, for good (the host stopped).
     fn release(&self) {
+        let _fence = self.fence_lock.lock();
         for r in &self.registries {
             r.clear_lease();
         }
-        self.unfence();
+        self.unfence_locked();
     }
 
-    fn unfence(&self) {
+    fn unfence_locked(&self) {
         if self.fenced.swap(false, Ordering::AcqRel) {
             for r in &self.registries {
                 r.unfence();
@@ -1366,10 +1398,7 @@ impl Inner {
     /// rejoin (its peers may have stopped waiting for it) lifts the fence.
     fn lease_lost(&self, why: &str) {
         self.counters.leases_lost.fetch_add(1, Ordering::Relaxed);
-        self.fence();
-        self.flush(why);
-        self.rejoin.store(true, Ordering::Release);
-        self.wake.notify_one();
+        self.missed(why);
     }
 
     /// Sends this host a ping through its notifier; or, when its lease ran out with no
@@ -1457,13 +1486,15 @@ impl Inner {
             }
         }
         self.round().await?;
+        let _fence = self.fence_lock.lock();
         if !self.notifier_down.load(Ordering::Acquire)
             && self.losses.load(Ordering::Acquire) == losses
+            && !*self.stop.borrow()
         {
             if let Some(lease) = self.lease {
                 self.renew_lease(lease_clock().saturating_add(lease.as_nanos() as u64));
             }
-            self.unfence();
+            self.unfence_locked();
             tracing::debug!(host = %self.id, "rejoined: serving from the cache");
         }
         Ok(())

@@ -398,6 +398,15 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                                     inner.notifier_lost("the NATS connection dropped");
                                 }
                             }
+                            // The client dropped messages of a subscription that fell
+                            // behind: notices may be among them.
+                            async_nats::Event::SlowConsumer(_) => {
+                                if let Some(inner) = events.upgrade() {
+                                    inner.missed(
+                                        "the NATS client dropped messages (a slow consumer)",
+                                    );
+                                }
+                            }
                             _ => {}
                         }
                     }
