@@ -484,7 +484,10 @@ async fn nats_listen(
                         if ack.welcome {
                             // The client hands each subscription its messages in the order
                             // they came: the notices that came before the welcome are
-                            // queued already. Applied first.
+                            // mostly queued already, and applied first. Not guaranteed (a
+                            // poll may yield to the runtime's budget, a slow consumer loses
+                            // messages): the rejoin reads the log after the welcomes,
+                            // which is what the ordering argument relies on.
                             while let Some(Some(m)) = subscription.next().now_or_never() {
                                 match serde_json::from_slice::<Notice>(&m.payload) {
                                     Ok(notice) => inner.apply_notice(notice),
