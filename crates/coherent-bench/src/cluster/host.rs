@@ -370,6 +370,13 @@ async fn serve(args: &HostArgs, readers: tokio::runtime::Handle) -> anyhow::Resu
             let host = Host::builder(db)
                 .registry(&registry)
                 .notifier(notifier)
+                // An A/B switch for measuring the lease's cost on the hit path (a coarse
+                // clock read per hit): COHERENT_BENCH_NO_LEASE=1 turns it off.
+                .lease(if std::env::var_os("COHERENT_BENCH_NO_LEASE").is_some() {
+                    None
+                } else {
+                    Some(Duration::from_millis(250))
+                })
                 .command::<UpdateUser>(Users {
                     service: Some(service.clone()),
                     floors,
