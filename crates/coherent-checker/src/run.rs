@@ -231,6 +231,17 @@ impl Proc {
     }
 }
 
+/// Starts `new`'s workload, then stops the host it replaces (a rolling deploy: the new one
+/// serves before the old one leaves); answers the old one's id and history.
+async fn replace(slot: &mut Proc, mut new: Proc) -> anyhow::Result<(String, PathBuf)> {
+    new.cmd("start").await?;
+    let mut old = std::mem::replace(slot, new);
+    old.cmd("stop").await?;
+    old.cmd("quit").await?;
+    let _ = old.child.wait().await;
+    Ok((old.id.clone(), old.history.clone()))
+}
+
 /// A private `nats-server` on a port of its own.
 struct Nats {
     port: u16,
@@ -423,29 +434,15 @@ async fn run_in(
             Fault::Deploy => {
                 // Replace the hosts one by one with the other release.
                 next_release = !next_release;
-                let mut old = std::mem::replace(
-                    &mut hosts[i],
-                    Proc::spawn(spawn, &node_for(started, next_release, &nats, 0)).await?,
-                );
+                let new = Proc::spawn(spawn, &node_for(started, next_release, &nats, 0)).await?;
                 started += 1;
-                hosts[i].cmd("start").await?;
-                old.cmd("stop").await?;
-                old.cmd("quit").await?;
-                let _ = old.child.wait().await;
-                finished.push((old.id.clone(), old.history.clone()));
+                finished.push(replace(&mut hosts[i], new).await?);
             }
             Fault::Skew => {
                 skew = if skew > 0 { -3_600_000 } else { 3_600_000 };
-                let mut old = std::mem::replace(
-                    &mut hosts[i],
-                    Proc::spawn(spawn, &node_for(started, next_release, &nats, skew)).await?,
-                );
+                let new = Proc::spawn(spawn, &node_for(started, next_release, &nats, skew)).await?;
                 started += 1;
-                hosts[i].cmd("start").await?;
-                old.cmd("stop").await?;
-                old.cmd("quit").await?;
-                let _ = old.child.wait().await;
-                finished.push((old.id.clone(), old.history.clone()));
+                finished.push(replace(&mut hosts[i], new).await?);
             }
             Fault::NatsRestart => {
                 if let Some(nats) = nats.as_mut() {
