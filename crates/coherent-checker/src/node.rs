@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use coherent_ops::{Command, CommandError, Database, Handler, Host, Notifier, Tx};
 use coherent::prelude::*;
+use coherent_ops::{Command, CommandError, Database, Handler, Host, Notifier, Tx};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
