@@ -23,6 +23,22 @@ pub struct Config {
     pub(crate) call_timeout: Option<Duration>,
     pub(crate) zero_rtt: bool,
     pub(crate) tcp_send_buffer: SendBuffer,
+    pub(crate) trust: Option<Trust>,
+}
+
+/// Whether the other side of an accepted connection is one of the application's own
+/// processes or a stranger's client. Code above the transport decides by it what it may
+/// wait for: a write of the cluster waits until the replicas held by trusted connections
+/// (the tiers) have applied its invalidations, and never for an untrusted one (a browser
+/// tab that went to sleep must not hold up every writer). Read it with [`Peer::trust`].
+///
+/// [`Peer::trust`]: crate::Peer::trust
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Trust {
+    /// One of the application's own processes (an HTTP tier, another backend).
+    Trusted,
+    /// An end user's client: a browser, a mobile app, anything on the open internet.
+    Untrusted,
 }
 
 /// The send buffer (`SO_SNDBUF`) of an endpoint's TCP connections (plain and TLS), set
@@ -63,6 +79,7 @@ impl Default for Config {
             call_timeout: None,
             zero_rtt: false,
             tcp_send_buffer: SendBuffer::Auto,
+            trust: None,
         }
     }
 }
@@ -161,6 +178,19 @@ impl Config {
     /// peer on this host, the kernel's autotuning otherwise).
     pub fn tcp_send_buffer(mut self, choice: SendBuffer) -> Self {
         self.tcp_send_buffer = choice;
+        self
+    }
+
+    /// How far this endpoint trusts the connections it accepts. Default: by transport:
+    /// connections accepted over WebSocket ([`Endpoint::websocket_handler`], what browsers
+    /// use) are [`Trust::Untrusted`], those over TCP, TLS and Unix sockets are
+    /// [`Trust::Trusted`] (the application's tiers, on its own network). Give an endpoint
+    /// that listens on the open internet over TCP `Trust::Untrusted`. Connections this
+    /// side makes are always trusted (it chose whom to connect to).
+    ///
+    /// [`Endpoint::websocket_handler`]: crate::Endpoint::websocket_handler
+    pub fn trust(mut self, trust: Trust) -> Self {
+        self.trust = Some(trust);
         self
     }
 }

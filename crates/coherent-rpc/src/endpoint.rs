@@ -11,7 +11,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, ToSocketAddrs};
 
 use crate::codec::CompressionSet;
-use crate::config::Config;
+use crate::config::{Config, Trust};
 use crate::error::{ErrorCode, RpcError};
 use crate::frame::{Compression, Header, Kind};
 use crate::handshake::{self, Hello};
@@ -221,13 +221,23 @@ impl Endpoint {
     }
 
     /// Accepts a connection over an established byte stream: reads `Hello`, checks the
-    /// token, answers `HelloAck` (or `Close` with the reason it refuses).
+    /// token, answers `HelloAck` (or `Close` with the reason it refuses). The connection is
+    /// [`Trust::Trusted`] unless [`Config::trust`] says otherwise.
     pub async fn accept<IO>(&self, io: IO) -> Result<Peer, RpcError>
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
+        self.accept_by(io, Trust::Trusted).await
+    }
+
+    /// [`accept`](Self::accept), with the trust that the transport gives its connections
+    /// unless [`Config::trust`] says otherwise.
+    pub(crate) async fn accept_by<IO>(&self, io: IO, transport: Trust) -> Result<Peer, RpcError>
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
         let (rd, wr) = tokio::io::split(io);
-        let (peer, reader) = self.handshake_accepting(rd, wr, None).await?;
+        let (peer, reader) = self.handshake_accepting(rd, wr, None, transport).await?;
         // The reader runs later, on its own task: the answer to the `Hello` goes now.
         peer.shared.uncork();
         tokio::spawn(reader);
@@ -253,7 +263,9 @@ impl Endpoint {
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        let (_peer, reader) = self.handshake_accepting(rd, wr, due).await?;
+        let (_peer, reader) = self
+            .handshake_accepting(rd, wr, due, Trust::Trusted)
+            .await?;
         reader.await;
         Ok(())
     }
@@ -263,6 +275,7 @@ impl Endpoint {
         mut rd: R,
         mut wr: W,
         due: Option<Due>,
+        transport: Trust,
     ) -> Result<(Peer, impl Future<Output = ()> + Send + 'static), RpcError>
     where
         R: AsyncRead + Unpin + Send + 'static,
@@ -333,6 +346,7 @@ impl Endpoint {
             (self.inner.registry.clone(), self.inner.totals.clone()),
             Role::Accepting {
                 identity,
+                trust: self.inner.config.trust.unwrap_or(transport),
                 answer: frame(Kind::HelloAck, &ack.encode()),
             },
         ))

@@ -54,7 +54,7 @@ pub use blob::Blob;
 pub use caller::Caller;
 pub use codec::{decompress, CompressionSet, Format, Message};
 pub use coherent_rpc_macros::service;
-pub use config::{Config, SendBuffer};
+pub use config::{Config, SendBuffer, Trust};
 pub use endpoint::{Endpoint, EndpointBuilder};
 pub use error::{ErrorCode, RpcError};
 pub use frame::Compression;

@@ -12,6 +12,7 @@ use futures::{Sink, SinkExt, Stream, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
+use crate::config::Trust;
 use crate::endpoint::Endpoint;
 use crate::error::RpcError;
 use crate::peer::Peer;
@@ -81,7 +82,8 @@ fn closed() -> io::Error {
 }
 
 impl Endpoint {
-    /// Accepts a connection on an upgraded axum WebSocket.
+    /// Accepts a connection on an upgraded axum WebSocket: [`Trust::Untrusted`] unless
+    /// [`Config::trust`](crate::Config::trust) says otherwise.
     pub async fn accept_websocket(&self, socket: WebSocket) -> Result<Peer, RpcError> {
         let io = socket
             .map(|m| match m {
@@ -93,10 +95,13 @@ impl Endpoint {
             .filter_map(std::future::ready)
             .sink_map_err(io::Error::other)
             .with(|b: Bytes| std::future::ready(Ok::<_, io::Error>(AxumMessage::Binary(b))));
-        self.accept(MessageIo {
-            inner: Box::pin(io),
-            pending: Bytes::new(),
-        })
+        self.accept_by(
+            MessageIo {
+                inner: Box::pin(io),
+                pending: Bytes::new(),
+            },
+            Trust::Untrusted,
+        )
         .await
     }
 

@@ -45,6 +45,7 @@ use tokio::sync::{mpsc, oneshot, watch, Notify, Semaphore};
 use tokio::task::AbortHandle;
 
 use crate::codec::{Format, Message};
+use crate::config::Trust;
 use crate::error::{ErrorCode, RpcError};
 use crate::frame::{Compression, Kind};
 use crate::net::Due;
@@ -165,6 +166,7 @@ pub(crate) enum Role {
     /// `Hello` (sent first, corked: see [`WriteSide::corked`]).
     Accepting {
         identity: Option<Identity>,
+        trust: Trust,
         answer: Vec<u8>,
     },
 }
@@ -202,6 +204,7 @@ pub(crate) struct Shared {
     backlog: AtomicUsize,
     registry: Arc<Registry>,
     identity: Option<Identity>,
+    trust: Trust,
     closed: watch::Sender<Option<RpcError>>,
     /// What calls fail with once the connection is closed (set with `closed`).
     failure: std::sync::OnceLock<RpcError>,
@@ -618,6 +621,13 @@ impl Peer {
         self.shared.identity.as_ref()
     }
 
+    /// Whether the other side is one of the application's own processes or a stranger's
+    /// client: see [`Trust`] and [`Config::trust`](crate::Config::trust). Always
+    /// [`Trust::Trusted`] on the side that connected.
+    pub fn trust(&self) -> Trust {
+        self.shared.trust
+    }
+
     /// The serde format of this connection.
     pub fn format(&self) -> Format {
         self.shared.settings.format
@@ -709,9 +719,13 @@ impl Peer {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (tx, rx) = mpsc::unbounded_channel();
-        let (identity, owned, early, answer) = match role {
-            Role::Accepting { identity, answer } => (identity, false, None, answer),
-            Role::Connecting { early } => (None, true, early, Vec::new()),
+        let (identity, trust, owned, early, answer) = match role {
+            Role::Accepting {
+                identity,
+                trust,
+                answer,
+            } => (identity, trust, false, None, answer),
+            Role::Connecting { early } => (None, Trust::Trusted, true, early, Vec::new()),
         };
         let remote = Remote {
             max: AtomicU32::new(settings.remote_max),
@@ -747,6 +761,7 @@ impl Peer {
             backlog: AtomicUsize::new(0),
             registry,
             identity,
+            trust,
             closed: watch::Sender::new(None),
             failure: std::sync::OnceLock::new(),
             queued: AtomicUsize::new(0),
