@@ -64,7 +64,7 @@ impl Body {
 fn to_json<T: Serialize>(value: &T) -> Result<Bytes, ApiError> {
     serde_json::to_vec(value)
         .map(Bytes::from)
-        .map_err(|e| ApiError::Internal(format!("encoding the answer: {e}")))
+        .map_err(|e| ApiError::internal(format_args!("encoding the answer: {e}")))
 }
 
 /// What a request can fail with; answered as `{"error": ..., "field": ...}` with the status
@@ -85,11 +85,13 @@ pub enum ApiError {
     /// 413: the body is over [`MAX_BODY`].
     #[error("the request body is over {MAX_BODY} bytes")]
     TooLarge,
-    /// 503: the backend cannot be reached now.
-    #[error("backend unavailable: {0}")]
+    /// 503: the backend cannot be reached now. The text is a reference to the log line
+    /// with the details (see [`ApiError::unavailable`]).
+    #[error("backend unavailable, {0}")]
     Unavailable(String),
-    /// 500: anything else.
-    #[error("internal error: {0}")]
+    /// 500: anything else. The text is a reference to the log line with the details (see
+    /// [`ApiError::internal`]).
+    #[error("internal error, {0}")]
     Internal(String),
 }
 
@@ -97,6 +99,21 @@ impl ApiError {
     /// A 400 naming `field`.
     pub fn invalid(field: &str, message: impl Into<String>) -> Self {
         Self::Invalid(Invalid::new(field, message))
+    }
+
+    /// A 500 whose body says only a reference: `detail` (a database's message, a path, an
+    /// address) goes to the log under that reference, never to the client.
+    pub fn internal(detail: impl std::fmt::Display) -> Self {
+        let reference = reference();
+        tracing::error!(%reference, %detail, "internal error");
+        Self::Internal(format!("reference {reference}"))
+    }
+
+    /// A 503, with `detail` logged under the reference that the body says.
+    pub fn unavailable(detail: impl std::fmt::Display) -> Self {
+        let reference = reference();
+        tracing::warn!(%reference, %detail, "backend unavailable");
+        Self::Unavailable(format!("reference {reference}"))
     }
 
     /// The HTTP status it is answered with.
@@ -111,12 +128,18 @@ impl ApiError {
     }
 }
 
+/// A correlation id for an error: in the body the client gets, and in the log line beside
+/// the details.
+fn reference() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Invalid(i) => Self::Invalid(i),
             StoreError::Unknown(i) => Self::Unknown(i),
-            StoreError::Db(m) => Self::Internal(m),
+            StoreError::Db(m) => Self::internal(format_args!("database: {m}")),
         }
     }
 }
@@ -129,7 +152,7 @@ impl From<Invalid> for ApiError {
 
 impl From<coherent_rpc::RpcError> for ApiError {
     fn from(e: coherent_rpc::RpcError) -> Self {
-        Self::Unavailable(e.to_string())
+        Self::unavailable(e)
     }
 }
 
@@ -181,9 +204,10 @@ pub trait Backend: Send + Sync + 'static {
     fn summary(&self, project: Uuid) -> impl Future<Output = Result<Body, ApiError>> + Send;
     /// Every project.
     fn projects(&self) -> impl Future<Output = Result<Body, ApiError>> + Send;
-    /// Creates a task (validated already).
+    /// Creates a task: the backend validates it (where it runs, so that every way in gets
+    /// the same answer) and chooses its id and times.
     fn create(&self, new: NewTask) -> impl Future<Output = Result<Task, ApiError>> + Send;
-    /// Changes a task (the patch is validated already).
+    /// Changes a task; the backend validates the patch.
     fn update(
         &self,
         id: Uuid,
@@ -191,7 +215,7 @@ pub trait Backend: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Task, ApiError>> + Send;
     /// Deletes a task.
     fn delete(&self, id: Uuid) -> impl Future<Output = Result<(), ApiError>> + Send;
-    /// Creates a project (validated already).
+    /// Creates a project; the backend validates it.
     fn create_project(
         &self,
         new: NewProject,
@@ -213,7 +237,44 @@ pub fn router<B: Backend>(backend: Arc<B>) -> Router {
         .route("/api/projects/{id}/summary", get(summary::<B>))
         .route("/api/openapi.json", get(crate::openapi::serve))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn(json_only))
         .with_state(backend)
+}
+
+/// Writes must say `Content-Type: application/json`, or they get a 415 before the body is
+/// read: a page of another site can send a form or a `text/plain` POST here with the
+/// user's cookies and without asking first (the browser's "simple" requests), but not a
+/// JSON one, which the browser checks with this server first (CORS, which this API does
+/// not grant).
+async fn json_only(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    use axum::http::Method;
+    let writes = matches!(*req.method(), Method::POST | Method::PATCH | Method::PUT);
+    if writes && !is_json(req.headers()) {
+        let body = ErrorBody {
+            error: "the body must be JSON, sent as `Content-Type: application/json`".into(),
+            field: Some("content-type".into()),
+        };
+        return (
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            serde_json::to_vec(&body).unwrap_or_default(),
+        )
+            .into_response();
+    }
+    next.run(req).await
+}
+
+/// Whether the request's media type is `application/json` (parameters such as `charset`
+/// allowed, case ignored).
+fn is_json(headers: &axum::http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"))
 }
 
 /// Parses a list request's query string: unknown parameters are ignored, known ones must
@@ -398,7 +459,6 @@ async fn create<B: Backend>(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let new: NewTask = parse_body(body)?;
-    new.validate()?;
     created(&b.create(new).await?)
 }
 
@@ -409,7 +469,6 @@ async fn update<B: Backend>(
 ) -> Result<Response, ApiError> {
     let id = parse_id("id", &id)?;
     let patch: TaskPatch = parse_body(body)?;
-    patch.validate()?;
     ok_json(&b.update(id, patch).await?)
 }
 
@@ -427,13 +486,33 @@ async fn create_project<B: Backend>(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let new: NewProject = parse_body(body)?;
-    new.validate()?;
     created(&b.create_project(new).await?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn error_bodies_carry_a_reference_not_the_details() {
+        use http_body_util::BodyExt;
+        let secret = "password authentication failed for user \"admin\" (/var/lib/postgresql)";
+        for e in [
+            ApiError::from(StoreError::Db(secret.into())),
+            ApiError::internal(secret),
+            ApiError::unavailable(secret),
+        ] {
+            let status = e.status();
+            let body = e.into_response().into_body().collect().await.unwrap();
+            let body = String::from_utf8(body.to_bytes().to_vec()).unwrap();
+            assert!(status.is_server_error(), "{status}");
+            assert!(
+                !body.contains("password") && !body.contains("/var"),
+                "{body}"
+            );
+            assert!(body.contains("reference "), "{body}");
+        }
+    }
 
     #[test]
     fn list_queries_name_the_bad_field() {

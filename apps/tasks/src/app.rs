@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use coherent::prelude::*;
@@ -185,16 +186,136 @@ pub async fn direct_router(db: &DbConfig) -> anyhow::Result<axum::Router> {
     ))))
 }
 
-/// Serves `router` on `listener` until the process ends.
+/// The bounds of the HTTP server that a client can reach: how long it may take to send a
+/// request's head and body, how long a connection may stay idle, how many connections are
+/// served at once. Every field has a default fit for the open internet.
+#[derive(Clone, Debug)]
+pub struct HttpLimits {
+    /// How long a client may take to send a request's head (its line and headers), counted
+    /// from the connection's start or the end of its previous answer: a connection that
+    /// sends nothing (or one byte a minute, slowloris) is closed when it runs out. It is
+    /// also how long a kept-alive connection may stay idle. Default: 10 s.
+    pub header_read_timeout: Duration,
+    /// How long a client may take to send a request's body. Default: 10 s.
+    pub body_read_timeout: Duration,
+    /// Connections served at once; further connections wait in the kernel's backlog until
+    /// one closes. Default: 10,000.
+    pub max_connections: usize,
+    /// The largest request head, in bytes: a larger one is answered 431 and closed.
+    /// Default: 16 KiB.
+    pub max_header_bytes: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(10),
+            max_connections: 10_000,
+            max_header_bytes: 16 << 10,
+        }
+    }
+}
+
+/// Serves `router` on `listener` until the process ends, with [`HttpLimits::default`].
 pub async fn serve_http(listener: TcpListener, router: axum::Router) -> anyhow::Result<()> {
-    use axum::serve::ListenerExt;
-    // No Nagle: a WebSocket's small frames (an invalidation, an answer) would otherwise
-    // wait for the peer's delayed ACK, 40 ms on Linux, behind an earlier one.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, router).await?;
-    Ok(())
+    serve_http_with(listener, router, HttpLimits::default()).await
+}
+
+/// Serves `router` on `listener` with `limits` (HTTP/1.1, WebSocket upgrades included)
+/// until the listener fails with an error that is not about this process's resources.
+///
+/// Not `axum::serve`: it sets no timer, so hyper's header timeout never runs, and it
+/// has no cap on connections.
+pub async fn serve_http_with(
+    listener: TcpListener,
+    router: axum::Router,
+    limits: HttpLimits,
+) -> anyhow::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+
+    let router = router.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+        limits.body_read_timeout,
+    ));
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let mut backoff = AcceptBackoff::default();
+    loop {
+        let permit = slots
+            .clone()
+            .acquire_owned()
+            .await
+            .context("the connection slots were closed")?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => {
+                backoff.reset();
+                stream
+            }
+            Err(e) if is_resource_error(&e) => {
+                // Out of file descriptors or memory: accepting again at once would spin a
+                // core. Wait, longer each time, for connections to close.
+                backoff.wait(&e).await;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        // No Nagle: a WebSocket's small frames (an invalidation, an answer) would otherwise
+        // wait for the peer's delayed ACK, 40 ms on Linux, behind an earlier one.
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            .max_buf_size(limits.max_header_bytes.max(8192));
+        tokio::spawn(async move {
+            let served = http
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades()
+                .await;
+            if let Err(e) = served {
+                tracing::debug!(%e, "an HTTP connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Accept errors that say this process is short of something (file descriptors, memory,
+/// buffers), not that the listener broke: serving goes on once connections close.
+fn is_resource_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset | ErrorKind::Interrupted
+    ) || matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// Waits between accepts that failed for want of resources: 10 ms, doubling to 1 s, back to
+/// 10 ms after an accept succeeds. Logs once per failure streak.
+#[derive(Default)]
+struct AcceptBackoff {
+    failures: u32,
+}
+
+impl AcceptBackoff {
+    fn reset(&mut self) {
+        if self.failures > 0 {
+            tracing::info!(failures = self.failures, "accepting HTTP connections again");
+        }
+        self.failures = 0;
+    }
+
+    async fn wait(&mut self, e: &std::io::Error) {
+        if self.failures == 0 {
+            tracing::warn!(%e, "cannot accept HTTP connections now: backing off");
+        }
+        let delay = Duration::from_millis(10 << self.failures.min(7)).min(Duration::from_secs(1));
+        self.failures = self.failures.saturating_add(1);
+        tokio::time::sleep(delay).await;
+    }
 }
 
 /// Fills the database: `projects` projects, `tasks` tasks spread over them (round robin),

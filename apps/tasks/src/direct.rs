@@ -46,7 +46,7 @@ impl Backend for Direct {
     }
 
     async fn create(&self, new: NewTask) -> Result<Task, ApiError> {
-        Ok(self.store.insert_task(new.into_task(now_micros())).await?)
+        Ok(self.store.insert_task(new.into_task(now_micros())?).await?)
     }
 
     async fn update(&self, id: Uuid, patch: TaskPatch) -> Result<Task, ApiError> {
@@ -66,7 +66,7 @@ impl Backend for Direct {
     async fn create_project(&self, new: NewProject) -> Result<Project, ApiError> {
         Ok(self
             .store
-            .insert_project(new.into_project(now_micros()))
+            .insert_project(new.into_project(now_micros())?)
             .await?)
     }
 }

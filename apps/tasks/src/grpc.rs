@@ -329,7 +329,10 @@ fn store_status(e: StoreError) -> tonic::Status {
     match e {
         StoreError::Invalid(i) => invalid_status(&i),
         StoreError::Unknown(i) => unknown_status(&i),
-        StoreError::Db(m) => tonic::Status::internal(format!("database: {m}")),
+        // The database's words stay in this process's log.
+        StoreError::Db(m) => {
+            tonic::Status::internal(ApiError::internal(format_args!("database: {m}")).to_string())
+        }
     }
 }
 
@@ -364,15 +367,15 @@ pub fn api_error(s: &tonic::Status) -> ApiError {
             Some(Ok(field)) => ApiError::Unknown(Invalid::new(field, s.message())),
             _ => ApiError::NotFound(s.message().to_owned()),
         },
-        Code::Unavailable => ApiError::Unavailable(s.message().to_owned()),
-        code => ApiError::Internal(format!("gRPC backend: {code:?}: {}", s.message())),
+        Code::Unavailable => ApiError::unavailable(s.message()),
+        code => ApiError::internal(format_args!("gRPC backend: {code:?}: {}", s.message())),
     }
 }
 
 /// A reply the backend should not have sent (a bad id or enum): a 500, not the client's
 /// fault.
 fn bad_reply(i: Invalid) -> ApiError {
-    ApiError::Internal(format!(
+    ApiError::internal(format_args!(
         "the gRPC backend answered a bad {}: {}",
         i.field, i.message
     ))
@@ -445,12 +448,10 @@ impl Tasks for GrpcServer {
 
     async fn create_task(&self, r: Request<pb::NewTask>) -> Reply<pb::Task> {
         let new = new_task_from_pb(r.into_inner()).map_err(|i| invalid_status(&i))?;
-        new.validate().map_err(|i| invalid_status(&i))?;
-        let task = self
-            .store
-            .insert_task(new.into_task(now_micros()))
-            .await
-            .map_err(store_status)?;
+        let task = new
+            .into_task(now_micros())
+            .map_err(|i| invalid_status(&i))?;
+        let task = self.store.insert_task(task).await.map_err(store_status)?;
         Ok(Response::new(task_to_pb(task)))
     }
 
@@ -458,7 +459,6 @@ impl Tasks for GrpcServer {
         let r = r.into_inner();
         let id = id_from_pb("id", &r.id).map_err(|i| invalid_status(&i))?;
         let patch = patch_from_pb(r.patch.unwrap_or_default()).map_err(|i| invalid_status(&i))?;
-        patch.validate().map_err(|i| invalid_status(&i))?;
         match self
             .store
             .update_task(id, patch, now_micros())
@@ -482,10 +482,12 @@ impl Tasks for GrpcServer {
         let new = NewProject {
             name: r.into_inner().name,
         };
-        new.validate().map_err(|i| invalid_status(&i))?;
+        let project = new
+            .into_project(now_micros())
+            .map_err(|i| invalid_status(&i))?;
         let project = self
             .store
-            .insert_project(new.into_project(now_micros()))
+            .insert_project(project)
             .await
             .map_err(store_status)?;
         Ok(Response::new(project_to_pb(project)))

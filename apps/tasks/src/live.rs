@@ -77,6 +77,8 @@ impl TasksService for TasksBackend {
     /// (a task created, deleted, or moved to another status) invalidates the project's
     /// pages as a whole.
     async fn page(&self, q: ListQuery) -> Result<Arc<Page>, ApiError> {
+        // Over RPC and the gateway the query is the client's: no page over `MAX_LIMIT`.
+        q.validate()?;
         self.members(q.project).await;
         let (ids, next) = self.store.list_ids(q).await?;
         let mut items = Vec::with_capacity(ids.len());
@@ -138,22 +140,22 @@ impl TasksBackend {
     }
 }
 
-/// Creates a task (its id and times chosen by the tier that got the request).
+/// Creates a task. The host that runs it validates it and chooses its id and times: a
+/// command carries what the client said and nothing the server owns, so that every way in
+/// (the HTTP API, RPC from a browser, a future caller) gets the same answer.
 #[derive(Serialize, Deserialize)]
 pub struct CreateTask {
-    /// The task as it will be stored.
-    pub task: Task,
+    /// The task as the client asked for it.
+    pub new: NewTask,
 }
 
-/// Changes a task.
+/// Changes a task (its `updated_at` is the host's clock).
 #[derive(Serialize, Deserialize)]
 pub struct UpdateTask {
     /// The task.
     pub id: Uuid,
     /// What changes.
     pub patch: TaskPatch,
-    /// Its new `updated_at`.
-    pub now: i64,
 }
 
 /// Deletes a task.
@@ -163,16 +165,16 @@ pub struct DeleteTask {
     pub id: Uuid,
 }
 
-/// Creates a project.
+/// Creates a project (its id and time chosen by the host).
 #[derive(Serialize, Deserialize)]
 pub struct CreateProject {
-    /// The project as it will be stored.
-    pub project: Project,
+    /// The project as the client asked for it.
+    pub new: NewProject,
 }
 
 impl Command for CreateTask {
     const NAME: &'static str = "tasks.create";
-    type Output = ();
+    type Output = Task;
 }
 
 impl Command for UpdateTask {
@@ -187,7 +189,7 @@ impl Command for DeleteTask {
 
 impl Command for CreateProject {
     const NAME: &'static str = "tasks.create_project";
-    type Output = ();
+    type Output = Project;
 }
 
 /// Store errors as command errors; a field at fault travels as the JSON of [`Invalid`].
@@ -216,27 +218,34 @@ fn api_error(e: CommandError) -> ApiError {
             Ok(field) => ApiError::Unknown(field),
             Err(_) => ApiError::NotFound(e.message().to_owned()),
         },
-        ErrorKind::Unavailable => ApiError::Unavailable(e.message().to_owned()),
-        _ => ApiError::Internal(e.to_string()),
+        ErrorKind::Unavailable => ApiError::unavailable(e),
+        _ => ApiError::internal(e),
     }
 }
 
 /// PostgreSQL's SQLSTATE for a foreign key that finds no row.
 const FOREIGN_KEY_VIOLATION: &str = "23503";
 
+/// A field at fault, as the command's refusal: the JSON of [`Invalid`] (read back by
+/// [`api_error`]).
+fn rejected(i: Invalid) -> CommandError {
+    command_error(StoreError::Invalid(i))
+}
+
 fn not_found(id: Uuid) -> CommandError {
     CommandError::not_found(format!("task {id}"))
 }
 
 impl Handler<CreateTask> for TasksBackend {
-    async fn execute(&self, c: &CreateTask, tx: &mut Tx<'_>) -> Result<(), CommandError> {
+    async fn execute(&self, c: &CreateTask, tx: &mut Tx<'_>) -> Result<Task, CommandError> {
+        let t = c.new.clone().into_task(now_micros()).map_err(rejected)?;
         if let Some(db) = tx.sqlite() {
-            return lite::insert_task(db, &c.task).map_err(command_error);
+            lite::insert_task(db, &t).map_err(command_error)?;
+            return Ok(t);
         }
         // The command's one write, deferred with its text: it goes with the operation's row
         // as one statement. A project that is not there fails it at the server (its
         // foreign key), which `api_error` answers as the unknown project.
-        let t = &c.task;
         tx.defer_sql(
             &pg::insert_sql(),
             vec![
@@ -251,20 +260,23 @@ impl Handler<CreateTask> for TasksBackend {
                 Box::new(t.updated_at),
             ],
         )
-        .await
+        .await?;
+        Ok(t)
     }
 
-    fn invalidate(&self, c: &CreateTask, _: &()) {
-        self.invalidate_task(c.task.id);
-        self.invalidate_membership(c.task.project, &[c.task.status]);
+    fn invalidate(&self, _: &CreateTask, task: &Task) {
+        self.invalidate_task(task.id);
+        self.invalidate_membership(task.project, &[task.status]);
     }
 }
 
 impl Handler<UpdateTask> for TasksBackend {
     async fn execute(&self, c: &UpdateTask, tx: &mut Tx<'_>) -> Result<Task, CommandError> {
+        c.patch.validate().map_err(rejected)?;
+        let now = now_micros();
         match tx.postgres() {
-            Some(db) => pg::update_task(db, c.id, &c.patch, c.now).await,
-            None => lite::update_task(tx.require_sqlite()?, c.id, &c.patch, c.now),
+            Some(db) => pg::update_task(db, c.id, &c.patch, now).await,
+            None => lite::update_task(tx.require_sqlite()?, c.id, &c.patch, now),
         }
         .map_err(command_error)?
         .ok_or_else(|| not_found(c.id))
@@ -297,18 +309,20 @@ impl Handler<DeleteTask> for TasksBackend {
 }
 
 impl Handler<CreateProject> for TasksBackend {
-    async fn execute(&self, c: &CreateProject, tx: &mut Tx<'_>) -> Result<(), CommandError> {
+    async fn execute(&self, c: &CreateProject, tx: &mut Tx<'_>) -> Result<Project, CommandError> {
+        let p = c.new.clone().into_project(now_micros()).map_err(rejected)?;
         match tx.postgres() {
-            Some(db) => pg::insert_project(db, &c.project).await,
-            None => lite::insert_project(tx.require_sqlite()?, &c.project),
+            Some(db) => pg::insert_project(db, &p).await,
+            None => lite::insert_project(tx.require_sqlite()?, &p),
         }
-        .map_err(command_error)
+        .map_err(command_error)?;
+        Ok(p)
     }
 
-    fn invalidate(&self, c: &CreateProject, _: &()) {
+    fn invalidate(&self, _: &CreateProject, project: &Project) {
         self.invalidate_projects();
-        self.invalidate_project(c.project.id);
-        self.invalidate_summary(c.project.id);
+        self.invalidate_project(project.id);
+        self.invalidate_summary(project.id);
     }
 }
 
@@ -403,18 +417,15 @@ impl<C: Caller + Send + Sync + 'static> Backend for LiveTier<C> {
     }
 
     async fn create(&self, new: NewTask) -> Result<Task, ApiError> {
-        let task = new.into_task(now_micros());
         self.commands
-            .run(&CreateTask { task: task.clone() })
+            .run(&CreateTask { new })
             .await
-            .map_err(api_error)?;
-        Ok(task)
+            .map_err(api_error)
     }
 
     async fn update(&self, id: Uuid, patch: TaskPatch) -> Result<Task, ApiError> {
-        let now = now_micros();
         self.commands
-            .run(&UpdateTask { id, patch, now })
+            .run(&UpdateTask { id, patch })
             .await
             .map_err(api_error)
     }
@@ -428,13 +439,9 @@ impl<C: Caller + Send + Sync + 'static> Backend for LiveTier<C> {
     }
 
     async fn create_project(&self, new: NewProject) -> Result<Project, ApiError> {
-        let project = new.into_project(now_micros());
         self.commands
-            .run(&CreateProject {
-                project: project.clone(),
-            })
+            .run(&CreateProject { new })
             .await
-            .map_err(api_error)?;
-        Ok(project)
+            .map_err(api_error)
     }
 }

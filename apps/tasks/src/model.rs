@@ -176,13 +176,26 @@ pub struct ListQuery {
     pub after: Option<Uuid>,
 }
 
+impl ListQuery {
+    /// Checks the page size: every path that lists (HTTP, RPC, the gateway, gRPC) reads
+    /// through the store, which refuses a page over [`MAX_LIMIT`] with this.
+    pub fn validate(&self) -> Result<(), Invalid> {
+        if (1..=MAX_LIMIT).contains(&self.limit) {
+            Ok(())
+        } else {
+            Err(Invalid::new("limit", format!("must be 1 to {MAX_LIMIT}")))
+        }
+    }
+}
+
 /// The page size when a list request names none.
 pub const DEFAULT_LIMIT: u32 = 20;
 /// The largest page a list request may ask for.
 pub const MAX_LIMIT: u32 = 100;
 
-/// The body of `POST /api/tasks`.
-#[derive(Clone, Debug, Deserialize, ToSchema)]
+/// The body of `POST /api/tasks`, and what the `tasks.create` command carries: the server
+/// chooses the id and the times.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewTask {
     /// The project the task belongs to (it must exist).
@@ -247,8 +260,8 @@ fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D:
     Option::<String>::deserialize(d).map(Some)
 }
 
-/// The body of `POST /api/projects`.
-#[derive(Clone, Debug, Deserialize, ToSchema)]
+/// The body of `POST /api/projects`, and what the `tasks.create_project` command carries.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewProject {
     /// 1 to 200 characters, not all blank.
@@ -319,9 +332,11 @@ impl NewTask {
         Ok(())
     }
 
-    /// The task this creates, with a fresh id, at `now` (µs).
-    pub fn into_task(self, now: i64) -> Task {
-        Task {
+    /// The task this creates, with a fresh id, at `now` (µs), once every field passed
+    /// [`validate`](Self::validate): the one way from a client's input to a task.
+    pub fn into_task(self, now: i64) -> Result<Task, Invalid> {
+        self.validate()?;
+        Ok(Task {
             id: new_id(now),
             project: self.project,
             title: self.title,
@@ -331,7 +346,7 @@ impl NewTask {
             assignee: self.assignee,
             created_at: now,
             updated_at: now,
-        }
+        })
     }
 }
 
@@ -382,13 +397,15 @@ impl NewProject {
         check_title("name", &self.name)
     }
 
-    /// The project this creates, with a fresh id, at `now` (µs).
-    pub fn into_project(self, now: i64) -> Project {
-        Project {
+    /// The project this creates, with a fresh id, at `now` (µs), once its name passed
+    /// [`validate`](Self::validate).
+    pub fn into_project(self, now: i64) -> Result<Project, Invalid> {
+        self.validate()?;
+        Ok(Project {
             id: new_id(now),
             name: self.name,
             created_at: now,
-        }
+        })
     }
 }
 

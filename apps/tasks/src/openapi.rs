@@ -86,6 +86,7 @@ fn list_tasks() {}
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 404, description = "No such project (`field` is `project`)", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 415, description = "The body is not `application/json`", body = ErrorBody),
     )
 )]
 #[allow(dead_code)]
@@ -117,6 +118,7 @@ fn get_task() {}
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 404, description = "No such task", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 415, description = "The body is not `application/json`", body = ErrorBody),
     )
 )]
 #[allow(dead_code)]
@@ -157,6 +159,7 @@ fn list_projects() {}
         (status = 201, description = "Created", body = Project),
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 415, description = "The body is not `application/json`", body = ErrorBody),
     )
 )]
 #[allow(dead_code)]

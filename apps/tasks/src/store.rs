@@ -25,6 +25,12 @@ pub enum StoreError {
     Db(String),
 }
 
+impl From<Invalid> for StoreError {
+    fn from(i: Invalid) -> Self {
+        Self::Invalid(i)
+    }
+}
+
 impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {
         if e.code() == Some(&tokio_postgres::error::SqlState::FOREIGN_KEY_VIOLATION) {
@@ -265,6 +271,7 @@ impl Store {
 
     /// One page of tasks, newest first.
     pub async fn list(&self, q: ListQuery) -> Result<Page> {
+        q.validate()?;
         match self {
             Self::Postgres(p) => {
                 let c = p.pool.get().await?;
@@ -279,6 +286,7 @@ impl Store {
 
     /// The ids of one page of tasks, newest first, and the next page's `after`.
     pub async fn list_ids(&self, q: ListQuery) -> Result<(Vec<Uuid>, Option<Uuid>)> {
+        q.validate()?;
         let ids = match self {
             Self::Postgres(p) => pg::list_ids(&*p.pool.get().await?, &q).await?,
             Self::Sqlite(l) => l.run(move |c| lite::list_ids(c, &q)).await?,
@@ -433,6 +441,7 @@ impl Store {
 
     /// Applies `patch` to a task at `now`; `None` when there is no such task.
     pub async fn update_task(&self, id: Uuid, patch: TaskPatch, now: i64) -> Result<Option<Task>> {
+        patch.validate()?;
         match self {
             Self::Postgres(p) => pg::update_task(&*p.pool.get().await?, id, &patch, now).await,
             Self::Sqlite(l) => l.run(move |c| lite::update_task(c, id, &patch, now)).await,

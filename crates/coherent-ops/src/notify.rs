@@ -5,7 +5,9 @@
 use std::sync::Weak;
 use std::time::Duration;
 
-use futures::{FutureExt, StreamExt};
+#[cfg(feature = "nats")]
+use futures::FutureExt;
+use futures::StreamExt;
 use tokio::sync::watch;
 
 use crate::db::{Database, Engine, PG_PAYLOAD_LIMIT};

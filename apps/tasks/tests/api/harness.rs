@@ -246,6 +246,31 @@ impl Http {
     }
 }
 
+impl Http {
+    /// A request with a body and exactly the headers given (no content type of its own).
+    pub(crate) async fn send_untyped(
+        &self,
+        method: Method,
+        url: &str,
+        body: &str,
+        headers: &[(&str, &str)],
+    ) -> Reply {
+        let mut req = Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
+        let resp = self.client.request(req).await.expect("the request");
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.expect("the body").to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+}
+
 impl Server {
     pub(crate) async fn get(&self, path: &str) -> Reply {
         self.client

@@ -3,6 +3,7 @@
 //! through one tier seen by the next read on another; the live page's routes (`web`).
 
 mod harness;
+mod hostile;
 mod web;
 
 use std::collections::HashSet;

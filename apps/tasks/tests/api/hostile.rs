@@ -1,0 +1,221 @@
+//! What an untrusted client can send the Tasks app around its HTTP forms: writes that are
+//! not JSON (cross-site request forgery), commands over RPC that skip the HTTP layer's
+//! checks, pages of any size through RPC and the gateway.
+
+use coherent::remote::RemoteClient;
+use coherent_ops::{CommandClient, ErrorKind};
+use coherent_tasks::live::{
+    CreateProject, CreateTask, TasksService, TasksServiceClient, UpdateTask,
+};
+use coherent_tasks::model::{Invalid, ListQuery, NewProject, NewTask, TaskPatch};
+use hyper::{Method, StatusCode};
+
+use crate::harness::{live_backend, live_with_web, start, Db, KINDS};
+
+#[tokio::test]
+async fn writes_that_do_not_say_json_are_refused_before_they_run() {
+    let db = Db::sqlite();
+    for kind in KINDS {
+        let s = start(kind, &db.config).await;
+        let project = s.project("p").await;
+        let body = format!(r#"{{"project":"{project}","title":"forged"}}"#);
+        // What a form or `fetch(..., {mode: "no-cors"})` on another site can send.
+        for content_type in ["text/plain", "application/x-www-form-urlencoded", ""] {
+            let mut headers = vec![];
+            if !content_type.is_empty() {
+                headers.push(("content-type", content_type));
+            }
+            let r = s
+                .client
+                .send_untyped(
+                    Method::POST,
+                    &format!("{}/api/tasks", s.base),
+                    &body,
+                    &headers,
+                )
+                .await;
+            assert_eq!(
+                r.status,
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "{kind:?} {r:?}"
+            );
+            assert_eq!(r.json()["field"], "content-type");
+        }
+        // Nothing was created.
+        let page = s.get(&format!("/api/tasks?project={project}")).await;
+        assert_eq!(
+            page.json()["items"].as_array().unwrap().len(),
+            0,
+            "{kind:?}"
+        );
+        // The same body as JSON (any case, with a charset) goes through.
+        let r = s
+            .client
+            .send_untyped(
+                Method::POST,
+                &format!("{}/api/tasks", s.base),
+                &body,
+                &[("content-type", "Application/JSON; charset=utf-8")],
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{kind:?} {r:?}");
+    }
+}
+
+#[tokio::test]
+async fn commands_sent_over_rpc_are_validated_and_stamped_by_the_host() {
+    let db = Db::sqlite();
+    let backend = live_backend(&db.config).await;
+    let client = RemoteClient::connect_tcp_any(vec![backend.addr])
+        .await
+        .unwrap();
+    let commands = CommandClient::new(client.caller());
+    let rejected_field = |e: coherent_ops::CommandError| {
+        assert_eq!(e.kind(), ErrorKind::Rejected, "{e}");
+        serde_json::from_str::<Invalid>(e.message()).unwrap().field
+    };
+
+    let e = commands
+        .run(&CreateProject {
+            new: NewProject { name: " ".into() },
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(rejected_field(e), "name");
+    let project = commands
+        .run(&CreateProject {
+            new: NewProject { name: "p".into() },
+        })
+        .await
+        .unwrap();
+
+    // A title of megabytes (4 MiB would push every page showing it over the message limit).
+    let huge = NewTask {
+        project: project.id,
+        title: "x".repeat(1 << 20),
+        description: String::new(),
+        priority: None,
+        status: None,
+        assignee: None,
+    };
+    let e = commands.run(&CreateTask { new: huge }).await.unwrap_err();
+    assert_eq!(rejected_field(e), "title");
+
+    let before = coherent_tasks::model::now_micros();
+    let task = commands
+        .run(&CreateTask {
+            new: NewTask {
+                project: project.id,
+                title: "t".into(),
+                description: String::new(),
+                priority: None,
+                status: None,
+                assignee: None,
+            },
+        })
+        .await
+        .unwrap();
+    // The id and the times are the host's.
+    assert!(task.created_at >= before && task.updated_at == task.created_at);
+
+    let e = commands
+        .run(&UpdateTask {
+            id: task.id,
+            patch: TaskPatch {
+                assignee: Some(Some("\0".into())),
+                ..TaskPatch::default()
+            },
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(rejected_field(e), "assignee");
+    backend.stop().await;
+}
+
+#[tokio::test]
+async fn a_page_over_the_limit_is_refused_over_rpc_and_the_gateway() {
+    let db = Db::sqlite();
+    let dir = tempfile::tempdir().unwrap();
+    let s = live_with_web(&db.config, dir.path()).await;
+    let addr = s.backend.as_ref().unwrap().addr;
+    let client = RemoteClient::connect_tcp_any(vec![addr]).await.unwrap();
+    let api = TasksServiceClient::new(client);
+    for limit in [0, coherent_tasks::model::MAX_LIMIT + 1, u32::MAX] {
+        let q = ListQuery {
+            project: None,
+            status: None,
+            limit,
+            after: None,
+        };
+        match api.page(q).await {
+            Err(coherent_tasks::api::ApiError::Invalid(i)) => assert_eq!(i.field, "limit"),
+            other => panic!("limit {limit}: {other:?}"),
+        }
+        let r = s
+            .get(&format!(
+                "/gateway/TasksService.page?args=%5B%7B%22limit%22%3A{limit}%7D%5D"
+            ))
+            .await;
+        // The gateway answers the method's value, here its `Err`.
+        assert_eq!(r.json()["Err"]["Invalid"]["field"], "limit", "{r:?}");
+    }
+}
+
+/// A client that opens connections and sends its request's head a byte at a time, or
+/// nothing at all, loses the connection once the head is late; a client beside it is served.
+#[tokio::test]
+async fn a_slow_or_silent_request_head_loses_its_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let db = Db::sqlite();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = coherent_tasks::app::HttpLimits {
+        header_read_timeout: std::time::Duration::from_millis(300),
+        ..Default::default()
+    };
+    let router = coherent_tasks::app::direct_router(&db.config)
+        .await
+        .unwrap();
+    let serving = tokio::spawn(coherent_tasks::app::serve_http_with(
+        listener, router, limits,
+    ));
+
+    let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let dripping = tokio::spawn(async move {
+        // One byte every 100 ms: the head never ends in time.
+        for b in b"GET /api/projects HTTP/1.1\r\nHost: x\r\nX-Pad: "
+            .iter()
+            .cycle()
+        {
+            if slow.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        slow
+    });
+    // Meanwhile an honest client is served.
+    let base = format!("http://{addr}");
+    let honest = crate::harness::Http::new()
+        .send(Method::GET, &format!("{base}/api/projects"), None, &[])
+        .await;
+    assert_eq!(honest.status, StatusCode::OK);
+
+    // Both are closed by the server (a bound for the test, not a measure: 30 s).
+    // `read_to_end` ends only when the server closes (or resets) the connection.
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        silent.read_to_end(&mut buf),
+    )
+    .await
+    .expect("the silent connection is closed");
+    let mut slow = tokio::time::timeout(std::time::Duration::from_secs(30), dripping)
+        .await
+        .expect("the slow connection is cut")
+        .unwrap();
+    let mut rest = Vec::new();
+    let _ = slow.read_to_end(&mut rest).await;
+    serving.abort();
+}
