@@ -35,6 +35,9 @@ pub enum ErrorKind {
     Unavailable,
     /// The handler is written for another database than the host's.
     WrongDatabase,
+    /// The caller may not run this command: it did not authenticate, or its identity is
+    /// not allowed to (see [`Guarded`](crate::Guarded)). Nothing was run.
+    Unauthorized,
 }
 
 impl CommandError {
@@ -55,6 +58,11 @@ impl CommandError {
     /// The handler found nothing to act on.
     pub fn not_found(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::NotFound, message)
+    }
+
+    /// The caller may not run the command.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unauthorized, message)
     }
 
     /// The kind, for a program.

@@ -51,4 +51,4 @@ pub use db::{Database, DeferredParam, Tx};
 pub use error::{CommandError, ErrorKind};
 pub use host::{Applied, Host, HostBuilder, HostStats, Via};
 pub use notify::Notifier;
-pub use rpc::{CommandClient, Commands, CommandsServer};
+pub use rpc::{authenticated_or_trusted, CommandClient, Commands, CommandsServer, Guarded};

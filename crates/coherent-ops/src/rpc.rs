@@ -1,6 +1,6 @@
 //! Commands sent by remote clients over Coherent RPC.
 
-use coherent_rpc::{service, Caller};
+use coherent_rpc::{service, CallContext, Caller, Trust};
 
 use crate::command::Command;
 use crate::error::CommandError;
@@ -9,6 +9,13 @@ use crate::host::Host;
 /// The RPC service through which remote clients run commands on a host. Serve it with
 /// `CommandsServer::new(host)` on the host's `Endpoint`, beside its `RemoteServer`; call it
 /// with a [`CommandClient`].
+///
+/// Who may run commands: served over a `Host` as it is, a command from a trusted connection
+/// (`coherent_rpc::Trust::Trusted`: the application's own tiers) runs, and one from an
+/// untrusted connection (a browser over WebSocket) runs only if the endpoint's
+/// authentication hook gave that connection an identity; others get
+/// [`ErrorKind::Unauthorized`](crate::ErrorKind::Unauthorized). A policy of your own
+/// (per command, per identity): `CommandsServer::new(Guarded::new(host, policy))`.
 #[service]
 pub trait Commands {
     /// Runs the command named `kind`, given as JSON, through the host's pipeline; answers
@@ -20,7 +27,70 @@ pub trait Commands {
 
 impl Commands for Host {
     async fn run(&self, kind: String, command: String) -> Result<String, CommandError> {
+        if let Some(ctx) = CallContext::current() {
+            authenticated_or_trusted(&ctx, &kind)?;
+        }
         self.run_json(&kind, command).await
+    }
+}
+
+/// The policy of a [`Host`] served as it is: trusted connections, and untrusted ones that
+/// authenticated. Use it inside a policy of your own to keep it.
+pub fn authenticated_or_trusted(ctx: &CallContext, kind: &str) -> Result<(), CommandError> {
+    if ctx.peer().trust() == Trust::Trusted || ctx.identity().is_some() {
+        Ok(())
+    } else {
+        Err(CommandError::unauthorized(format!(
+            "{kind}: an unauthenticated client may not run commands"
+        )))
+    }
+}
+
+/// A host behind a policy of your own: `policy(ctx, kind)` runs before each command that
+/// arrives over RPC, with the call's context (its connection's trust and identity) and the
+/// command's name, and an `Err` answers the caller without running anything.
+///
+/// ```
+/// # fn wire(host: coherent_ops::Host) {
+/// use coherent_ops::{authenticated_or_trusted, CommandError, CommandsServer, Guarded};
+/// let commands = CommandsServer::new(Guarded::new(host, |ctx, kind| {
+///     authenticated_or_trusted(ctx, kind)?;
+///     let admin = ctx.identity().is_some_and(|i| i.name() == "admin");
+///     let tier = ctx.peer().trust() == coherent_rpc::Trust::Trusted;
+///     if kind == "users.delete" && !admin && !tier {
+///         return Err(CommandError::unauthorized("admins only"));
+///     }
+///     Ok(())
+/// }));
+/// # let _ = commands;
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Guarded<F> {
+    host: Host,
+    policy: F,
+}
+
+impl<F> Guarded<F>
+where
+    F: Fn(&CallContext, &str) -> Result<(), CommandError> + Send + Sync + 'static,
+{
+    /// `host`'s commands, each checked by `policy` first.
+    pub fn new(host: Host, policy: F) -> Self {
+        Self { host, policy }
+    }
+}
+
+impl<F> Commands for Guarded<F>
+where
+    F: Fn(&CallContext, &str) -> Result<(), CommandError> + Send + Sync + 'static,
+{
+    async fn run(&self, kind: String, command: String) -> Result<String, CommandError> {
+        let ctx = CallContext::current().ok_or_else(|| {
+            CommandError::unauthorized("a guarded host runs commands only for RPC calls")
+        })?;
+        (self.policy)(&ctx, &kind)?;
+        self.host.run_json(&kind, command).await
     }
 }
 

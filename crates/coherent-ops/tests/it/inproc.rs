@@ -367,3 +367,96 @@ async fn hostile_notifications_only_wake_the_log_reader() {
     a.stop().await;
     b.stop().await;
 }
+
+/// Who may run commands over RPC: the application's own (trusted) connections, and
+/// untrusted ones that authenticated; a policy of one's own decides per command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_trusted_or_authenticated_clients_run_commands_unless_a_policy_says_otherwise() {
+    use coherent::prelude::*;
+    use coherent_ops::{
+        authenticated_or_trusted, CommandClient, CommandError, CommandsServer, Guarded,
+    };
+    use coherent_rpc::{Config, Identity, Trust};
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let (a, _items) = host(&db, |b| b).await;
+    async fn serve(endpoint: Endpoint) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+        addr
+    }
+    async fn run(addr: std::net::SocketAddr, token: &str, value: i64) -> Result<i64, CommandError> {
+        let client = Endpoint::builder().token(token).build();
+        let peer = client.connect_tcp(addr).await.unwrap();
+        CommandClient::new(peer)
+            .run(&SetValue { id: 1, value })
+            .await
+    }
+    let untrusted = || Config::default().trust(Trust::Untrusted);
+
+    // Untrusted and anonymous: refused, and nothing ran.
+    let open = serve(
+        Endpoint::builder()
+            .config(untrusted())
+            .service(CommandsServer::new(a.clone()))
+            .build(),
+    )
+    .await;
+    let e = run(open, "", 1).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unauthorized, "{e}");
+    assert_eq!(a.stats().commands, 0);
+
+    // Untrusted but authenticated: runs.
+    let authenticated = serve(
+        Endpoint::builder()
+            .config(untrusted())
+            .authenticate(|token: String| async move {
+                match token.as_str() {
+                    "alice-token" => Ok(Identity::new("alice")),
+                    "bob-token" => Ok(Identity::new("bob")),
+                    _ => Err("unknown token".to_owned()),
+                }
+            })
+            .service(CommandsServer::new(a.clone()))
+            .build(),
+    )
+    .await;
+    assert_eq!(run(authenticated, "alice-token", 2).await, Ok(0));
+
+    // Trusted (a tier over TCP, the default): runs.
+    let tiers = serve(
+        Endpoint::builder()
+            .service(CommandsServer::new(a.clone()))
+            .build(),
+    )
+    .await;
+    assert_eq!(run(tiers, "", 3).await, Ok(2));
+
+    // A policy of one's own: only alice.
+    let guarded = serve(
+        Endpoint::builder()
+            .config(untrusted())
+            .authenticate(|token: String| async move {
+                Ok::<_, String>(Identity::new(token.trim_end_matches("-token").to_owned()))
+            })
+            .service(CommandsServer::new(Guarded::new(a.clone(), |ctx, kind| {
+                authenticated_or_trusted(ctx, kind)?;
+                match ctx.identity().map(|i| i.name()) {
+                    Some("alice") => Ok(()),
+                    _ => Err(CommandError::unauthorized(format!("{kind}: alice only"))),
+                }
+            })))
+            .build(),
+    )
+    .await;
+    let e = run(guarded, "bob-token", 4).await.unwrap_err();
+    assert_eq!(
+        (e.kind(), e.message()),
+        (ErrorKind::Unauthorized, "test.set_value: alice only")
+    );
+    assert_eq!(run(guarded, "alice-token", 5).await, Ok(3));
+    assert_eq!(a.stats().commands, 3);
+    a.stop().await;
+}
