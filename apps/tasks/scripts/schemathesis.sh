@@ -49,13 +49,30 @@ run() {
     local port
     port=$(free_port)
     "$bin" "$@" seed --tasks 200 --projects 3 >/dev/null 2>&1
-    "$bin" "$@" serve --listen "127.0.0.1:$port" --backend "$backend" 2>"$work/$name.log" &
+    "$bin" "$@" serve --listen "127.0.0.1:$port" --backend "$backend" \
+        --user "st:a password for schemathesis" 2>"$work/$name.log" &
     pids+=($!)
     local seed_args=(--seed "$seed")
     [[ $seed == random ]] && seed_args=()
     echo "schemathesis: $name ($backend backend) on port $port"
+    # Writes need a login: every request carries the cookie of one (the checks that leave
+    # it out, `ignored_auth`, see them refused).
+    local cookie=""
+    for _ in $(seq 1 120); do
+        cookie=$(curl -s -o /dev/null -D - -H 'content-type: application/json' \
+            -d '{"name":"st","password":"a password for schemathesis"}' \
+            "http://127.0.0.1:$port/api/session" | sed -n 's/^set-cookie: \([^;]*\).*/\1/ip')
+        [[ -n $cookie ]] && break
+        sleep 0.5
+    done
+    if [[ -z $cookie ]]; then
+        tail -50 "$work/$name.log"
+        echo "schemathesis: $name: could not log in"
+        return 1
+    fi
     if ! "$venv/bin/schemathesis" run "http://127.0.0.1:$port/api/openapi.json" \
         --checks all --max-examples "$examples" "${seed_args[@]}" \
+        --header "Cookie: $cookie" \
         --wait-for-schema 60 --no-color >"$work/$name.out" 2>&1; then
         cat "$work/$name.out"
         echo "--- server log"

@@ -269,7 +269,7 @@ async fn json_only(req: axum::extract::Request, next: axum::middleware::Next) ->
 
 /// Whether the request's media type is `application/json` (parameters such as `charset`
 /// allowed, case ignored).
-fn is_json(headers: &axum::http::HeaderMap) -> bool {
+pub(crate) fn is_json(headers: &axum::http::HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())

@@ -22,6 +22,7 @@ pub mod grpc;
 pub mod live;
 pub mod model;
 pub mod openapi;
+pub mod session;
 pub mod store;
 pub mod typescript;
 pub mod web;

@@ -60,6 +60,8 @@ enum Cmd {
         /// a demo in one command.
         #[arg(long, value_name = "TASKS")]
         seed: Option<usize>,
+        #[command(flatten)]
+        auth: AuthArgs,
     },
     /// Runs a Coherent backend alone (HTTP tiers connect to it with `serve --connect`).
     Backend {
@@ -74,6 +76,8 @@ enum Cmd {
         /// The live page's files, as for `serve`.
         #[arg(long, env = "TASKS_WEB")]
         web: Option<PathBuf>,
+        #[command(flatten)]
+        auth: AuthArgs,
     },
     /// Runs the `grpc` backend's gRPC service alone (HTTP tiers connect to it with
     /// `serve --backend grpc --connect`).
@@ -101,6 +105,78 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+}
+
+/// Who may do what over HTTP (see `coherent_tasks::session`).
+#[derive(clap::Args)]
+struct AuthArgs {
+    /// Logins: `on` (writes need one; reads too with `--anonymous-reads false`) or `off`
+    /// (anyone may do anything: for a machine of one's own).
+    #[arg(long, value_enum, default_value_t = AuthMode::On)]
+    auth: AuthMode,
+    /// A user, as `NAME:PASSWORD` (repeat it, or give `TASKS_USERS` as a comma-separated
+    /// list). None: a user `admin` with a password made up now and printed.
+    #[arg(
+        long = "user",
+        value_name = "NAME:PASSWORD",
+        env = "TASKS_USERS",
+        value_delimiter = ','
+    )]
+    users: Vec<String>,
+    /// The secret logins are signed with (16 bytes or more), the same for every process of
+    /// a deployment. None: one made up now (logins end when the process does).
+    #[arg(long, env = "TASKS_SESSION_SECRET", hide_env_values = true)]
+    session_secret: Option<String>,
+    /// Whether clients that did not log in may read (the API's GETs, `/rpc`, `/gateway`).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    anonymous_reads: bool,
+    /// Send the login cookie only over HTTPS (behind a TLS proxy).
+    #[arg(long)]
+    secure_cookie: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum AuthMode {
+    On,
+    Off,
+}
+
+impl AuthArgs {
+    /// `router` behind the logins, or as it is with `--auth off`.
+    fn apply(self, router: axum::Router) -> anyhow::Result<axum::Router> {
+        use coherent_tasks::session::{Auth, AuthConfig};
+        if self.auth == AuthMode::Off {
+            eprintln!("tasks: --auth off: anyone who reaches this server may read and write");
+            return Ok(router);
+        }
+        let secret = match self.session_secret {
+            Some(s) => s.into_bytes(),
+            None => made_up(32).into_bytes(),
+        };
+        let mut config = AuthConfig::new(secret);
+        config.anonymous_reads = self.anonymous_reads;
+        config.secure_cookie = self.secure_cookie;
+        if self.users.is_empty() {
+            let password = made_up(16);
+            eprintln!(
+                "tasks: log in as admin with password {password} (or give --user NAME:PASSWORD)"
+            );
+            config = config.user("admin", password);
+        }
+        for user in self.users {
+            let (name, password) = user
+                .split_once(':')
+                .ok_or_else(|| anyhow::anyhow!("--user {user:?}: NAME:PASSWORD"))?;
+            config = config.user(name, password);
+        }
+        Ok(Auth::new(config)?.protect(router))
+    }
+}
+
+/// `n` random letters and digits.
+fn made_up(n: usize) -> String {
+    use rand::distr::{Alphanumeric, SampleString};
+    Alphanumeric.sample_string(&mut rand::rng(), n)
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -139,6 +215,7 @@ async fn main() -> anyhow::Result<()> {
             connect,
             web,
             seed,
+            auth,
         } => {
             if let Some(tasks) = seed {
                 let store = db.open(2).await?;
@@ -183,9 +260,14 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 eprintln!("tasks: serving http://{addr}/api/tasks");
             }
-            app::serve_http(listener, router).await
+            app::serve_http(listener, auth.apply(router)?).await
         }
-        Cmd::Backend { listen, http, web } => {
+        Cmd::Backend {
+            listen,
+            http,
+            web,
+            auth,
+        } => {
             let b = LiveBackend::start(&db, TcpListener::bind(listen).await?, None).await?;
             eprintln!("tasks: Coherent backend on {}", b.addr);
             if let Some(http) = http {
@@ -194,7 +276,7 @@ async fn main() -> anyhow::Result<()> {
                     "tasks: serving http://{}/ (the live page), /api, /rpc and /gateway",
                     listener.local_addr()?
                 );
-                let router = b.http_router(web::dir(web)).await?;
+                let router = auth.apply(b.http_router(web::dir(web)).await?)?;
                 tokio::spawn(async move {
                     if let Err(e) = app::serve_http(listener, router).await {
                         tracing::error!(error = %format!("{e:#}"), "the backend's HTTP stopped");

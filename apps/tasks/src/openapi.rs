@@ -14,6 +14,7 @@ use crate::api::ErrorBody;
 use crate::model::{
     NewProject, NewTask, Page, Priority, Project, Status, Summary, Task, TaskPatch,
 };
+use crate::session::{Login, User};
 
 /// The document.
 #[derive(OpenApi)]
@@ -31,13 +32,36 @@ use crate::model::{
         delete_task,
         list_projects,
         create_project,
-        project_summary
+        project_summary,
+        log_in,
+        who_am_i,
+        log_out
     ),
     components(schemas(
-        Task, Project, Summary, Page, NewTask, TaskPatch, NewProject, Priority, Status, ErrorBody
-    ))
+        Task, Project, Summary, Page, NewTask, TaskPatch, NewProject, Priority, Status, ErrorBody,
+        Login, User
+    )),
+    modifiers(&SessionCookie)
 )]
 pub struct ApiDoc;
+
+/// The login cookie as a security scheme: what the writes require (`tasks serve`'s
+/// default; with `--auth off` nothing is required).
+struct SessionCookie;
+
+impl utoipa::Modify for SessionCookie {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "session",
+            SecurityScheme::ApiKey(ApiKey::Cookie(ApiKeyValue::with_description(
+                crate::session::COOKIE,
+                "Set by POST /api/session",
+            ))),
+        );
+    }
+}
 
 /// The document as JSON.
 pub fn document() -> String {
@@ -81,7 +105,9 @@ fn list_tasks() {}
     post,
     path = "/api/tasks",
     request_body = NewTask,
+    security(("session" = [])),
     responses(
+        (status = 401, description = "Not logged in", body = ErrorBody),
         (status = 201, description = "Created", body = Task),
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 404, description = "No such project (`field` is `project`)", body = ErrorBody),
@@ -113,7 +139,9 @@ fn get_task() {}
     path = "/api/tasks/{id}",
     params(("id" = uuid::Uuid, Path, description = "The task's id")),
     request_body = TaskPatch,
+    security(("session" = [])),
     responses(
+        (status = 401, description = "Not logged in", body = ErrorBody),
         (status = 200, description = "The task as changed", body = Task),
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 404, description = "No such task", body = ErrorBody),
@@ -129,7 +157,9 @@ fn update_task() {}
     delete,
     path = "/api/tasks/{id}",
     params(("id" = uuid::Uuid, Path, description = "The task's id")),
+    security(("session" = [])),
     responses(
+        (status = 401, description = "Not logged in", body = ErrorBody),
         (status = 204, description = "Deleted"),
         (status = 400, description = "Not a UUID", body = ErrorBody),
         (status = 404, description = "No such task", body = ErrorBody),
@@ -155,7 +185,9 @@ fn list_projects() {}
     post,
     path = "/api/projects",
     request_body = NewProject,
+    security(("session" = [])),
     responses(
+        (status = 401, description = "Not logged in", body = ErrorBody),
         (status = 201, description = "Created", body = Project),
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
@@ -179,3 +211,39 @@ fn create_project() {}
 )]
 #[allow(dead_code)]
 fn project_summary() {}
+
+/// Logs in: the answer sets the login cookie.
+#[utoipa::path(
+    post,
+    path = "/api/session",
+    request_body = Login,
+    responses(
+        (status = 200, description = "Logged in (`Set-Cookie`)", body = User),
+        (status = 400, description = "Not a login", body = ErrorBody),
+        (status = 401, description = "Unknown user or wrong password", body = ErrorBody),
+        (status = 415, description = "The body is not `application/json`", body = ErrorBody),
+    )
+)]
+#[allow(dead_code)]
+fn log_in() {}
+
+/// Who is logged in.
+#[utoipa::path(
+    get,
+    path = "/api/session",
+    responses(
+        (status = 200, description = "The user", body = User),
+        (status = 401, description = "Not logged in", body = ErrorBody),
+    )
+)]
+#[allow(dead_code)]
+fn who_am_i() {}
+
+/// Logs out: the answer clears the login cookie.
+#[utoipa::path(
+    delete,
+    path = "/api/session",
+    responses((status = 204, description = "Logged out (`Set-Cookie`)"))
+)]
+#[allow(dead_code)]
+fn log_out() {}

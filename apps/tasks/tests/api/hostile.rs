@@ -219,3 +219,164 @@ async fn a_slow_or_silent_request_head_loses_its_connection() {
     let _ = slow.read_to_end(&mut rest).await;
     serving.abort();
 }
+
+/// Logins: writes need one, reads need one only when anonymous reads are off, a forged or
+/// foreign cookie is no login, and `/rpc` and `/gateway` follow the reads.
+#[tokio::test]
+async fn writes_need_a_login_and_reads_one_when_anonymous_reads_are_off() {
+    use coherent_tasks::session::{Auth, AuthConfig, COOKIE};
+    let db = Db::sqlite();
+    let dir = tempfile::tempdir().unwrap();
+    let backend = live_backend(&db.config).await;
+    for anonymous_reads in [true, false] {
+        let mut config = AuthConfig::new(*b"a secret of 32 bytes, not random").user("alice", "pw");
+        config.anonymous_reads = anonymous_reads;
+        let auth = Auth::new(config).unwrap();
+        let router = auth.protect(backend.http_router(dir.path().to_owned()).await.unwrap());
+        let (base, serving) = crate::harness::serve(router).await;
+        let http = crate::harness::Http::new();
+        let url = |p: &str| format!("{base}{p}");
+        let json = [("content-type", "application/json")];
+
+        // Not logged in: no writes; reads as configured; the page and the document open.
+        let r = http
+            .send_untyped(
+                Method::POST,
+                &url("/api/projects"),
+                r#"{"name":"p"}"#,
+                &json,
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{r:?}");
+        let reads = if anonymous_reads {
+            StatusCode::OK
+        } else {
+            StatusCode::UNAUTHORIZED
+        };
+        let r = http
+            .send(Method::GET, &url("/api/projects"), None, &[])
+            .await;
+        assert_eq!(r.status, reads);
+        let r = http
+            .send(
+                Method::GET,
+                &url("/gateway/TasksService.projects"),
+                None,
+                &[],
+            )
+            .await;
+        assert_eq!(r.status, reads);
+        if !anonymous_reads {
+            let e = coherent::rpc::Endpoint::builder()
+                .build()
+                .connect_websocket(&format!("ws{}/rpc", base.trim_start_matches("http")))
+                .await
+                .unwrap_err();
+            assert!(e.message().contains("401"), "{e}");
+        }
+        let r = http
+            .send(Method::GET, &url("/api/openapi.json"), None, &[])
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+
+        // A wrong password, an unknown user, a body that is not JSON.
+        for body in [
+            r#"{"name":"alice","password":"no"}"#,
+            r#"{"name":"bob","password":"pw"}"#,
+        ] {
+            let r = http
+                .send_untyped(Method::POST, &url("/api/session"), body, &json)
+                .await;
+            assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{body}");
+            assert!(r.headers.get("set-cookie").is_none());
+        }
+        let r = http
+            .send_untyped(
+                Method::POST,
+                &url("/api/session"),
+                r#"{"name":"alice","password":"pw"}"#,
+                &[],
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+
+        // Logged in: the cookie is HttpOnly and SameSite=Strict, and it lets the writes in.
+        let r = http
+            .send_untyped(
+                Method::POST,
+                &url("/api/session"),
+                r#"{"name":"alice","password":"pw"}"#,
+                &json,
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{r:?}");
+        let set = r.headers["set-cookie"].to_str().unwrap().to_owned();
+        assert!(
+            set.contains("HttpOnly") && set.contains("SameSite=Strict"),
+            "{set}"
+        );
+        let cookie = set.split(';').next().unwrap().to_owned();
+        assert!(cookie.starts_with(&format!("{COOKIE}=")));
+        let with = [
+            ("content-type", "application/json"),
+            ("cookie", cookie.as_str()),
+        ];
+        let r = http
+            .send_untyped(
+                Method::POST,
+                &url("/api/projects"),
+                r#"{"name":"p"}"#,
+                &with,
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+        let r = http
+            .send(
+                Method::GET,
+                &url("/api/session"),
+                None,
+                &[("cookie", &cookie)],
+            )
+            .await;
+        assert_eq!(r.json()["name"], "alice");
+        let r = http
+            .send(
+                Method::GET,
+                &url("/api/projects"),
+                None,
+                &[("cookie", &cookie)],
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+
+        // Another name under alice's signature is no login.
+        let (_, rest) = cookie.split_once('=').unwrap();
+        let (_, signed) = rest.split_once('.').unwrap();
+        let forged = format!("{COOKIE}=61646d696e.{signed}");
+        let with = [
+            ("content-type", "application/json"),
+            ("cookie", forged.as_str()),
+        ];
+        let r = http
+            .send_untyped(
+                Method::POST,
+                &url("/api/projects"),
+                r#"{"name":"p"}"#,
+                &with,
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+
+        // Logging out clears the cookie.
+        let r = http
+            .send(Method::DELETE, &url("/api/session"), None, &[])
+            .await;
+        assert_eq!(r.status, StatusCode::NO_CONTENT);
+        assert!(r.headers["set-cookie"]
+            .to_str()
+            .unwrap()
+            .contains("Max-Age=0"));
+        serving.abort();
+    }
+    backend.stop().await;
+}

@@ -25,7 +25,7 @@ import { parseArgs } from "node:util";
 import WebSocket from "ws";
 
 import { Client } from "@coherent/client";
-import { api, ensurePageBuilt, launch, seededDatabase, startTasks } from "../tests/harness.mjs";
+import { api, ensurePageBuilt, launch, seededDatabase, startTasks, USER } from "../tests/harness.mjs";
 
 const { values: opts } = parseArgs({
   options: {
@@ -146,6 +146,15 @@ try {
     await tab.goto(server.url("/"));
     await tab.waitForSelector('[data-testid="connection"][data-state="live"]');
     await tab.waitForSelector('[data-status="todo"] [data-task]');
+    // Writes need a login: the cookie is set for the tab's later fetches.
+    await tab.evaluate(async (user) => {
+      const res = await fetch("/api/session", {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+        body: JSON.stringify(user),
+      });
+      if (!res.ok) throw new Error(`logging in: ${res.status}`);
+    }, USER);
     const n = opts.quick ? 30 : 300;
     // A warm-up, as for the other rows: the first writes pay for JIT and first routes.
     const warm = opts.quick ? 5 : 30;

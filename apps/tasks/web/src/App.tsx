@@ -1,7 +1,7 @@
 import { useClientState, useComputed } from "@coherent/client/react";
-import { useState } from "react";
+import { createContext, useContext, useEffect, useState, useSyncExternalStore } from "react";
 
-import { addTask, client, ok, rename, setStatus } from "./api";
+import { addTask, client, logIn, logOut, ok, refreshSession, rename, session, setStatus } from "./api";
 import type { Status, Task } from "./generated/tasks";
 
 const COLUMNS: { status: Status; title: string }[] = [
@@ -13,8 +13,13 @@ const COLUMNS: { status: Status; title: string }[] = [
 
 const PAGE = 12;
 
+/** Whether this page may write (someone is logged in). */
+const CanWrite = createContext(false);
+
 export function App() {
   const params = new URLSearchParams(location.search);
+  const user = useSyncExternalStore(session.subscribe, session.current);
+  useEffect(() => void refreshSession(), []);
   const projects = useComputed(() => ok(client.replica("TasksService.projects").value));
   const [chosen, setChosen] = useState(params.get("project"));
   const project = chosen ?? projects?.[0]?.id ?? null;
@@ -37,8 +42,11 @@ export function App() {
           ))}
         </select>
         <Connection />
+        <Account user={user} />
       </header>
-      {project ? <Board project={project} /> : <p className="empty">No project yet: run `tasks seed`.</p>}
+      <CanWrite.Provider value={user !== null}>
+        {project ? <Board project={project} /> : <p className="empty">No project yet: run `tasks seed`.</p>}
+      </CanWrite.Provider>
       <footer>
         Each column is a replica of <code>TasksService.page</code>, each count one of{" "}
         <code>TasksService.summary</code>, held over a WebSocket: a change made anywhere (another tab, curl, a Rust
@@ -59,7 +67,49 @@ function Connection() {
   );
 }
 
+/** Who is logged in and a way out, or a way in. */
+function Account({ user }: { user: string | null }) {
+  const [name, setName] = useState("");
+  const [password, setPassword] = useState("");
+  const [error, setError] = useState<string | null>(null);
+  if (user !== null) {
+    return (
+      <span className="account" data-testid="account" data-user={user}>
+        {user} <button onClick={() => void logOut()}>Log out</button>
+      </span>
+    );
+  }
+  return (
+    <form
+      className="account"
+      data-testid="account"
+      onSubmit={(e) => {
+        e.preventDefault();
+        logIn(name, password).then(
+          () => {
+            setPassword("");
+            setError(null);
+          },
+          (err: Error) => setError(err.message),
+        );
+      }}
+    >
+      <input aria-label="user" placeholder="user" value={name} onChange={(e) => setName(e.target.value)} />
+      <input
+        aria-label="password"
+        type="password"
+        placeholder="password"
+        value={password}
+        onChange={(e) => setPassword(e.target.value)}
+      />
+      <button type="submit">Log in</button>
+      {error ? <span className="error">{error}</span> : null}
+    </form>
+  );
+}
+
 function Board({ project }: { project: string }) {
+  const canWrite = useContext(CanWrite);
   const summary = useComputed(() => ok(client.replica("TasksService.summary", project).value), [project]);
   const [title, setTitle] = useState("");
   return (
@@ -71,8 +121,16 @@ function Board({ project }: { project: string }) {
           if (title.trim()) void addTask(project, title.trim()).then(() => setTitle(""));
         }}
       >
-        <input aria-label="new task" placeholder="A new task…" value={title} onChange={(e) => setTitle(e.target.value)} />
-        <button type="submit">Add</button>
+        <input
+          aria-label="new task"
+          placeholder={canWrite ? "A new task…" : "Log in to add tasks"}
+          disabled={!canWrite}
+          value={title}
+          onChange={(e) => setTitle(e.target.value)}
+        />
+        <button type="submit" disabled={!canWrite}>
+          Add
+        </button>
         <span className="total" data-testid="total">
           {summary ? `${summary.total} tasks` : ""}
         </span>
@@ -107,6 +165,7 @@ function Column(props: { project: string; status: Status; title: string; index: 
 }
 
 function Card({ task, index }: { task: Task; index: number }) {
+  const canWrite = useContext(CanWrite);
   const move = (by: number) => {
     const to = COLUMNS[index + by];
     if (to) void setStatus(task, to.status);
@@ -116,6 +175,7 @@ function Card({ task, index }: { task: Task; index: number }) {
       <div
         className="title"
         onDoubleClick={() => {
+          if (!canWrite) return;
           const title = prompt("Title", task.title);
           if (title) void rename(task, title);
         }}
@@ -127,10 +187,14 @@ function Card({ task, index }: { task: Task; index: number }) {
         {task.assignee ? <span className="assignee">@{task.assignee}</span> : null}
       </div>
       <div className="moves">
-        <button aria-label="move left" disabled={index === 0} onClick={() => move(-1)}>
+        <button aria-label="move left" disabled={!canWrite || index === 0} onClick={() => move(-1)}>
           ◀
         </button>
-        <button aria-label="move right" disabled={index === COLUMNS.length - 1} onClick={() => move(1)}>
+        <button
+          aria-label="move right"
+          disabled={!canWrite || index === COLUMNS.length - 1}
+          onClick={() => move(1)}
+        >
           ▶
         </button>
       </div>

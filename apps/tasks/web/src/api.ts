@@ -37,10 +37,55 @@ async function send(method: string, path: string, body: unknown): Promise<void> 
     headers: { "content-type": "application/json" },
     body: JSON.stringify(body),
   });
+  if (res.status === 401) setUser(null);
   if (!res.ok) {
     const text = await res.text();
     throw new Error(`${method} ${path}: ${res.status} ${text}`);
   }
+}
+
+// ---- the login: a cookie the server signs (HttpOnly: the page never sees it), and the
+// name it stands for, which the page asks for at start. Writes need one.
+
+let user: string | null = null;
+const listeners = new Set<() => void>();
+
+function setUser(name: string | null): void {
+  if (name === user) return;
+  user = name;
+  for (const l of listeners) l();
+}
+
+/** Who is logged in (`null`: nobody), and a way to hear of changes: for `useSyncExternalStore`. */
+export const session = {
+  current: (): string | null => user,
+  subscribe(listener: () => void): () => void {
+    listeners.add(listener);
+    return () => listeners.delete(listener);
+  },
+};
+
+/** Asks the server who the cookie (if any) stands for. */
+export async function refreshSession(): Promise<void> {
+  const res = await fetch("/api/session");
+  setUser(res.ok ? ((await res.json()) as { name: string }).name : null);
+}
+
+/** Logs in; throws the server's reason when it refuses. */
+export async function logIn(name: string, password: string): Promise<void> {
+  const res = await fetch("/api/session", {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ name, password }),
+  });
+  if (!res.ok) throw new Error(((await res.json()) as { error: string }).error);
+  setUser(((await res.json()) as { name: string }).name);
+}
+
+/** Logs out. */
+export async function logOut(): Promise<void> {
+  await fetch("/api/session", { method: "DELETE" });
+  setUser(null);
 }
 
 /** Moves a task to another column. */

@@ -6,7 +6,7 @@ import { spawnSync } from "node:child_process";
 import { join } from "node:path";
 import { after, before, test } from "node:test";
 
-import { api, ensurePageBuilt, launch, outputDir, seededDatabase, startTasks } from "./harness.mjs";
+import { api, ensurePageBuilt, launch, outputDir, seededDatabase, startTasks, USER } from "./harness.mjs";
 
 let browser;
 let server;
@@ -33,6 +33,14 @@ async function openBoard(url) {
   await page.waitForSelector('[data-testid="connection"][data-state="live"]');
   await page.waitForSelector('[data-status="todo"] [data-task]');
   return page;
+}
+
+/** Logs `page` in through its form. */
+async function logIn(page) {
+  await page.getByLabel("user").fill(USER.name);
+  await page.getByLabel("password").fill(USER.password);
+  await page.getByRole("button", { name: "Log in" }).click();
+  await page.waitForSelector(`[data-testid="account"][data-user="${USER.name}"]`);
 }
 
 const card = (status, id) => `[data-status="${status}"] [data-task="${id}"]`;
@@ -76,6 +84,10 @@ async function waitForTitle(name, page, sel, title) {
 test("a change in one context shows in the other; offline, then live and current after a restart", async () => {
   const a = await openBoard(server.url("/"));
   const b = await openBoard(server.url("/"));
+  // Anonymous: the board is read-only.
+  const anonymousMove = a.locator('[data-status="todo"] [data-task] button[aria-label="move right"]').first();
+  assert.equal(await anonymousMove.isDisabled(), true);
+  for (const page of [a, b]) await logIn(page);
   await b.screenshot({ path: join(shots, "1-live.png") });
 
   // In A: move the first task of "To do" to "In progress"; B shows it there.

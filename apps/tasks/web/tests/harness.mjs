@@ -49,11 +49,18 @@ export function seededDatabase({ tasks = 200, projects = 2, release = false } = 
   return file;
 }
 
+/** The user `startTasks` configures, and the secret its logins are signed with (the same on
+ * every start, so a login survives a restart). */
+export const USER = { name: "test", password: "a password for the tests" };
+const SESSION_SECRET = "the tests' session secret, 32 b";
+
 /** Starts `tasks serve` on `listen` over the SQLite `file`; resolves once it listens. */
 export function startTasks(file, { listen = "127.0.0.1:0", release = false } = {}) {
-  const child = spawn(tasksBinary({ release }), ["--sqlite", file, "serve", "--listen", listen, "--web", join(webDir, "dist")], {
+  const args = ["--sqlite", file, "serve", "--listen", listen, "--web", join(webDir, "dist")];
+  args.push("--user", `${USER.name}:${USER.password}`);
+  const child = spawn(tasksBinary({ release }), args, {
     stdio: ["ignore", "inherit", "pipe"],
-    env: { ...process.env, DATABASE_URL: "", RUST_LOG: process.env.RUST_LOG ?? "warn" },
+    env: { ...process.env, DATABASE_URL: "", RUST_LOG: process.env.RUST_LOG ?? "warn", TASKS_SESSION_SECRET: SESSION_SECRET },
   });
   return new Promise((resolve, reject) => {
     child.once("exit", (code) => reject(new Error(`tasks serve exited with ${code} before listening`)));
@@ -94,11 +101,23 @@ export async function launch() {
   return chromium.launch({ executablePath: chromiumPath(), headless: true, args: ["--no-sandbox", "--disable-gpu"] });
 }
 
-/** An HTTP request to the API, as curl would send it. */
+/** Logs in as `USER`; answers the cookie to send. */
+export async function logIn(server) {
+  const res = await fetch(server.url("/api/session"), {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify(USER),
+  });
+  if (!res.ok) throw new Error(`logging in: ${res.status} ${await res.text()}`);
+  return res.headers.get("set-cookie").split(";")[0];
+}
+
+/** An HTTP request to the API, as curl would send it, logged in as `USER`. */
 export async function api(server, method, path, body) {
+  const cookie = await logIn(server);
   const res = await fetch(server.url(path), {
     method,
-    headers: body === undefined ? {} : { "content-type": "application/json" },
+    headers: body === undefined ? { cookie } : { "content-type": "application/json", cookie },
     body: body === undefined ? undefined : JSON.stringify(body),
   });
   const text = await res.text();

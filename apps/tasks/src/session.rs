@@ -1,0 +1,420 @@
+//! Logins and who may do what.
+//!
+//! A login is a cookie signed with the deployment's secret (HMAC-SHA-256): the user's name
+//! and when the login expires, and the signature over both. Every process that has the
+//! secret checks it alone (a tier, a backend), without a table or a call: a deployment of
+//! several processes gives them all the same secret (`--session-secret`, or
+//! `TASKS_SESSION_SECRET`). Logging out clears the cookie; a copy taken before stays valid
+//! until it expires (12 hours by default), as with any signed cookie.
+//!
+//! [`Auth::protect`] puts a router behind the rules: writes (`POST`, `PATCH`, `DELETE`
+//! under `/api`) need a login, reads (`/api`, `/rpc`, `/gateway`) need one unless anonymous
+//! reads are allowed, and the page's files and `/api/openapi.json` are open. It also adds
+//! `/api/session`: `POST {"name", "password"}` logs in (sets the cookie), `GET` says who
+//! is logged in, `DELETE` logs out.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use hmac::{KeyInit, Mac};
+use serde::{Deserialize, Serialize};
+
+use crate::api::ErrorBody;
+
+/// The cookie that carries a login.
+pub const COOKIE: &str = "tasks_session";
+
+type Hmac = hmac::Hmac<sha2::Sha256>;
+
+/// Who a request is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct User {
+    /// The name logged in with.
+    pub name: String,
+}
+
+/// How the app authenticates, and what it lets anonymous clients do.
+#[derive(Clone, Debug)]
+pub struct AuthConfig {
+    /// The secret logins are signed with (at least 16 bytes): the same for every process
+    /// of a deployment, or a login made through one is refused by the others.
+    pub secret: Vec<u8>,
+    /// The users and their passwords.
+    pub users: Vec<(String, String)>,
+    /// Whether reads (the API's `GET`s, `/rpc`, `/gateway`) are open to clients that did
+    /// not log in. Writes always need a login.
+    pub anonymous_reads: bool,
+    /// How long a login lasts.
+    pub session_ttl: Duration,
+    /// Whether the cookie is sent only over HTTPS (`Secure`): on wherever the app is
+    /// behind TLS.
+    pub secure_cookie: bool,
+}
+
+impl AuthConfig {
+    /// Anonymous reads, 12-hour logins, no `Secure` flag; no users.
+    pub fn new(secret: impl Into<Vec<u8>>) -> Self {
+        Self {
+            secret: secret.into(),
+            users: Vec::new(),
+            anonymous_reads: true,
+            session_ttl: Duration::from_secs(12 * 3600),
+            secure_cookie: false,
+        }
+    }
+
+    /// Adds a user.
+    pub fn user(mut self, name: impl Into<String>, password: impl Into<String>) -> Self {
+        self.users.push((name.into(), password.into()));
+        self
+    }
+}
+
+/// The rules and the keys, shared by the middleware and the session routes.
+#[derive(Clone)]
+pub struct Auth {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    key: Vec<u8>,
+    /// Each user's password, as its MAC under `key`: compared in constant time, and never
+    /// kept as given.
+    users: HashMap<String, Vec<u8>>,
+    anonymous_reads: bool,
+    ttl: Duration,
+    secure: bool,
+}
+
+/// Why an [`AuthConfig`] cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthConfigError {
+    /// The secret is shorter than 16 bytes.
+    #[error("the session secret must be at least 16 bytes")]
+    ShortSecret,
+    /// A user's name is empty, too long, or has characters other than letters, digits,
+    /// `_`, `-` and `.`.
+    #[error("user name {0:?}: 1 to 64 letters, digits, '_', '-' or '.'")]
+    BadName(String),
+    /// A password is empty.
+    #[error("user {0}: the password is empty")]
+    EmptyPassword(String),
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+impl Auth {
+    /// The rules of `config`.
+    pub fn new(config: AuthConfig) -> Result<Self, AuthConfigError> {
+        if config.secret.len() < 16 {
+            return Err(AuthConfigError::ShortSecret);
+        }
+        let key = config.secret;
+        let mut users = HashMap::new();
+        for (name, password) in config.users {
+            if !valid_name(&name) {
+                return Err(AuthConfigError::BadName(name));
+            }
+            if password.is_empty() {
+                return Err(AuthConfigError::EmptyPassword(name));
+            }
+            let mac = mac(&key, &[b"password", name.as_bytes(), password.as_bytes()]);
+            users.insert(name, mac);
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                key,
+                users,
+                anonymous_reads: config.anonymous_reads,
+                ttl: config.session_ttl,
+                secure: config.secure_cookie,
+            }),
+        })
+    }
+
+    /// Whether clients that did not log in may read.
+    pub fn anonymous_reads(&self) -> bool {
+        self.inner.anonymous_reads
+    }
+
+    /// The cookie value of a login as `name`, if the password is right.
+    pub fn login(&self, name: &str, password: &str) -> Option<String> {
+        let expected = self.inner.users.get(name)?;
+        signer(
+            &self.inner.key,
+            &[b"password", name.as_bytes(), password.as_bytes()],
+        )
+        .verify_slice(expected)
+        .ok()?;
+        let expires = now_secs().saturating_add(self.inner.ttl.as_secs());
+        Some(self.token(name, expires))
+    }
+
+    /// `name.expires.signature`, the name and the signature in hex.
+    fn token(&self, name: &str, expires: u64) -> String {
+        let signature = mac(
+            &self.inner.key,
+            &[b"session", name.as_bytes(), &expires.to_le_bytes()],
+        );
+        format!("{}.{expires}.{}", hex(name.as_bytes()), hex(&signature))
+    }
+
+    /// The user a cookie value stands for: signed with this secret and not expired.
+    pub fn verify(&self, token: &str) -> Option<User> {
+        let mut parts = token.split('.');
+        let (name, expires, signature) = (parts.next()?, parts.next()?, parts.next()?);
+        if parts.next().is_some() || token.len() > 512 {
+            return None;
+        }
+        let name = String::from_utf8(unhex(name)?).ok()?;
+        let expires: u64 = expires.parse().ok()?;
+        signer(
+            &self.inner.key,
+            &[b"session", name.as_bytes(), &expires.to_le_bytes()],
+        )
+        .verify_slice(&unhex(signature)?)
+        .ok()?;
+        (expires > now_secs()).then_some(User { name })
+    }
+
+    /// The user a request's cookie stands for, if any.
+    pub fn user(&self, headers: &HeaderMap) -> Option<User> {
+        headers
+            .get_all(header::COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(';'))
+            .filter_map(|c| c.trim().split_once('='))
+            .filter(|(k, _)| *k == COOKIE)
+            .find_map(|(_, v)| self.verify(v))
+    }
+
+    fn cookie(&self, value: &str, max_age: u64) -> HeaderValue {
+        let secure = if self.inner.secure { "; Secure" } else { "" };
+        HeaderValue::from_str(&format!(
+            "{COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}"
+        ))
+        .expect("a cookie of hex and digits is a header value")
+    }
+
+    /// `router` behind the rules, with `/api/session` beside it (see the module's docs).
+    pub fn protect(&self, router: Router) -> Router {
+        Router::new()
+            .route("/api/session", post(login).get(whoami).delete(logout))
+            .with_state(self.clone())
+            .merge(router)
+            .layer(axum::middleware::from_fn_with_state(self.clone(), guard))
+    }
+}
+
+/// The MAC of `parts` under `key`, to finish or to check a signature with (`verify_slice`
+/// compares in constant time).
+fn signer(key: &[u8], parts: &[&[u8]]) -> Hmac {
+    let mut mac = Hmac::new_from_slice(key).expect("HMAC takes any key");
+    // Each part with its length: ("ab", "c") and ("a", "bc") sign differently.
+    for part in parts {
+        mac.update(&(part.len() as u64).to_le_bytes());
+        mac.update(part);
+    }
+    mac
+}
+
+fn mac(key: &[u8], parts: &[&[u8]]) -> Vec<u8> {
+    signer(key, parts).finalize().into_bytes().to_vec()
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    let body = ErrorBody {
+        error: message.to_owned(),
+        field: None,
+    };
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        serde_json::to_vec(&body).unwrap_or_default(),
+    )
+        .into_response()
+}
+
+/// The rules, before any route runs.
+async fn guard(State(auth): State<Auth>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let api = path.starts_with("/api/");
+    let open = path == "/api/session" || path == "/api/openapi.json";
+    let reads = api || path == "/rpc" || path.starts_with("/gateway");
+    let writes = api && !matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    if !open && (writes || (reads && !auth.inner.anonymous_reads)) {
+        match auth.user(req.headers()) {
+            Some(user) => {
+                let mut req = req;
+                req.extensions_mut().insert(user);
+                return next.run(req).await;
+            }
+            None => {
+                let what = if writes { "writing" } else { "reading" };
+                return error(
+                    StatusCode::UNAUTHORIZED,
+                    &format!("log in before {what}: POST /api/session"),
+                );
+            }
+        }
+    }
+    next.run(req).await
+}
+
+/// The body of `POST /api/session`.
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Login {
+    /// The user's name.
+    pub name: String,
+    /// The user's password.
+    pub password: String,
+}
+
+async fn login(State(auth): State<Auth>, headers: HeaderMap, body: Bytes) -> Response {
+    if !crate::api::is_json(&headers) {
+        return error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "the body must be JSON, sent as `Content-Type: application/json`",
+        );
+    }
+    let Ok(login) = serde_json::from_slice::<Login>(&body) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the body must be {\"name\": ..., \"password\": ...}",
+        );
+    };
+    match auth.login(&login.name, &login.password) {
+        Some(token) => (
+            [(
+                header::SET_COOKIE,
+                auth.cookie(&token, auth.inner.ttl.as_secs()),
+            )],
+            axum::Json(User { name: login.name }),
+        )
+            .into_response(),
+        None => {
+            tracing::info!(name = %login.name.escape_debug(), "a login was refused");
+            error(StatusCode::UNAUTHORIZED, "unknown user or wrong password")
+        }
+    }
+}
+
+async fn whoami(State(auth): State<Auth>, headers: HeaderMap) -> Response {
+    match auth.user(&headers) {
+        Some(user) => axum::Json(user).into_response(),
+        None => error(StatusCode::UNAUTHORIZED, "not logged in"),
+    }
+}
+
+async fn logout(State(auth): State<Auth>) -> Response {
+    (
+        StatusCode::NO_CONTENT,
+        [(header::SET_COOKIE, auth.cookie("", 0))],
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn auth() -> Auth {
+        Auth::new(AuthConfig::new(*b"0123456789abcdef").user("alice", "wonderland")).unwrap()
+    }
+
+    #[test]
+    fn a_login_signs_a_cookie_that_verifies_and_nothing_else_does() {
+        let a = auth();
+        assert_eq!(a.login("alice", "wrong"), None);
+        assert_eq!(a.login("bob", "wonderland"), None);
+        let token = a.login("alice", "wonderland").unwrap();
+        assert_eq!(a.verify(&token).map(|u| u.name), Some("alice".into()));
+
+        // Another name under the same signature, a changed expiry, another secret.
+        let (name, rest) = token.split_once('.').unwrap();
+        assert_eq!(a.verify(&format!("{}.{rest}", hex(b"admin"))), None);
+        let (expires, signature) = rest.split_once('.').unwrap();
+        let later: u64 = expires.parse::<u64>().unwrap() + 1;
+        assert_eq!(a.verify(&format!("{name}.{later}.{signature}")), None);
+        let other =
+            Auth::new(AuthConfig::new(*b"fedcba9876543210").user("alice", "wonderland")).unwrap();
+        assert_eq!(other.verify(&token), None);
+        for junk in [
+            "",
+            ".",
+            "..",
+            "zz.1.00",
+            &"a".repeat(600),
+            "616c696365.x.00",
+        ] {
+            assert_eq!(a.verify(junk), None, "{junk}");
+        }
+        // Expired.
+        let old = a.token("alice", now_secs() - 1);
+        assert_eq!(a.verify(&old), None);
+    }
+
+    #[test]
+    fn the_cookie_is_found_among_others() {
+        let a = auth();
+        let token = a.login("alice", "wonderland").unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_str(&format!("theme=dark; {COOKIE}=junk; {COOKIE}={token}")).unwrap(),
+        );
+        assert_eq!(a.user(&headers).map(|u| u.name), Some("alice".into()));
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        assert!(Auth::new(AuthConfig::new(*b"short")).is_err());
+        let key = *b"0123456789abcdef";
+        assert!(Auth::new(AuthConfig::new(key).user("", "x")).is_err());
+        assert!(Auth::new(AuthConfig::new(key).user("a b", "x")).is_err());
+        assert!(Auth::new(AuthConfig::new(key).user("a", "")).is_err());
+    }
+}
