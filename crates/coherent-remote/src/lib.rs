@@ -40,4 +40,4 @@ mod server;
 mod wire;
 
 pub use client::{RemoteClient, RemoteClientBuilder};
-pub use server::{Expose, RemoteServer, DELIVERY_TIMEOUT};
+pub use server::{Expose, RemoteServer, ServerStats, DELIVERY_TIMEOUT, MAX_UNANSWERED_PUSHES};
