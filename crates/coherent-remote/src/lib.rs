@@ -40,4 +40,6 @@ mod server;
 mod wire;
 
 pub use client::{RemoteClient, RemoteClientBuilder};
+#[cfg(feature = "http")]
+pub use gateway::{MAX_GATEWAY_ARGS_LEN, MAX_SSE_FEEDS};
 pub use server::{Expose, RemoteServer, ServerStats, DELIVERY_TIMEOUT, MAX_UNANSWERED_PUSHES};

@@ -5,7 +5,7 @@
 use std::collections::{hash_map::Entry, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -88,19 +88,23 @@ pub struct RemoteServer {
     max_replicas: usize,
     delivery_timeout: Duration,
     max_unanswered_pushes: usize,
+    #[cfg(feature = "http")]
+    pub(crate) gateway_limits: crate::gateway::Limits,
     /// Shared by every service made from this server, and by its stats.
     connections: Connections,
-    counters: Arc<Counters>,
+    pub(crate) counters: Arc<Counters>,
 }
 
 type Connections = Arc<Mutex<HashMap<u64, Arc<Connection>>>>;
 
-/// What a server counts, shared by its clones and its services.
+/// What a server counts, shared by its clones, its services and its gateway.
 #[derive(Default)]
 pub(crate) struct Counters {
     pushes: AtomicU64,
     closed_unresponsive: AtomicU64,
     waits_skipped_untrusted: AtomicU64,
+    pub(crate) sse_feeds_open: AtomicUsize,
+    pub(crate) sse_feeds_refused: AtomicU64,
 }
 
 /// A snapshot of a [`RemoteServer`]'s counters: see [`RemoteServer::stats`].
@@ -121,6 +125,11 @@ pub struct ServerStats {
     /// Untrusted connections that had not yet applied a write's invalidations when
     /// [`RemoteServer::invalidations_delivered`] was called, and were not waited for.
     pub waits_skipped_untrusted: u64,
+    /// Server-Sent Events feeds of the HTTP gateway open now.
+    pub sse_feeds_open: usize,
+    /// Feeds the gateway refused because as many as `RemoteServer::max_sse_feeds` (with the
+    /// `http` feature) were open.
+    pub sse_feeds_refused: u64,
 }
 
 #[derive(Clone)]
@@ -146,6 +155,8 @@ impl RemoteServer {
             max_replicas: 100_000,
             delivery_timeout: DELIVERY_TIMEOUT,
             max_unanswered_pushes: MAX_UNANSWERED_PUSHES,
+            #[cfg(feature = "http")]
+            gateway_limits: crate::gateway::Limits::default(),
             connections: Arc::default(),
             counters: Arc::default(),
         }
@@ -286,6 +297,8 @@ impl RemoteServer {
             pushes: c.pushes.load(Ordering::Relaxed),
             clients_closed_unresponsive: c.closed_unresponsive.load(Ordering::Relaxed),
             waits_skipped_untrusted: c.waits_skipped_untrusted.load(Ordering::Relaxed),
+            sse_feeds_open: c.sse_feeds_open.load(Ordering::Relaxed),
+            sse_feeds_refused: c.sse_feeds_refused.load(Ordering::Relaxed),
         }
     }
 
