@@ -8,7 +8,9 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::context::{self, Capture};
-use crate::node::{self, AnyComputed, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT};
+use crate::node::{
+    self, AnyComputed, CallbackKey, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT,
+};
 use crate::options::{ComputeOptions, OutputKind};
 use crate::sync::Arc;
 
@@ -214,9 +216,38 @@ impl<T: Clone + Send + Sync + 'static> Computed<T> {
 
     /// Runs `callback` once when this computed is invalidated (at once if it already is). The
     /// callback runs on the invalidating thread, inside the cascade: keep it short and
-    /// non-blocking.
+    /// non-blocking. It is kept until then; to take it back earlier, register it with
+    /// [`add_invalidation_callback`](Self::add_invalidation_callback).
     pub fn on_invalidated(&self, callback: impl FnOnce() + Send + 'static) {
-        self.inner.node.on_invalidated(Box::new(callback));
+        self.add_invalidation_callback(callback);
+    }
+
+    /// [`on_invalidated`](Self::on_invalidated), and a key that takes the callback back with
+    /// [`remove_invalidation_callback`](Self::remove_invalidation_callback). A caller that
+    /// watches a long-lived computed for a while (a remote replica, a subscription) removes
+    /// its callback when it stops watching, so that watches that come and go do not pile up
+    /// on the computed until its invalidation.
+    pub fn add_invalidation_callback(
+        &self,
+        callback: impl FnOnce() + Send + 'static,
+    ) -> CallbackKey {
+        self.inner.node.add_callback(Box::new(callback))
+    }
+
+    /// Takes back the callback `key` names and drops it now. `true`: it was removed and will
+    /// never run. `false`: the invalidation got to it first: it has run, or is running right
+    /// now on the invalidating thread (so its effects may still be on their way), or `key`
+    /// is not one of this computed's. Exactly one of the two happens to a callback: it runs
+    /// once or it is removed.
+    pub fn remove_invalidation_callback(&self, key: CallbackKey) -> bool {
+        self.inner.node.remove_callback(key)
+    }
+
+    /// How many invalidation callbacks wait on this computed now (for tests and diagnostics:
+    /// it locks the computed's edges and counts).
+    #[doc(hidden)]
+    pub fn invalidation_callback_count(&self) -> usize {
+        self.inner.node.callback_count()
     }
 
     /// The current version: this one if it is still consistent, otherwise the result of calling

@@ -49,6 +49,7 @@ pub use computed::{BoxFuture, Computed, ConsistencyState};
 #[cfg(not(loom))]
 pub use context::untracked;
 pub use metrics::Metrics;
+pub use node::CallbackKey;
 #[cfg(not(loom))]
 pub use options::{ComputeOptions, OutputKind, TransientError};
 #[cfg(not(loom))]

@@ -23,6 +23,21 @@ pub(crate) trait AnyComputed: Send + Sync + 'static {
 /// A callback run once, when the computed is invalidated.
 pub(crate) type InvalidationCallback = Box<dyn FnOnce() + Send>;
 
+/// Names an invalidation callback registered on a computed, to take it back with
+/// [`Computed::remove_invalidation_callback`](crate::Computed::remove_invalidation_callback).
+/// Unique in the process (keys are never reused), so a stale key or one of another computed
+/// removes nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CallbackKey(u64);
+
+/// Hands out callback keys. A std atomic even under loom: it orders nothing (keys are taken
+/// under the edge lock, which orders them per node), it only makes them unique.
+static NEXT_CALLBACK_KEY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn next_callback_key() -> CallbackKey {
+    CallbackKey(NEXT_CALLBACK_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
 /// `repr(C)`: the fields a hit reads (`state`, `last_used`) come first, so that they sit right
 /// after the value in `ComputedInner` and a hit reads adjacent cache lines.
 #[repr(C)]
@@ -49,7 +64,12 @@ struct Edges {
     dependants: Vec<Weak<dyn AnyComputed>>,
     /// Length of `dependants` after the last compaction; the list is compacted when it doubles.
     compacted_len: usize,
-    callbacks: Vec<InvalidationCallback>,
+    /// In the order they were registered, so keys ascend (each is taken under this lock) and
+    /// a removal finds its entry by binary search. A removed callback is dropped at once and
+    /// leaves a `None` until the list is compacted (see [`Node::add_callback`]): a vector of
+    /// pairs, not a map, keeps `Node` its size and a computed with one callback one small
+    /// allocation.
+    callbacks: Vec<(CallbackKey, Option<InvalidationCallback>)>,
 }
 
 impl Node {
@@ -174,8 +194,10 @@ impl Node {
         self.counters.record_invalidation();
         tracing::debug!(target: "coherent::invalidate", method = self.name, version = self.version, "invalidated");
         self.wake();
-        for callback in callbacks {
-            callback();
+        for (_, callback) in callbacks {
+            if let Some(callback) = callback {
+                callback();
+            }
         }
         pending.extend(dependants.iter().filter_map(Weak::upgrade));
         drop(dependencies);
@@ -210,16 +232,69 @@ impl Node {
         }
     }
 
-    /// Registers a callback run once on invalidation; runs it now if that already happened.
-    pub(crate) fn on_invalidated(&self, callback: InvalidationCallback) {
+    /// Registers a callback run once on invalidation; runs it now if that already happened
+    /// (its key then names nothing).
+    pub(crate) fn add_callback(&self, callback: InvalidationCallback) -> CallbackKey {
         {
             let mut edges = self.edges.lock();
+            // Checked under the lock, as in `add_dependant`: an invalidation flips the state
+            // before it takes the list, so either it runs this callback or we do.
             if !self.is_invalidated() {
-                edges.callbacks.push(callback);
-                return;
+                let key = next_callback_key();
+                let callbacks = &mut edges.callbacks;
+                if callbacks.len() == callbacks.capacity() && callbacks.len() >= 8 {
+                    // Full: drop what removals left behind before growing. When that frees
+                    // under half, grow anyway, so that the next compaction is at least as
+                    // many registrations away as it costs (amortized O(1) per call); when
+                    // it leaves the list mostly empty, give the memory back.
+                    callbacks.retain(|(_, c)| c.is_some());
+                    let (len, capacity) = (callbacks.len(), callbacks.capacity());
+                    if len > capacity / 2 {
+                        callbacks.reserve(len);
+                    } else if len < capacity / 4 {
+                        callbacks.shrink_to(2 * len);
+                    }
+                }
+                callbacks.push((key, Some(callback)));
+                return key;
             }
         }
         callback();
+        next_callback_key()
+    }
+
+    /// Takes back the callback registered under `key`, unless the invalidation took it first
+    /// (it has run, or runs now on the invalidating thread). `true`: it will never run.
+    pub(crate) fn remove_callback(&self, key: CallbackKey) -> bool {
+        let removed = {
+            let mut edges = self.edges.lock();
+            let callbacks = &mut edges.callbacks;
+            let removed = callbacks
+                .binary_search_by_key(&key.0, |(k, _)| k.0)
+                .ok()
+                .and_then(|i| callbacks[i].1.take());
+            while callbacks.last().is_some_and(|(_, c)| c.is_none()) {
+                callbacks.pop();
+            }
+            if callbacks.is_empty() && callbacks.capacity() > 0 {
+                *callbacks = Vec::new();
+            }
+            removed
+        };
+        // Dropped outside the lock: what the closure owns may do anything when dropped.
+        removed.is_some()
+    }
+
+    /// How many callbacks are registered and waiting for the invalidation.
+    pub(crate) fn callback_count(&self) -> usize {
+        let edges = self.edges.lock();
+        edges.callbacks.iter().filter(|(_, c)| c.is_some()).count()
+    }
+
+    /// How many entries the callback list holds, removed ones not compacted yet included.
+    #[cfg(test)]
+    fn callback_slots(&self) -> usize {
+        self.edges.lock().callbacks.len()
     }
 
     pub(crate) fn dependency_count(&self) -> usize {
@@ -309,7 +384,7 @@ mod loom_tests {
     fn counting_callback(node: &Node) -> Arc<AtomicUsize> {
         let calls = Arc::new(AtomicUsize::new(0));
         let counter = calls.clone();
-        node.on_invalidated(Box::new(move || {
+        node.add_callback(Box::new(move || {
             counter.fetch_add(1, Ordering::SeqCst);
         }));
         calls
@@ -394,5 +469,210 @@ mod loom_tests {
             other.join().unwrap();
             assert_eq!(calls.load(Ordering::SeqCst), 1);
         });
+    }
+
+    #[test]
+    fn a_callback_removed_while_invalidating_either_runs_or_is_removed() {
+        loom::model(|| {
+            let computed = consistent("computed");
+            let calls = Arc::new(AtomicUsize::new(0));
+            let counter = calls.clone();
+            let key = computed.node().add_callback(Box::new(move || {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }));
+            let other = {
+                let computed = computed.clone();
+                thread::spawn(move || invalidate(&*computed))
+            };
+            let removed = computed.node().remove_callback(key);
+            other.join().unwrap();
+            assert_eq!(usize::from(removed) + calls.load(Ordering::SeqCst), 1);
+            assert_eq!(computed.node().callback_count(), 0);
+        });
+    }
+}
+
+/// The same races on real threads, many times over, and the bounds of the callback list.
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Barrier;
+
+    struct TestComputed(Node);
+
+    impl AnyComputed for TestComputed {
+        fn node(&self) -> &Node {
+            &self.0
+        }
+    }
+
+    fn consistent() -> Arc<dyn AnyComputed> {
+        let c: Arc<dyn AnyComputed> =
+            Arc::new(TestComputed(Node::new("test", 1, Arc::default(), 0)));
+        assert_eq!(c.node().complete(), CONSISTENT);
+        c
+    }
+
+    /// A callback that counts its runs, and whose drop is counted too (to see it freed).
+    fn counting(runs: &Arc<AtomicUsize>, drops: &Arc<AtomicUsize>) -> InvalidationCallback {
+        struct OnDrop(Arc<AtomicUsize>);
+        impl Drop for OnDrop {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let (runs, dropped) = (runs.clone(), OnDrop(drops.clone()));
+        Box::new(move || {
+            let _dropped = dropped;
+            runs.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+
+    #[test]
+    fn a_removed_callback_is_freed_at_once_and_never_runs() {
+        let c = consistent();
+        let (runs, drops) = (Arc::default(), Arc::default());
+        let key = c.node().add_callback(counting(&runs, &drops));
+        let kept = c.node().add_callback(counting(&runs, &drops));
+        assert_eq!(c.node().callback_count(), 2);
+        assert!(c.node().remove_callback(key));
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "freed when removed");
+        assert!(!c.node().remove_callback(key), "removed once");
+        assert_eq!(c.node().callback_count(), 1);
+        assert!(invalidate(&*c));
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "only the one kept ran");
+        assert!(!c.node().remove_callback(kept), "it ran: nothing to remove");
+        assert_eq!(c.node().callback_slots(), 0);
+    }
+
+    #[test]
+    fn a_key_of_another_computed_removes_nothing() {
+        let (a, b) = (consistent(), consistent());
+        let (runs, drops) = (Arc::default(), Arc::default());
+        let key = a.node().add_callback(counting(&runs, &drops));
+        b.node().add_callback(counting(&runs, &drops));
+        assert!(!b.node().remove_callback(key));
+        assert_eq!(b.node().callback_count(), 1);
+        assert!(a.node().remove_callback(key));
+    }
+
+    #[test]
+    fn a_callback_added_to_an_invalidated_computed_runs_at_once_and_its_key_names_nothing() {
+        let c = consistent();
+        invalidate(&*c);
+        let (runs, drops) = (Arc::default(), Arc::default());
+        let key = c.node().add_callback(counting(&runs, &drops));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert!(!c.node().remove_callback(key));
+    }
+
+    #[test]
+    fn callbacks_run_in_the_order_they_were_added_after_removals() {
+        let c = consistent();
+        let order = Arc::new(crate::sync::Mutex::new(Vec::new()));
+        let keys: Vec<_> = (0..40)
+            .map(|i| {
+                let order = order.clone();
+                c.node()
+                    .add_callback(Box::new(move || order.lock().push(i)))
+            })
+            .collect();
+        for key in keys.iter().step_by(3) {
+            assert!(c.node().remove_callback(*key));
+        }
+        invalidate(&*c);
+        let expected: Vec<i32> = (0..40).filter(|i| i % 3 != 0).collect();
+        assert_eq!(*order.lock(), expected);
+    }
+
+    #[test]
+    fn adding_and_removing_in_a_loop_keeps_the_list_bounded() {
+        let c = consistent();
+        let (runs, drops) = (Arc::default(), Arc::default());
+        // A few that stay, so that the list is never empty and freed that way.
+        let kept: Vec<_> = (0..5)
+            .map(|_| c.node().add_callback(counting(&runs, &drops)))
+            .collect();
+        for i in 0..100_000 {
+            let key = c.node().add_callback(counting(&runs, &drops));
+            // Removed out of order now and then: the removed entry is not always the last.
+            if i % 2 == 0 {
+                assert!(c.node().remove_callback(key));
+            } else {
+                let older = c.node().add_callback(counting(&runs, &drops));
+                assert!(c.node().remove_callback(key));
+                assert!(c.node().remove_callback(older));
+            }
+        }
+        assert_eq!(c.node().callback_count(), 5);
+        assert!(
+            c.node().callback_slots() <= 64,
+            "{}",
+            c.node().callback_slots()
+        );
+        assert_eq!(drops.load(Ordering::SeqCst), 150_000);
+        for key in kept {
+            assert!(c.node().remove_callback(key));
+        }
+        assert_eq!(c.node().callback_slots(), 0);
+        assert_eq!(runs.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn many_removed_at_once_are_each_freed_at_once() {
+        let c = consistent();
+        let (runs, drops) = (Arc::default(), Arc::default());
+        let keep = c.node().add_callback(counting(&runs, &drops));
+        let keys: Vec<_> = (0..200_000)
+            .map(|_| c.node().add_callback(counting(&runs, &drops)))
+            .collect();
+        for key in keys.into_iter().rev().skip(1) {
+            assert!(c.node().remove_callback(key));
+        }
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            199_999,
+            "each freed when removed"
+        );
+        assert_eq!(c.node().callback_count(), 2);
+        assert!(c.node().remove_callback(keep));
+        invalidate(&*c);
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "the one never removed ran");
+    }
+
+    #[test]
+    fn removal_racing_invalidation_runs_or_removes_each_callback_exactly_once() {
+        for _ in 0..2_000 {
+            let c = consistent();
+            let (runs, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+            let keys: Vec<_> = (0..8)
+                .map(|_| c.node().add_callback(counting(&runs, &drops)))
+                .collect();
+            let start = Arc::new(Barrier::new(3));
+            let invalidating = {
+                let (c, start) = (c.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    invalidate(&*c);
+                })
+            };
+            let (front, back) = keys.split_at(4);
+            let removing = |keys: Vec<CallbackKey>| {
+                let (c, start) = (c.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    keys.into_iter()
+                        .filter(|k| c.node().remove_callback(*k))
+                        .count()
+                })
+            };
+            let (one, two) = (removing(front.to_vec()), removing(back.to_vec()));
+            invalidating.join().unwrap();
+            let removed = one.join().unwrap() + two.join().unwrap();
+            assert_eq!(removed + runs.load(Ordering::SeqCst), 8);
+            assert_eq!(drops.load(Ordering::SeqCst), 8, "every callback freed");
+            assert_eq!(c.node().callback_slots(), 0);
+        }
     }
 }

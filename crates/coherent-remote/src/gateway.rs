@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
@@ -16,9 +17,31 @@ use axum::Router;
 use futures::Stream;
 use serde::Deserialize;
 
-use crate::server::{Method, Watched};
+use crate::server::{Counters, Method, Watched};
 use crate::wire::Failure;
 use crate::RemoteServer;
+
+/// The default of [`RemoteServer::max_sse_feeds`].
+pub const MAX_SSE_FEEDS: usize = 10_000;
+
+/// The default of [`RemoteServer::max_gateway_args_len`], in bytes.
+pub const MAX_GATEWAY_ARGS_LEN: usize = 16 * 1024;
+
+/// What one gateway lets its clients make the server hold.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    max_sse_feeds: usize,
+    max_args_len: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_sse_feeds: MAX_SSE_FEEDS,
+            max_args_len: MAX_GATEWAY_ARGS_LEN,
+        }
+    }
+}
 
 impl RemoteServer {
     /// An axum router over the exposed methods, to nest in an app (e.g. under `/api`):
@@ -30,18 +53,71 @@ impl RemoteServer {
     ///   `id` is the ETag), then, when that result is invalidated, an `invalidated` event,
     ///   then the new `value`, and so on.
     ///
-    /// Unknown names answer 404, arguments that do not decode 400; error bodies are
-    /// `{"error": "..."}`.
+    /// Unknown names answer 404, arguments that do not decode 400, arguments longer than
+    /// [`max_gateway_args_len`](Self::max_gateway_args_len) 414, a feed beyond
+    /// [`max_sse_feeds`](Self::max_sse_feeds) 503; error bodies are `{"error": "..."}`.
+    /// No route reads a request body. Each open feed holds the result it reports on (so
+    /// that it stays cached), which is why their number is bounded.
     pub fn gateway(&self) -> Router {
-        let methods = Arc::new(self.methods_by_name());
+        let gateway = Arc::new(Gateway {
+            methods: self.methods_by_name(),
+            limits: self.gateway_limits,
+            counters: self.counters.clone(),
+        });
         Router::new()
             .route("/{method}", get(value))
             .route("/{method}/events", get(events))
-            .with_state(methods)
+            .with_state(gateway)
+    }
+
+    /// How many Server-Sent Events feeds the gateways made from this server may have open
+    /// at once, together (default [`MAX_SSE_FEEDS`], 10,000). A request for one more is
+    /// answered `503 Service Unavailable` and counted in
+    /// [`ServerStats::sse_feeds_refused`](crate::ServerStats::sse_feeds_refused).
+    pub fn max_sse_feeds(mut self, n: usize) -> Self {
+        self.gateway_limits.max_sse_feeds = n;
+        self
+    }
+
+    /// The longest `args` a gateway request may carry, in bytes of JSON (default
+    /// [`MAX_GATEWAY_ARGS_LEN`], 16 KiB); a longer one is answered `414 URI Too Long`
+    /// before it is decoded.
+    pub fn max_gateway_args_len(mut self, bytes: usize) -> Self {
+        self.gateway_limits.max_args_len = bytes;
+        self
     }
 }
 
-type Methods = Arc<HashMap<&'static str, Method>>;
+/// What the gateway's handlers share.
+struct Gateway {
+    methods: HashMap<&'static str, Method>,
+    limits: Limits,
+    counters: Arc<Counters>,
+}
+
+type Methods = Arc<Gateway>;
+
+/// One open feed's place under [`RemoteServer::max_sse_feeds`], given back when the feed
+/// is dropped (its client went away, or it ended).
+struct FeedSlot(Arc<Counters>);
+
+impl FeedSlot {
+    fn take(gateway: &Gateway) -> Option<Self> {
+        let open = &gateway.counters.sse_feeds_open;
+        let max = gateway.limits.max_sse_feeds;
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| FeedSlot(gateway.counters.clone()))
+    }
+}
+
+impl Drop for FeedSlot {
+    fn drop(&mut self) {
+        self.0.sse_feeds_open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 #[derive(Deserialize)]
 struct Args {
@@ -64,11 +140,24 @@ fn error(status: StatusCode, message: &str) -> Response {
 }
 
 async fn fetch(
-    methods: &Methods,
+    gateway: &Gateway,
     name: &str,
     args: Option<String>,
 ) -> Result<(String, Box<dyn Watched>), Response> {
-    let Some(method) = methods.get(name) else {
+    if let Some(args) = args
+        .as_ref()
+        .filter(|a| a.len() > gateway.limits.max_args_len)
+    {
+        return Err(error(
+            StatusCode::URI_TOO_LONG,
+            &format!(
+                "args is {} bytes long; at most {} are accepted",
+                args.len(),
+                gateway.limits.max_args_len
+            ),
+        ));
+    }
+    let Some(method) = gateway.methods.get(name) else {
         return Err(error(
             StatusCode::NOT_FOUND,
             &format!("no compute method is exposed as {name}"),
@@ -119,9 +208,20 @@ async fn events(
     Path(name): Path<String>,
     Query(args): Query<Args>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Response> {
+    let Some(slot) = FeedSlot::take(&methods) else {
+        methods
+            .counters
+            .sse_feeds_refused
+            .fetch_add(1, Ordering::Relaxed);
+        return Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many event feeds are open on this server; try again later",
+        ));
+    };
     // The first value is read now, so that a bad request gets an HTTP error, not a stream.
     let first = fetch(&methods, &name, args.args.clone()).await?;
     let state = Feed {
+        _slot: slot,
         methods,
         name,
         args: args.args,
@@ -157,6 +257,7 @@ async fn events(
 }
 
 struct Feed {
+    _slot: FeedSlot,
     methods: Methods,
     name: String,
     args: Option<String>,

@@ -9,10 +9,15 @@
 //!   methods, `ComputedState`s) are invalidated when the server's result is.
 //!
 //! How it works: for every replica the server holds the computed it handed out (so it stays
-//! cached) with one invalidation callback, which queues the replica's id; one task per
+//! cached) with one invalidation callback, which queues the replica's id, and which it takes
+//! back when the replica is released, replaced or its connection closes; one task per
 //! connection pushes queued ids in batches. The client reads a local token computed per
 //! replica before it asks the server, so the pushed id invalidates the token and the core's
 //! cascade carries it to every dependant.
+//!
+//! A writer that awaits [`RemoteServer::invalidations_delivered`] waits for the trusted
+//! holders (the application's own tiers) and for its own connection, never for an untrusted
+//! one (a browser): see `coherent_rpc::Trust`.
 //!
 //! With the `http` feature (on by default), [`RemoteServer::gateway`] serves the same methods
 //! to clients without the SDK: JSON `GET` endpoints with ETags and Server-Sent Events that
@@ -40,4 +45,6 @@ mod server;
 mod wire;
 
 pub use client::{RemoteClient, RemoteClientBuilder};
-pub use server::{Expose, RemoteServer, DELIVERY_TIMEOUT};
+#[cfg(feature = "http")]
+pub use gateway::{MAX_GATEWAY_ARGS_LEN, MAX_SSE_FEEDS};
+pub use server::{Expose, RemoteServer, ServerStats, DELIVERY_TIMEOUT, MAX_UNANSWERED_PUSHES};

@@ -2,20 +2,26 @@
 //! handed out as replicas, each watched by one callback that queues its id for a single
 //! coalescing task to push.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{hash_map::Entry, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
-use coherent::Computed;
-use coherent_rpc::{method_id, Blob, CallContext, Format, Peer, Service};
+use coherent::{CallbackKey, Computed};
+use coherent_rpc::{method_id, Blob, CallContext, Format, Peer, Service, Trust};
 use futures::stream::{FuturesOrdered, StreamExt as _};
 use parking_lot::Mutex;
 use serde::{de::DeserializeOwned, Serialize};
 use tokio::sync::{watch, Notify};
 
-/// How long [`RemoteServer::invalidations_delivered`] waits for one client.
-pub const DELIVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// The default of [`RemoteServer::delivery_timeout`]: how long a client may take to answer
+/// an invalidation push before its connection is closed.
+pub const DELIVERY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The default of [`RemoteServer::max_unanswered_pushes`].
+pub const MAX_UNANSWERED_PUSHES: usize = 1024;
 
 use crate::wire::{value_hash, Failure, Held, ReplicaHost, ReplicaHostServer, ReplicaSinkClient};
 
@@ -24,15 +30,20 @@ pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>
 /// A computed held for a replica. Holding it keeps the result cached (the core never
 /// evicts an entry someone holds), so that a later invalidation still finds it.
 pub(crate) trait Watched: Send + Sync {
-    fn on_invalidated(&self, callback: Box<dyn FnOnce() + Send>);
+    fn add_callback(&self, callback: Box<dyn FnOnce() + Send>) -> CallbackKey;
+    fn remove_callback(&self, key: CallbackKey) -> bool;
     /// Completes when the computed is invalidated.
     #[cfg_attr(not(feature = "http"), allow(dead_code))]
     fn invalidated(&self) -> BoxFuture<()>;
 }
 
 impl<T: Clone + Send + Sync + 'static> Watched for Computed<T> {
-    fn on_invalidated(&self, callback: Box<dyn FnOnce() + Send>) {
-        Computed::on_invalidated(self, callback);
+    fn add_callback(&self, callback: Box<dyn FnOnce() + Send>) -> CallbackKey {
+        self.add_invalidation_callback(callback)
+    }
+
+    fn remove_callback(&self, key: CallbackKey) -> bool {
+        self.remove_invalidation_callback(key)
     }
 
     fn invalidated(&self) -> BoxFuture<()> {
@@ -75,11 +86,51 @@ pub(crate) type JsonFetch =
 pub struct RemoteServer {
     methods: HashMap<u32, Method>,
     max_replicas: usize,
+    delivery_timeout: Duration,
+    max_unanswered_pushes: usize,
+    #[cfg(feature = "http")]
+    pub(crate) gateway_limits: crate::gateway::Limits,
     /// Shared by every service made from this server, and by its stats.
     connections: Connections,
+    pub(crate) counters: Arc<Counters>,
 }
 
 type Connections = Arc<Mutex<HashMap<u64, Arc<Connection>>>>;
+
+/// What a server counts, shared by its clones, its services and its gateway.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pushes: AtomicU64,
+    closed_unresponsive: AtomicU64,
+    waits_skipped_untrusted: AtomicU64,
+    pub(crate) sse_feeds_open: AtomicUsize,
+    pub(crate) sse_feeds_refused: AtomicU64,
+}
+
+/// A snapshot of a [`RemoteServer`]'s counters: see [`RemoteServer::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerStats {
+    /// Client connections holding replicas now.
+    pub connections: usize,
+    /// Replicas watched now, over all connections.
+    pub replicas_held: usize,
+    /// Invalidation messages pushed to clients (a batch too large for one message counts
+    /// once per message).
+    pub pushes: u64,
+    /// Connections closed because their client left pushes unanswered for longer than
+    /// [`RemoteServer::delivery_timeout`], or more of them than
+    /// [`RemoteServer::max_unanswered_pushes`].
+    pub clients_closed_unresponsive: u64,
+    /// Untrusted connections that had not yet applied a write's invalidations when
+    /// [`RemoteServer::invalidations_delivered`] was called, and were not waited for.
+    pub waits_skipped_untrusted: u64,
+    /// Server-Sent Events feeds of the HTTP gateway open now.
+    pub sse_feeds_open: usize,
+    /// Feeds the gateway refused because as many as `RemoteServer::max_sse_feeds` (with the
+    /// `http` feature) were open.
+    pub sse_feeds_refused: u64,
+}
 
 #[derive(Clone)]
 pub(crate) struct Method {
@@ -96,12 +147,18 @@ impl Default for RemoteServer {
 }
 
 impl RemoteServer {
-    /// No methods yet; at most 100,000 replicas per connection.
+    /// No methods yet; at most 100,000 replicas per connection; see each setting for its
+    /// default.
     pub fn new() -> Self {
         Self {
             methods: HashMap::new(),
             max_replicas: 100_000,
+            delivery_timeout: DELIVERY_TIMEOUT,
+            max_unanswered_pushes: MAX_UNANSWERED_PUSHES,
+            #[cfg(feature = "http")]
+            gateway_limits: crate::gateway::Limits::default(),
             connections: Arc::default(),
+            counters: Arc::default(),
         }
     }
 
@@ -195,6 +252,25 @@ impl RemoteServer {
         self
     }
 
+    /// How long a client may leave an invalidation push unanswered (default
+    /// [`DELIVERY_TIMEOUT`], 5 s) before its connection is closed; it then reconnects and
+    /// revalidates what it holds. Also the longest that
+    /// [`invalidations_delivered`](Self::invalidations_delivered) waits.
+    pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
+        self.delivery_timeout = timeout;
+        self
+    }
+
+    /// How many invalidation pushes one connection may leave unanswered at once (default
+    /// [`MAX_UNANSWERED_PUSHES`], 1,024); beyond it the connection is closed. Pushes are
+    /// coalesced (each carries every id invalidated since the previous one), so a healthy
+    /// client has a handful in flight; this bounds what the server keeps for one that
+    /// stopped answering but goes on reading, until the delivery timeout closes it.
+    pub fn max_unanswered_pushes(mut self, n: usize) -> Self {
+        self.max_unanswered_pushes = n.max(1);
+        self
+    }
+
     /// The exposed methods, by name (for the HTTP gateway).
     #[cfg(feature = "http")]
     pub(crate) fn methods_by_name(&self) -> HashMap<&'static str, Method> {
@@ -212,34 +288,82 @@ impl RemoteServer {
         connections.iter().map(|c| c.replicas.lock().len()).sum()
     }
 
-    /// Completes when every replica invalidation queued before the call has been applied
-    /// by its client (each push is answered once applied), or that client's connection is
-    /// gone (it then revalidates everything it holds when it reconnects). A writer that
-    /// awaits this after invalidating knows that no client of this server still answers
-    /// from a value its write changed. A client that takes longer than
-    /// [`DELIVERY_TIMEOUT`] is not waited for further: its connection is closed (it then
-    /// reconnects and revalidates), and that is logged.
+    /// The server's gauges and counters now (shared by its clones).
+    pub fn stats(&self) -> ServerStats {
+        let c = &self.counters;
+        ServerStats {
+            connections: self.connections(),
+            replicas_held: self.replicas_held(),
+            pushes: c.pushes.load(Ordering::Relaxed),
+            clients_closed_unresponsive: c.closed_unresponsive.load(Ordering::Relaxed),
+            waits_skipped_untrusted: c.waits_skipped_untrusted.load(Ordering::Relaxed),
+            sse_feeds_open: c.sse_feeds_open.load(Ordering::Relaxed),
+            sse_feeds_refused: c.sse_feeds_refused.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Completes once the replica invalidations queued before the call have reached the
+    /// holders a writer may wait for. What each holder is promised:
+    ///
+    /// - A **trusted** connection ([`Trust::Trusted`]: the application's own tiers, over
+    ///   TCP, TLS or a Unix socket by default) is waited for until its client has applied
+    ///   them (it answers each push once applied) or its connection is gone. When this
+    ///   completes, no trusted client of this server still answers from a value the write
+    ///   changed.
+    /// - The **connection of the call being served**, if this runs inside an RPC handler
+    ///   (`CallContext::current()`, as when a command came over RPC), is waited for the same
+    ///   way whatever its trust: a client that writes sees its own write when the answer
+    ///   arrives (read-your-writes), and only it pays for its own slowness.
+    /// - An **untrusted** connection (a browser over WebSocket, by default) is not waited
+    ///   for: it gets its pushes as soon as the others, and a writer never waits for it
+    ///   (counted in [`ServerStats::waits_skipped_untrusted`]). It may answer from a stale
+    ///   value for as long as a push takes to reach it.
+    ///
+    /// Whatever its trust, a client that leaves a push unanswered for longer than
+    /// [`delivery_timeout`](Self::delivery_timeout) (5 s by default) has its connection
+    /// closed (it then reconnects and revalidates what it holds), and that is logged; so
+    /// this waits at most that long.
     pub async fn invalidations_delivered(&self) {
-        let waits: Vec<(u64, watch::Receiver<u64>, Peer)> = self
+        let caller = CallContext::current().map(|ctx| ctx.peer().id());
+        let mut skipped = 0;
+        let waits: Vec<(u64, watch::Receiver<u64>, Arc<Connection>)> = self
             .connections
             .lock()
             .values()
             .filter_map(|c| {
                 let queued = c.invalidated.lock().queued;
                 let rx = c.delivered.subscribe();
-                let behind = *rx.borrow() < queued;
-                behind.then(|| (queued, rx, c.peer.clone()))
+                if *rx.borrow() >= queued {
+                    return None;
+                }
+                if c.peer.trust() == Trust::Trusted || Some(c.peer.id()) == caller {
+                    Some((queued, rx, c.clone()))
+                } else {
+                    skipped += 1;
+                    None
+                }
             })
             .collect();
-        for (queued, mut rx, peer) in waits {
+        if skipped > 0 {
+            self.counters
+                .waits_skipped_untrusted
+                .fetch_add(skipped, Ordering::Relaxed);
+        }
+        // One deadline for all: the clients are waited for at the same time, so a write
+        // waits for the slowest of them, not for their sum.
+        let deadline = tokio::time::Instant::now() + self.delivery_timeout;
+        for (queued, mut rx, c) in waits {
             let wait = rx.wait_for(|delivered| *delivered >= queued);
-            if tokio::time::timeout(DELIVERY_TIMEOUT, wait).await.is_err() {
+            if tokio::time::timeout_at(deadline, wait).await.is_err() {
                 // Closing makes the client reconnect and revalidate every replica it holds;
                 // later writers do not wait for it again.
-                tracing::warn!(
-                    "a client did not acknowledge invalidations within {DELIVERY_TIMEOUT:?}: closing its connection"
+                c.close_unresponsive(
+                    &self.counters,
+                    format_args!(
+                        "did not acknowledge invalidations within {:?}",
+                        self.delivery_timeout
+                    ),
                 );
-                peer.close();
             }
         }
     }
@@ -249,6 +373,11 @@ impl RemoteServer {
         ReplicaHostServer::new(Host {
             methods: self.methods.clone(),
             max_replicas: self.max_replicas,
+            push: PushSettings {
+                delivery_timeout: self.delivery_timeout,
+                max_unanswered: self.max_unanswered_pushes,
+                counters: self.counters.clone(),
+            },
             connections: self.connections.clone(),
         })
     }
@@ -264,23 +393,43 @@ pub trait Expose {
 struct Host {
     methods: HashMap<u32, Method>,
     max_replicas: usize,
+    push: PushSettings,
     connections: Connections,
 }
 
-/// One replica's watch: the computed, and a marker whose loss turns the computed's
-/// callback into a no-op (the core cannot take a callback back, so a released or replaced
-/// watch leaves it behind, inert).
+/// What a connection's pusher needs from the server.
+#[derive(Clone)]
+struct PushSettings {
+    delivery_timeout: Duration,
+    max_unanswered: usize,
+    counters: Arc<Counters>,
+}
+
+/// One replica's watch: the computed, held so that it stays cached, and its callback,
+/// taken back when the watch is dropped (released, replaced, pushed, or its connection
+/// gone), so that watches that come and go leave nothing on a long-lived computed.
 struct Watch {
-    _watched: Box<dyn Watched>,
-    _live: Arc<()>,
+    watched: Box<dyn Watched>,
+    key: CallbackKey,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        // `false` when the invalidation took the callback first (a pushed watch): nothing
+        // is left on the computed either way.
+        self.watched.remove_callback(self.key);
+    }
 }
 
 /// What the server keeps for one client connection.
 struct Connection {
-    /// Replica id → the computed it watches.
+    /// Replica id → the computed it watches. Never held while a callback runs or a watch
+    /// is dropped, except where noted.
     replicas: Mutex<HashMap<u64, Watch>>,
-    /// Replicas invalidated and not yet pushed. Only a live watch's callback adds its id,
-    /// once, and the watch is removed when the id is pushed: this never outgrows `replicas`.
+    /// Replicas invalidated and not yet pushed. A watch's callback adds its id once, and the
+    /// watch is removed when the id is pushed; a callback that the invalidation took while
+    /// its watch was being dropped may add one id more, which the next push drains: this
+    /// stays within `replicas` plus the watches dropped since the last push.
     invalidated: Mutex<Pending>,
     wake: Notify,
     /// How many ids the client has acknowledged (see [`Pending::queued`]); `u64::MAX` once
@@ -288,6 +437,8 @@ struct Connection {
     delivered: Arc<watch::Sender<u64>>,
     /// The connection, to close when its client does not acknowledge in time.
     peer: Peer,
+    /// Set by the first close for not answering, so that it is counted once.
+    closed_unresponsive: AtomicBool,
 }
 
 /// Invalidated replicas waiting for the pusher.
@@ -318,12 +469,14 @@ impl Host {
             wake: Notify::new(),
             delivered: Arc::new(watch::Sender::new(0)),
             peer: peer.clone(),
+            closed_unresponsive: AtomicBool::new(false),
         });
         connections.insert(peer.id(), c.clone());
         tokio::spawn(push_invalidations(
             peer.clone(),
             Arc::downgrade(&c),
             self.connections.clone(),
+            self.push.clone(),
         ));
         c
     }
@@ -331,7 +484,17 @@ impl Host {
 
 /// Sends each batch of invalidated replica ids in one message, until the connection closes;
 /// then drops everything the connection held.
-async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connections: Connections) {
+async fn push_invalidations(
+    peer: Peer,
+    connection: Weak<Connection>,
+    connections: Connections,
+    settings: PushSettings,
+) {
+    let PushSettings {
+        delivery_timeout,
+        max_unanswered,
+        counters,
+    } = settings;
     let sink = ReplicaSinkClient::new(peer.clone());
     let delivered = match connection.upgrade() {
         Some(c) => c.delivered.clone(),
@@ -366,11 +529,11 @@ async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connection
                 }
                 continue;
             }
-            () = tokio::time::sleep_until(oldest.unwrap_or_else(tokio::time::Instant::now) + DELIVERY_TIMEOUT), if oldest.is_some() => {
-                tracing::warn!(
-                    "a client did not answer an invalidation push within {DELIVERY_TIMEOUT:?}: closing its connection"
+            () = tokio::time::sleep_until(oldest.unwrap_or_else(tokio::time::Instant::now) + delivery_timeout), if oldest.is_some() => {
+                c.close_unresponsive(
+                    &counters,
+                    format_args!("did not answer an invalidation push within {delivery_timeout:?}"),
                 );
-                peer.close();
                 break 'pushing;
             }
             _ = peer.closed() => break,
@@ -400,9 +563,28 @@ async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connection
             let acknowledges = (i == last).then_some(upto);
             unanswered.push_back(async move { (acknowledges, call.await) });
             sent_at.push_back(tokio::time::Instant::now());
+            counters.pushes.fetch_add(1, Ordering::Relaxed);
+        }
+        if sent_at.len() > max_unanswered {
+            // A client that reads but never answers (a stalled tab, a hostile client) would
+            // otherwise make this side keep a pending call per push until the timeout.
+            if let Some(c) = connection.upgrade() {
+                c.close_unresponsive(
+                    &counters,
+                    format_args!("left more than {max_unanswered} invalidation pushes unanswered"),
+                );
+            }
+            peer.close();
+            break 'pushing;
         }
     }
-    connections.lock().remove(&peer.id());
+    let gone = connections.lock().remove(&peer.id());
+    // Released now, not when the last handler still running on this connection lets go of
+    // it: each watch takes its callback back from its computed as it drops.
+    if let Some(c) = gone.or_else(|| connection.upgrade()) {
+        let held = std::mem::take(&mut *c.replicas.lock());
+        drop(held);
+    }
     // Nothing more will be acknowledged here: release whoever waits (the client, cut off,
     // reconnects and revalidates every replica it holds).
     delivered.send_replace(u64::MAX);
@@ -410,14 +592,33 @@ async fn push_invalidations(peer: Peer, connection: Weak<Connection>, connection
 
 impl Connection {
     /// Holds `watched` for `replica` and pushes the replica's id when it is invalidated.
-    fn watch(self: &Arc<Self>, replica: u64, watched: Box<dyn Watched>) {
+    /// An id held already is refused (`fetch`) or its watch replaced (`revalidate`:
+    /// `replace`); a new id beyond `max` replicas is refused. Either way the connection
+    /// keeps at most one watch, hence one callback, per replica id.
+    fn watch(
+        self: &Arc<Self>,
+        replica: u64,
+        watched: Box<dyn Watched>,
+        max: usize,
+        replace: bool,
+    ) -> Result<(), Failure> {
+        let mut replicas = self.replicas.lock();
+        let held = replicas.contains_key(&replica);
+        if held && !replace {
+            return Err(Failure::BadArguments(format!(
+                "replica id {replica} is already watched on this connection"
+            )));
+        }
+        if !held && replicas.len() >= max {
+            return Err(Failure::TooManyReplicas(max));
+        }
+        // Registered under the lock, so that two calls for one id cannot both get in. The
+        // callback takes only `invalidated`, never `replicas`, and it runs at once if the
+        // computed is already invalidated: the client then gets the value and, right behind
+        // it, the news that it is stale.
         let connection = Arc::downgrade(self);
-        let live = Arc::new(());
-        let marker = Arc::downgrade(&live);
-        // Runs at once if the computed is already invalidated: the client then gets the
-        // value and, right behind it, the news that it is stale.
-        watched.on_invalidated(Box::new(move || {
-            if let (Some(c), Some(_live)) = (connection.upgrade(), marker.upgrade()) {
+        let key = watched.add_callback(Box::new(move || {
+            if let Some(c) = connection.upgrade() {
                 let mut pending = c.invalidated.lock();
                 pending.ids.push(replica);
                 pending.queued += 1;
@@ -425,14 +626,31 @@ impl Connection {
                 c.wake.notify_one();
             }
         }));
-        let previous = self.replicas.lock().insert(
-            replica,
-            Watch {
-                _watched: watched,
-                _live: live,
-            },
-        );
+        let previous = match replicas.entry(replica) {
+            Entry::Occupied(mut e) => Some(e.insert(Watch { watched, key })),
+            Entry::Vacant(e) => {
+                e.insert(Watch { watched, key });
+                None
+            }
+        };
+        drop(replicas);
+        // Outside the lock: dropping a watch locks its computed to take its callback back.
         drop(previous);
+        Ok(())
+    }
+
+    /// Closes the connection of a client that does not answer its pushes; logged and
+    /// counted once per connection.
+    fn close_unresponsive(&self, counters: &Counters, why: std::fmt::Arguments<'_>) {
+        if !self.closed_unresponsive.swap(true, Ordering::Relaxed) {
+            counters.closed_unresponsive.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                peer = self.peer.id(),
+                trust = ?self.peer.trust(),
+                "a client {why}: closing its connection (it reconnects and revalidates)"
+            );
+        }
+        self.peer.close();
     }
 }
 
@@ -441,16 +659,21 @@ impl ReplicaHost for Host {
         let fetch = self.method(method)?;
         let ctx = CallContext::current().expect("a handler runs with its call context");
         let connection = self.connection(ctx.peer());
-        if connection.replicas.lock().len() >= self.max_replicas {
-            return Err(Failure::TooManyReplicas(self.max_replicas));
-        }
-        if connection.replicas.lock().contains_key(&replica) {
-            return Err(Failure::BadArguments(format!(
-                "replica id {replica} is already watched on this connection"
-            )));
+        // Checked before the computation too, so that a refused fetch costs nothing; `watch`
+        // checks again, for fetches of the same id that overlap.
+        {
+            let held = connection.replicas.lock();
+            if held.len() >= self.max_replicas {
+                return Err(Failure::TooManyReplicas(self.max_replicas));
+            }
+            if held.contains_key(&replica) {
+                return Err(Failure::BadArguments(format!(
+                    "replica id {replica} is already watched on this connection"
+                )));
+            }
         }
         let (value, watched) = fetch(args, ctx.peer().format()).await?;
-        connection.watch(replica, watched);
+        connection.watch(replica, watched, self.max_replicas, false)?;
         Ok(value)
     }
 
@@ -459,19 +682,36 @@ impl ReplicaHost for Host {
         let connection = self.connection(ctx.peer());
         let format = ctx.peer().format();
         let mut stale = Vec::new();
+        // An id listed twice is looked at once: a list of copies of one replica costs one
+        // computation and leaves one watch.
+        let mut seen = HashSet::new();
         for held in replicas {
+            if !seen.insert(held.replica) {
+                continue;
+            }
+            // Beyond the connection's limit the rest are stale without being computed: the
+            // client drops them (and a fetch of one is refused as over the limit).
+            let full = {
+                let r = connection.replicas.lock();
+                r.len() >= self.max_replicas && !r.contains_key(&held.replica)
+            };
             let current = match self.method(held.method) {
+                Ok(_) if full => Err(Failure::TooManyReplicas(self.max_replicas)),
                 Ok(fetch) => fetch(held.args, format).await,
                 Err(e) => Err(e),
             };
-            match current {
-                Ok((value, watched))
-                    if value_hash(&value) == held.hash
-                        && connection.replicas.lock().len() < self.max_replicas =>
-                {
-                    connection.watch(held.replica, watched);
-                }
-                _ => stale.push(held.replica),
+            let confirmed = match current {
+                // An id this connection holds already gets a new watch in place of the old.
+                Ok((value, watched)) if value_hash(&value) == held.hash => connection
+                    .watch(held.replica, watched, self.max_replicas, true)
+                    .is_ok(),
+                _ => false,
+            };
+            if !confirmed {
+                stale.push(held.replica);
+                // The client drops it: a watch this connection had for the id goes too.
+                let dropped = connection.replicas.lock().remove(&held.replica);
+                drop(dropped);
             }
         }
         tracing::debug!(stale = stale.len(), "replicas revalidated");

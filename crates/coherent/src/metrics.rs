@@ -24,6 +24,11 @@
 //! | `coherent_rpc_calls_in_flight` | gauge | `endpoint` | calls from the other sides running now |
 //! | `coherent_remote_connections` | gauge | `server` | client connections holding replicas |
 //! | `coherent_remote_replicas_held` | gauge | `server` | replicas the server watches for its clients |
+//! | `coherent_remote_pushes_total` | counter | `server` | invalidation messages pushed to clients |
+//! | `coherent_remote_clients_closed_unresponsive_total` | counter | `server` | client connections closed for leaving pushes unanswered (past the delivery timeout, or too many at once) |
+//! | `coherent_remote_waits_skipped_untrusted_total` | counter | `server` | untrusted connections behind on a write's invalidations that `invalidations_delivered` did not wait for |
+//! | `coherent_remote_sse_feeds_open` | gauge | `server` | HTTP gateway event feeds open now |
+//! | `coherent_remote_sse_feeds_refused_total` | counter | `server` | event feeds refused because the server's limit of open feeds was reached |
 //! | `coherent_remote_client_replicas` | gauge | `client` | replicas this client holds |
 //! | `coherent_remote_client_connections_total` | counter | `client` | connections made (1 plus the reconnections) |
 //!
@@ -99,15 +104,24 @@ impl Observer {
         }))
     }
 
-    /// Reports the replicas that `server` holds for its clients, labelled `server = name`.
+    /// Reports the replicas that `server` holds for its clients, its pushes and the clients
+    /// it closed or did not wait for, and its gateway's event feeds, labelled `server = name`.
     #[cfg(feature = "remote")]
     pub fn remote_server(self, name: &str, server: &coherent_remote::RemoteServer) -> Self {
         let (server, name) = (server.clone(), name.to_owned());
         self.with(Arc::new(move || {
+            let s = server.stats();
             let label = [("server", name.clone())];
-            metrics::gauge!("coherent_remote_connections", &label).set(server.connections() as f64);
-            metrics::gauge!("coherent_remote_replicas_held", &label)
-                .set(server.replicas_held() as f64);
+            metrics::gauge!("coherent_remote_connections", &label).set(s.connections as f64);
+            metrics::gauge!("coherent_remote_replicas_held", &label).set(s.replicas_held as f64);
+            metrics::counter!("coherent_remote_pushes_total", &label).absolute(s.pushes);
+            metrics::counter!("coherent_remote_clients_closed_unresponsive_total", &label)
+                .absolute(s.clients_closed_unresponsive);
+            metrics::counter!("coherent_remote_waits_skipped_untrusted_total", &label)
+                .absolute(s.waits_skipped_untrusted);
+            metrics::gauge!("coherent_remote_sse_feeds_open", &label).set(s.sse_feeds_open as f64);
+            metrics::counter!("coherent_remote_sse_feeds_refused_total", &label)
+                .absolute(s.sse_feeds_refused);
         }))
     }
 

@@ -133,3 +133,63 @@ async fn a_method_without_arguments_is_served_with_or_without_an_empty_list() {
     let response = get(addr, "/api/Users.count?args=%5B1%5D", None).await;
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
 }
+
+async fn serve_router(app: axum::Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+#[tokio::test]
+async fn event_feeds_beyond_the_servers_limit_are_refused_until_one_closes() {
+    let users = Users::new();
+    let server = remote_server(&users).max_sse_feeds(2);
+    // Two gateways of one server share its limit.
+    let app = axum::Router::new()
+        .nest("/a", server.gateway())
+        .nest("/b", server.gateway());
+    let addr = serve_router(app).await;
+    let one = get(addr, "/a/Users.name/events?args=%5B1%5D", None).await;
+    assert_eq!(one.status(), StatusCode::OK);
+    let two = get(addr, "/b/Users.name/events?args=%5B2%5D", None).await;
+    assert_eq!(two.status(), StatusCode::OK);
+    let three = get(addr, "/a/Users.name/events?args=%5B1%5D", None).await;
+    assert_eq!(three.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(text(three).await.contains("too many event feeds"));
+    assert_eq!(server.stats().sse_feeds_open, 2);
+    assert_eq!(server.stats().sse_feeds_refused, 1);
+
+    drop(one);
+    within("the closed feed's release", async {
+        while server.stats().sse_feeds_open > 1 {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // A feed refused for its arguments gives its place back at once.
+    let bad = get(addr, "/a/Users.name/events?args=%5B%22x%22%5D", None).await;
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+    let again = get(addr, "/a/Users.name/events?args=%5B1%5D", None).await;
+    assert_eq!(again.status(), StatusCode::OK);
+    assert_eq!(server.stats().sse_feeds_open, 2);
+}
+
+#[tokio::test]
+async fn arguments_longer_than_the_limit_are_refused_before_they_are_decoded() {
+    let users = Users::new();
+    let server = remote_server(&users).max_gateway_args_len(8);
+    let addr = serve_router(axum::Router::new().nest("/api", server.gateway())).await;
+    let short = get(addr, "/api/Users.name?args=%5B1%5D", None).await;
+    assert_eq!(short.status(), StatusCode::OK);
+    for path in [
+        "/api/Users.name?args=%5B123456789%5D",
+        "/api/Users.name/events?args=%5B123456789%5D",
+    ] {
+        let long = get(addr, path, None).await;
+        assert_eq!(long.status(), StatusCode::URI_TOO_LONG, "{path}");
+        assert!(text(long).await.contains("at most 8"), "{path}");
+    }
+    assert_eq!(users.runs(), 1, "the long ones ran nothing");
+    assert_eq!(server.stats().sse_feeds_open, 0);
+}

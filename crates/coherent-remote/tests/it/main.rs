@@ -2,6 +2,7 @@
 
 mod failover;
 mod gateway;
+mod holders;
 mod persistent;
 mod replicas;
 mod support;
