@@ -737,6 +737,9 @@ impl Host {
             host: inner.id.clone(),
             command,
             command_json,
+            // The task-local of the RPC call that runs this command, if one does: the
+            // batch may run it on another task.
+            caller: coherent_rpc::CallContext::current().and_then(|c| c.identity().cloned()),
             output: None,
             answer,
         }))?;
@@ -1531,6 +1534,8 @@ struct TypedJob<C: Command> {
     host: String,
     command: C,
     command_json: String,
+    /// Who sent it (see [`Tx::caller`]).
+    caller: Option<coherent_rpc::Identity>,
     /// The output of the last run of the handler, and its JSON.
     output: Option<(C::Output, String)>,
     answer: oneshot::Sender<Answer<C>>,
@@ -1549,6 +1554,7 @@ impl<C: Command> Execute for TypedJob<C> {
     {
         Box::pin(async move {
             self.output = None;
+            tx.caller.clone_from(&self.caller);
             let output = self.handler.execute(&self.command, tx).await?;
             let output_json = serde_json::to_string(&output)?;
             let row = Append {

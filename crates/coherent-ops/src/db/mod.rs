@@ -387,6 +387,7 @@ impl Database {
                             deferred: Vec::new(),
                             queued: Vec::new(),
                             unsent: None,
+                            caller: None,
                         };
                         let row = run_handler(job.execute(&mut tx)).await?;
                         drop(tx);
@@ -442,6 +443,7 @@ impl Database {
                     deferred: Vec::new(),
                     queued: Vec::new(),
                     unsent: None,
+                    caller: None,
                 };
                 let before_commit = async {
                     let mut rows = Vec::with_capacity(jobs.len());
@@ -943,6 +945,8 @@ pub struct Tx<'a> {
     queued: Vec<Queued>,
     /// A deferred statement that failed as it was sent: the commit rolls back with it.
     unsent: Option<tokio_postgres::Error>,
+    /// Who sent the command whose handler runs now (set per command of a batch).
+    pub(crate) caller: Option<coherent_rpc::Identity>,
 }
 
 /// A deferred statement waiting for its transaction to open.
@@ -971,6 +975,14 @@ enum TxInner<'a> {
 }
 
 impl<'a> Tx<'a> {
+    /// Who sent the command being run, when it came over RPC from a connection that the
+    /// endpoint's authentication hook gave an identity (see `CommandsServer`): a handler
+    /// can refuse by it or record it. `None` for a command run in this process, or from a
+    /// connection without one (a trusted tier that did not authenticate).
+    pub fn caller(&self) -> Option<&coherent_rpc::Identity> {
+        self.caller.as_ref()
+    }
+
     /// The SQLite connection, inside `BEGIN IMMEDIATE`; `None` on PostgreSQL.
     pub fn sqlite(&self) -> Option<&Connection> {
         match &self.inner {

@@ -424,6 +424,15 @@ async fn only_trusted_or_authenticated_clients_run_commands_unless_a_policy_says
     )
     .await;
     assert_eq!(run(authenticated, "alice-token", 2).await, Ok(0));
+    // Its handler knows who sent it (`Tx::caller`), whichever task runs the batch.
+    let peer = Endpoint::builder()
+        .token("bob-token")
+        .build()
+        .connect_tcp(authenticated)
+        .await
+        .unwrap();
+    let whoami = CommandClient::new(peer).run(&crate::support::Whoami).await;
+    assert_eq!(whoami, Ok(Some("bob".to_owned())));
 
     // Trusted (a tier over TCP, the default): runs.
     let tiers = serve(
@@ -433,6 +442,13 @@ async fn only_trusted_or_authenticated_clients_run_commands_unless_a_policy_says
     )
     .await;
     assert_eq!(run(tiers, "", 3).await, Ok(2));
+    let peer = Endpoint::builder()
+        .build()
+        .connect_tcp(tiers)
+        .await
+        .unwrap();
+    let whoami = CommandClient::new(peer).run(&crate::support::Whoami).await;
+    assert_eq!(whoami, Ok(None));
 
     // A policy of one's own: only alice.
     let guarded = serve(
@@ -457,6 +473,6 @@ async fn only_trusted_or_authenticated_clients_run_commands_unless_a_policy_says
         (ErrorKind::Unauthorized, "test.set_value: alice only")
     );
     assert_eq!(run(guarded, "alice-token", 5).await, Ok(3));
-    assert_eq!(a.stats().commands, 3);
+    assert_eq!(a.stats().commands, 5);
     a.stop().await;
 }

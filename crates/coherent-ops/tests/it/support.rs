@@ -140,6 +140,23 @@ impl Command for SetValue {
     type Output = i64;
 }
 
+/// Writes nothing; answers who sent it (`Tx::caller`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Whoami;
+
+impl Command for Whoami {
+    const NAME: &'static str = "test.whoami";
+    type Output = Option<String>;
+}
+
+impl Handler<Whoami> for Items {
+    async fn execute(&self, _: &Whoami, tx: &mut Tx<'_>) -> Result<Option<String>, CommandError> {
+        Ok(tx.caller().map(|i| i.name().to_owned()))
+    }
+
+    fn invalidate(&self, _: &Whoami, _: &Option<String>) {}
+}
+
 /// Always fails after writing: nothing may be committed or logged.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct FailAfterWrite {
@@ -371,6 +388,7 @@ pub(crate) async fn host(
     let builder = Host::builder(db.clone())
         .registry(&registry)
         .command::<SetValue>(items.clone())
+        .command::<Whoami>(items.clone())
         .command::<FailAfterWrite>(items.clone())
         .command::<DeferredSet>(items.clone())
         .command::<DeferredConflict>(items.clone())
