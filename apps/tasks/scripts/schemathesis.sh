@@ -55,8 +55,8 @@ run() {
     local seed_args=(--seed "$seed")
     [[ $seed == random ]] && seed_args=()
     echo "schemathesis: $name ($backend backend) on port $port"
-    # Writes need a login: every request carries the cookie of one (the checks that leave
-    # it out, `ignored_auth`, see them refused).
+    # Writes need a login: the requests that the document says need one carry its cookie
+    # (the `session` security scheme), and the checks that leave it out see them refused.
     local cookie=""
     for _ in $(seq 1 120); do
         cookie=$(curl -s -o /dev/null -D - -H 'content-type: application/json' \
@@ -70,9 +70,10 @@ run() {
         echo "schemathesis: $name: could not log in"
         return 1
     fi
-    if ! "$venv/bin/schemathesis" run "http://127.0.0.1:$port/api/openapi.json" \
+    printf '[auth.openapi.session]\napi_key = "%s"\n' "${cookie#*=}" >"$work/$name.toml"
+    if ! "$venv/bin/schemathesis" --config-file "$work/$name.toml" \
+        run "http://127.0.0.1:$port/api/openapi.json" \
         --checks all --max-examples "$examples" "${seed_args[@]}" \
-        --header "Cookie: $cookie" \
         --wait-for-schema 60 --no-color >"$work/$name.out" 2>&1; then
         cat "$work/$name.out"
         echo "--- server log"
