@@ -24,6 +24,26 @@ pub struct Config {
     pub(crate) zero_rtt: bool,
     pub(crate) tcp_send_buffer: SendBuffer,
     pub(crate) trust: Option<Trust>,
+    pub(crate) max_queued_bytes: Option<usize>,
+    pub(crate) max_connections: usize,
+    pub(crate) queue_budget: usize,
+    pub(crate) allowed_origins: Origins,
+}
+
+/// The per-connection queue's mark when none is set: room for this side's largest message
+/// twice, and at least 16 MiB.
+pub(crate) fn default_max_queued(max_message_size: u32) -> usize {
+    (max_message_size as usize).saturating_mul(2).max(16 << 20)
+}
+
+/// Which web pages may open a WebSocket to the endpoint (see [`Config::allowed_origins`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) enum Origins {
+    /// Same origin only, and the listed ones (normalized: lowercase, no trailing `/`).
+    #[default]
+    SameOrigin,
+    Listed(Vec<String>),
+    Any,
 }
 
 /// Whether the other side of an accepted connection is one of the application's own
@@ -80,6 +100,10 @@ impl Default for Config {
             zero_rtt: false,
             tcp_send_buffer: SendBuffer::Auto,
             trust: None,
+            max_queued_bytes: None,
+            max_connections: 10_000,
+            queue_budget: 1 << 30,
+            allowed_origins: Origins::SameOrigin,
         }
     }
 }
@@ -192,5 +216,86 @@ impl Config {
     pub fn trust(mut self, trust: Trust) -> Self {
         self.trust = Some(trust);
         self
+    }
+
+    /// The bytes queued for sending on one connection above which its reader stops taking
+    /// new work (calls, pings) from the other side, and its streams stop producing, until
+    /// the queue drains. A larger message still goes whole: the queue may hold this mark
+    /// plus one message (plus the answers of calls already running). What the other side
+    /// announces in its `Hello` never raises it. Default: twice this side's
+    /// [`max_message_size`](Self::max_message_size), and at least 16 MiB.
+    pub fn max_queued_bytes(mut self, bytes: usize) -> Self {
+        self.max_queued_bytes = Some(bytes);
+        self
+    }
+
+    /// How many connections this endpoint may have accepted and not yet closed at once
+    /// (those still in their handshake included). One more is answered with a `Close`
+    /// (`Overloaded`, saying so) and dropped, without reading its `Hello`. Connections this
+    /// endpoint makes do not count. Default: 10,000.
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// The bytes queued for sending over all of this endpoint's connections together
+    /// (each one's queue is bounded by [`max_queued_bytes`](Self::max_queued_bytes)).
+    /// Default: 1 GiB, 64 connections at the default per-connection mark, or 256 replies
+    /// of 4 MiB on their way at once: far above what clients that read their answers
+    /// leave queued, and memory a server that takes 10,000 connections can spare.
+    ///
+    /// The policy once the sum goes over the budget:
+    /// - the open connection that holds the most queued bytes is closed at once (its
+    ///   queue dropped, not written: the other side is not reading it) and counted in
+    ///   [`EndpointStats::connections_shed`](crate::EndpointStats); it holds more than
+    ///   its fair share (the budget divided among the open connections), since the sum
+    ///   is over the budget;
+    /// - until the sum is under the budget again, a new call on a connection that holds
+    ///   more than its fair share is answered `Overloaded` at once.
+    ///
+    /// So a client that stops reading, over however many connections, loses its largest
+    /// queues first, and a client whose queue stays small is served throughout. The sum
+    /// may pass the budget by what the connection being closed held plus one message per
+    /// connection sending at that moment.
+    pub fn queue_budget(mut self, bytes: usize) -> Self {
+        self.queue_budget = bytes;
+        self
+    }
+
+    /// The web pages (origins, as in `https://app.example.com` or
+    /// `http://localhost:3000`) that may open a WebSocket to
+    /// [`Endpoint::websocket_handler`], besides the endpoint's own. Browsers do not apply
+    /// the same-origin policy to WebSockets: without this check any page a user visits
+    /// could open the RPC route with the user's cookies. `"*"` allows every origin.
+    ///
+    /// Default: an upgrade whose `Origin` header names the request's own `Host` (same
+    /// origin) is accepted, as is one without an `Origin` (not a browser); any other is
+    /// answered HTTP 403 and counted in
+    /// [`EndpointStats::origins_refused`](crate::EndpointStats). Behind a proxy that
+    /// rewrites `Host`, list the public origin here.
+    ///
+    /// [`Endpoint::websocket_handler`]: crate::Endpoint::websocket_handler
+    pub fn allowed_origins<I, S>(mut self, origins: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let mut listed = Vec::new();
+        for o in origins {
+            let o: String = o.into();
+            if o.trim() == "*" {
+                self.allowed_origins = Origins::Any;
+                return self;
+            }
+            listed.push(o.trim().trim_end_matches('/').to_ascii_lowercase());
+        }
+        self.allowed_origins = Origins::Listed(listed);
+        self
+    }
+
+    /// The queue mark of one connection: set, or the default for this side's limit.
+    pub(crate) fn queue_mark(&self) -> usize {
+        self.max_queued_bytes
+            .unwrap_or_else(|| default_max_queued(self.max_message_size))
     }
 }

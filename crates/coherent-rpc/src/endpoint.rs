@@ -73,7 +73,10 @@ impl EndpointBuilder {
         Endpoint {
             inner: Arc::new(Inner {
                 registry: Arc::new(self.registry),
-                totals: Arc::default(),
+                totals: Arc::new(peer::Totals::new(
+                    self.config.max_connections,
+                    self.config.queue_budget,
+                )),
                 config: self.config,
                 auth: self.auth,
                 token: self.token,
@@ -135,6 +138,7 @@ impl Endpoint {
             local_max: c.max_message_size,
             remote_max: remote.max_message_size,
             max_inbound: c.max_inbound_calls,
+            max_queued: c.queue_mark(),
             local_window: c.stream_window,
             remote_window: remote.stream_window,
             keepalive_interval: c.keepalive_interval,
@@ -282,7 +286,11 @@ impl Endpoint {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let timeout = self.inner.config.handshake_timeout;
+        let slot = self.inner.totals.take_slot();
         let exchange = async {
+            // Refused before its `Hello` is read: a connection over the limit costs no
+            // parsing and no auth hook.
+            let slot = slot?;
             let mut buf = BytesMut::with_capacity(4096);
             let (h, payload) = read_frame(&mut rd, &mut buf).await?;
             if h.kind != Kind::Hello {
@@ -300,7 +308,7 @@ impl Endpoint {
                         .map_err(|m| RpcError::new(ErrorCode::Unauthenticated, m))?,
                 ),
             };
-            Ok((hello, identity, buf))
+            Ok((hello, identity, buf, slot))
         };
         let outcome = match tokio::time::timeout(timeout, exchange).await {
             Ok(r) => r,
@@ -308,7 +316,7 @@ impl Endpoint {
                 "no handshake within {timeout:?}"
             ))),
         };
-        let (hello, identity, leftover) = match outcome {
+        let (hello, identity, leftover, slot) = match outcome {
             Ok(v) => v,
             Err(e) => {
                 // Best effort: the reason helps a legitimate client; a hostile one may not read.
@@ -348,6 +356,7 @@ impl Endpoint {
                 identity,
                 trust: self.inner.config.trust.unwrap_or(transport),
                 answer: frame(Kind::HelloAck, &ack.encode()),
+                slot,
             },
         ))
     }
@@ -371,12 +380,17 @@ impl Endpoint {
     /// A connection that fails its handshake is dropped; the others go on.
     pub async fn serve_tcp(&self, listener: TcpListener) -> io::Result<()> {
         let inherited = crate::net::nodelay_inherited(&listener);
+        let mut backoff = AcceptBackoff::default();
         loop {
             let (stream, peer) = match listener.accept().await {
-                Ok(s) => s,
-                // Out of file descriptors and the like: keep serving the others.
-                Err(e) if is_transient(&e) => continue,
-                Err(e) => return Err(e),
+                Ok(s) => {
+                    backoff.succeeded();
+                    s
+                }
+                Err(e) => {
+                    self.accept_failed(&mut backoff, e).await?;
+                    continue;
+                }
             };
             if !inherited {
                 let _ = stream.set_nodelay(true);
@@ -413,14 +427,45 @@ impl Endpoint {
     /// Accepts Unix domain socket connections until the listener fails.
     #[cfg(unix)]
     pub async fn serve_unix(&self, listener: tokio::net::UnixListener) -> io::Result<()> {
+        let mut backoff = AcceptBackoff::default();
         loop {
             let (stream, _) = match listener.accept().await {
-                Ok(s) => s,
-                Err(e) if is_transient(&e) => continue,
-                Err(e) => return Err(e),
+                Ok(s) => {
+                    backoff.succeeded();
+                    s
+                }
+                Err(e) => {
+                    self.accept_failed(&mut backoff, e).await?;
+                    continue;
+                }
             };
             self.hand_off(stream).await;
         }
+    }
+
+    /// A listener's accept failed: counts it, and returns the error if it is the
+    /// listener's own, else waits as long as `backoff` says before the next accept.
+    pub(crate) async fn accept_failed(
+        &self,
+        backoff: &mut AcceptBackoff,
+        e: io::Error,
+    ) -> io::Result<()> {
+        self.inner
+            .totals
+            .refusals()
+            .accept_errors
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pause = backoff.failed(e)?;
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+        Ok(())
+    }
+
+    /// The endpoint's counters and bounds over all its connections.
+    #[cfg(feature = "websocket")]
+    pub(crate) fn totals(&self) -> &peer::Totals {
+        &self.inner.totals
     }
 
     #[cfg(any(feature = "tls", feature = "websocket"))]
@@ -434,14 +479,77 @@ impl Endpoint {
     }
 }
 
-pub(crate) fn is_transient(e: &io::Error) -> bool {
+/// An accept error that concerns one connection (reset before it was accepted...): the
+/// next accept may go at once.
+fn is_transient(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::ConnectionAborted
             | io::ErrorKind::ConnectionReset
             | io::ErrorKind::Interrupted
             | io::ErrorKind::WouldBlock
-    ) || e.raw_os_error().is_some_and(|c| c == 24 || c == 23)
+    )
+}
+
+/// An accept error that says the process or the system is out of something (file
+/// descriptors, socket buffers, memory) that only time gives back: accepting again at once
+/// would fail the same way, in a loop that takes a core.
+fn is_exhaustion(e: &io::Error) -> bool {
+    #[cfg(unix)]
+    {
+        e.raw_os_error()
+            .is_some_and(|c| [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM].contains(&c))
+    }
+    #[cfg(not(unix))]
+    {
+        // WSAEMFILE, WSAENOBUFS.
+        e.raw_os_error().is_some_and(|c| c == 10024 || c == 10055)
+    }
+}
+
+/// How long an accept loop waits after a failed accept: nothing after a transient one;
+/// after running out of file descriptors (and the like) [`MIN`](Self::MIN), doubling at
+/// each failure in a row up to [`MAX`](Self::MAX), and back to nothing after an accept
+/// that succeeds. It logs at most one warning per pause, with the failures since the last.
+#[derive(Debug, Default)]
+pub(crate) struct AcceptBackoff {
+    /// The last pause; zero when the last accept succeeded.
+    pause: std::time::Duration,
+    /// Failures not yet in a warning.
+    unlogged: u64,
+}
+
+impl AcceptBackoff {
+    /// The first pause.
+    pub(crate) const MIN: std::time::Duration = std::time::Duration::from_millis(10);
+    /// The longest pause: what a listener that ran out of descriptors takes at worst to
+    /// notice that some are free again.
+    pub(crate) const MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
+    pub(crate) fn succeeded(&mut self) {
+        self.pause = std::time::Duration::ZERO;
+    }
+
+    /// The pause before the next accept after `e`, or `e` itself when it is the
+    /// listener's own failure (the loop ends with it).
+    pub(crate) fn failed(&mut self, e: io::Error) -> io::Result<std::time::Duration> {
+        self.unlogged += 1;
+        if is_transient(&e) {
+            tracing::debug!(%e, "accept failed");
+            return Ok(std::time::Duration::ZERO);
+        }
+        if !is_exhaustion(&e) {
+            return Err(e);
+        }
+        self.pause = (self.pause * 2).clamp(Self::MIN, Self::MAX);
+        tracing::warn!(
+            %e,
+            failures = std::mem::take(&mut self.unlogged),
+            pause = ?self.pause,
+            "accept failed: pausing before the next accept"
+        );
+        Ok(self.pause)
+    }
 }
 
 async fn write_frame<W: AsyncWrite + Unpin>(
@@ -599,5 +707,33 @@ mod tests {
         assert_eq!(writes.len(), 1, "one write for both frames: {writes:?}");
         drop((rd, wr));
         served.await.unwrap().unwrap();
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn accepts_out_of_descriptors_pause_doubling_to_a_second_and_start_over_after_a_success() {
+        use std::time::Duration;
+        let emfile = || io::Error::from_raw_os_error(libc::EMFILE);
+        let mut backoff = AcceptBackoff::default();
+        let pauses: Vec<_> = (0..9).map(|_| backoff.failed(emfile()).unwrap()).collect();
+        let ms = |n| Duration::from_millis(n);
+        assert_eq!(
+            pauses,
+            [10, 20, 40, 80, 160, 320, 640, 1000, 1000].map(ms),
+            "from 10 ms doubling, at most 1 s"
+        );
+        // A connection reset before its accept: the next accept goes at once.
+        let reset = io::Error::from(io::ErrorKind::ConnectionAborted);
+        assert_eq!(backoff.failed(reset).unwrap(), Duration::ZERO);
+        assert_eq!(backoff.failed(emfile()).unwrap(), ms(1000));
+        backoff.succeeded();
+        let enfile = io::Error::from_raw_os_error(libc::ENFILE);
+        assert_eq!(backoff.failed(enfile).unwrap(), ms(10), "after a success");
+        // The listener's own failure ends the loop.
+        let bad = io::Error::from_raw_os_error(libc::EBADF);
+        assert_eq!(
+            backoff.failed(bad).unwrap_err().raw_os_error(),
+            Some(libc::EBADF)
+        );
     }
 }

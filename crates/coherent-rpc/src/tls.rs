@@ -70,11 +70,17 @@ impl Endpoint {
         listener: TcpListener,
         config: Arc<rustls::ServerConfig>,
     ) -> io::Result<()> {
+        let mut backoff = crate::endpoint::AcceptBackoff::default();
         loop {
             let (tcp, _) = match listener.accept().await {
-                Ok(s) => s,
-                Err(e) if crate::endpoint::is_transient(&e) => continue,
-                Err(e) => return Err(e),
+                Ok(s) => {
+                    backoff.succeeded();
+                    s
+                }
+                Err(e) => {
+                    self.accept_failed(&mut backoff, e).await?;
+                    continue;
+                }
             };
             let this = self.clone();
             let config = config.clone();

@@ -1,18 +1,23 @@
 //! WebSocket transport: the protocol's byte stream carried in binary messages, so that an
 //! existing axum app can serve it on a route and browsers can reach it. Message boundaries
 //! carry no meaning; the frames inside are the same as on TCP.
+//!
+//! What an upgrade is checked for (the browser's `Origin`, [`origin_refusal`]) and the
+//! largest message it takes ([`max_ws_message`]) are decided here, before the upgrade.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use axum::extract::ws::{Message as AxumMessage, WebSocket, WebSocketUpgrade};
+use axum::http::{header, HeaderMap, StatusCode, Uri};
+use axum::response::IntoResponse;
 use bytes::{Buf, Bytes};
 use futures::{Sink, SinkExt, Stream, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
-use crate::config::Trust;
+use crate::config::{Config, Origins, Trust};
 use crate::endpoint::Endpoint;
 use crate::error::RpcError;
 use crate::peer::Peer;
@@ -20,6 +25,62 @@ use crate::peer::Peer;
 /// Writes are cut into messages of at most this size, well under every WebSocket
 /// implementation's default frame limit, whatever the RPC message limit is.
 const MAX_WS_MESSAGE: usize = 1 << 20;
+
+/// The largest WebSocket message (and frame) an accepting endpoint takes: what an honest
+/// peer sends, no more. This crate's side cuts its writes at [`MAX_WS_MESSAGE`]; the
+/// TypeScript client sends a frame over 64 KiB as one message of its own, so one frame of
+/// the endpoint's largest message, with its header, must fit. axum's default (64 MiB)
+/// would let a peer make the server buffer 16 times the default message limit before the
+/// protocol's own limit sees a byte.
+fn max_ws_message(config: &Config) -> usize {
+    MAX_WS_MESSAGE.max(config.max_message_size as usize + crate::frame::MAX_HEADER_LEN)
+}
+
+/// Why an upgrade request from a web page may not open a WebSocket, or `None` when it may:
+/// no `Origin` (not a browser), the request's own origin, or one `allowed` lists.
+fn origin_refusal(allowed: &Origins, headers: &HeaderMap, uri: &Uri) -> Option<String> {
+    let origin = headers.get(header::ORIGIN)?;
+    if *allowed == Origins::Any {
+        return None;
+    }
+    let Ok(origin) = origin.to_str() else {
+        return Some("the Origin header is not text".into());
+    };
+    let origin = origin.trim().trim_end_matches('/').to_ascii_lowercase();
+    if let Origins::Listed(list) = allowed {
+        if list.contains(&origin) {
+            return None;
+        }
+    }
+    // HTTP/2 carries the host in the request's authority instead of a `Host` header.
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| uri.authority().map(|a| a.to_string()));
+    if host.is_some_and(|h| same_origin(&origin, &h.trim().to_ascii_lowercase())) {
+        return None;
+    }
+    let shown: String = origin.chars().take(200).collect();
+    Some(format!(
+        "cross-origin WebSocket upgrade refused: the origin {shown} is not allowed"
+    ))
+}
+
+/// Whether `origin` (`scheme://host[:port]`, lowercase) names the server at `host`
+/// (a `Host` header, lowercase), the scheme's default port written or not.
+fn same_origin(origin: &str, host: &str) -> bool {
+    let Some((scheme, authority)) = origin.split_once("://") else {
+        return false;
+    };
+    let default_port = match scheme {
+        "http" | "ws" => ":80",
+        "https" | "wss" => ":443",
+        _ => return false,
+    };
+    let bare = |a: &str| a.strip_suffix(default_port).unwrap_or(a).to_owned();
+    bare(authority) == bare(host)
+}
 
 /// Turns a stream + sink of binary messages into a byte stream.
 struct MessageIo<S> {
@@ -107,18 +168,38 @@ impl Endpoint {
 
     /// An axum handler that upgrades the request and serves the connection:
     /// `Router::new().route("/rpc", get(endpoint.websocket_handler()))`.
+    ///
+    /// A request from a web page of another origin than the endpoint's own, and not in
+    /// [`Config::allowed_origins`], is answered HTTP 403 with the reason in plain text.
+    /// A WebSocket message larger than the endpoint's
+    /// [`max_message_size`](Config::max_message_size) (plus a frame's header, and at least
+    /// 1 MiB) closes the connection instead of being buffered.
     pub fn websocket_handler(
         &self,
-    ) -> impl Fn(WebSocketUpgrade) -> std::future::Ready<axum::response::Response> + Clone + Send + 'static
-    {
+    ) -> impl Fn(HeaderMap, Uri, WebSocketUpgrade) -> std::future::Ready<axum::response::Response>
+           + Clone
+           + Send
+           + 'static {
         let this = self.clone();
-        move |ws: WebSocketUpgrade| {
+        move |headers: HeaderMap, uri: Uri, ws: WebSocketUpgrade| {
+            let config = this.config_ref();
+            if let Some(reason) = origin_refusal(&config.allowed_origins, &headers, &uri) {
+                this.totals()
+                    .refusals()
+                    .origins_refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::debug!(%reason, "WebSocket upgrade refused");
+                return std::future::ready((StatusCode::FORBIDDEN, reason).into_response());
+            }
+            let max = max_ws_message(config);
             let this = this.clone();
-            std::future::ready(ws.on_upgrade(move |socket| async move {
-                if let Err(e) = this.accept_websocket(socket).await {
-                    tracing::debug!(%e, "WebSocket handshake failed");
-                }
-            }))
+            std::future::ready(ws.max_message_size(max).max_frame_size(max).on_upgrade(
+                move |socket| async move {
+                    if let Err(e) = this.accept_websocket(socket).await {
+                        tracing::debug!(%e, "WebSocket handshake failed");
+                    }
+                },
+            ))
         }
     }
 
@@ -144,5 +225,48 @@ impl Endpoint {
             pending: Bytes::new(),
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(allowed: &Origins, origin: Option<&str>, host: &str) -> Option<String> {
+        let mut headers = HeaderMap::new();
+        if let Some(o) = origin {
+            headers.insert(header::ORIGIN, o.parse().unwrap());
+        }
+        headers.insert(header::HOST, host.parse().unwrap());
+        origin_refusal(allowed, &headers, &Uri::from_static("/rpc"))
+    }
+
+    #[test]
+    fn the_same_origin_and_no_origin_are_allowed_and_another_is_not() {
+        let same = Origins::SameOrigin;
+        assert_eq!(refusal(&same, None, "a.example"), None);
+        assert_eq!(refusal(&same, Some("https://a.example"), "a.example"), None);
+        assert_eq!(
+            refusal(&same, Some("https://A.example/"), "a.example:443"),
+            None
+        );
+        assert_eq!(
+            refusal(&same, Some("http://127.0.0.1:8080"), "127.0.0.1:8080"),
+            None
+        );
+        assert!(refusal(&same, Some("http://127.0.0.1:8081"), "127.0.0.1:8080").is_some());
+        assert!(refusal(&same, Some("https://evil.example"), "a.example").is_some());
+        assert!(refusal(&same, Some("null"), "a.example").is_some());
+        let listed = Origins::Listed(vec!["https://app.example".into()]);
+        assert_eq!(
+            refusal(&listed, Some("https://app.example"), "api.example"),
+            None
+        );
+        assert_eq!(
+            refusal(&listed, Some("https://api.example"), "api.example"),
+            None
+        );
+        assert!(refusal(&listed, Some("http://app.example"), "api.example").is_some());
+        assert_eq!(refusal(&Origins::Any, Some("null"), "a.example"), None);
     }
 }

@@ -22,6 +22,13 @@
 //! | `coherent_rpc_bytes_out_total` | counter | `endpoint` | payload bytes written |
 //! | `coherent_rpc_bytes_in_total` | counter | `endpoint` | bytes read |
 //! | `coherent_rpc_calls_in_flight` | gauge | `endpoint` | calls from the other sides running now |
+//! | `coherent_rpc_connections_refused_total` | counter | `endpoint` | connections refused at the endpoint's `max_connections` |
+//! | `coherent_rpc_calls_refused_total` | counter | `endpoint` | calls answered `Overloaded` at once (`max_inbound_calls`, or the queue budget) |
+//! | `coherent_rpc_connections_shed_total` | counter | `endpoint` | connections closed because the send queues went over the `queue_budget` |
+//! | `coherent_rpc_accept_errors_total` | counter | `endpoint` | failed accepts on the endpoint's listeners |
+//! | `coherent_rpc_origins_refused_total` | counter | `endpoint` | WebSocket upgrades refused for their `Origin` |
+//! | `coherent_rpc_queued_bytes` | gauge | `endpoint` | bytes queued for sending over all connections now |
+//! | `coherent_rpc_queued_bytes_peak` | gauge | `endpoint` | the most bytes queued for sending at once |
 //! | `coherent_remote_connections` | gauge | `server` | client connections holding replicas |
 //! | `coherent_remote_replicas_held` | gauge | `server` | replicas the server watches for its clients |
 //! | `coherent_remote_pushes_total` | counter | `server` | invalidation messages pushed to clients |
@@ -101,6 +108,17 @@ impl Observer {
             metrics::counter!("coherent_rpc_bytes_out_total", &label).absolute(t.bytes_out);
             metrics::counter!("coherent_rpc_bytes_in_total", &label).absolute(t.bytes_in);
             metrics::gauge!("coherent_rpc_calls_in_flight", &label).set(t.in_flight_in as f64);
+            metrics::counter!("coherent_rpc_connections_refused_total", &label)
+                .absolute(s.connections_refused);
+            metrics::counter!("coherent_rpc_calls_refused_total", &label).absolute(s.calls_refused);
+            metrics::counter!("coherent_rpc_connections_shed_total", &label)
+                .absolute(s.connections_shed);
+            metrics::counter!("coherent_rpc_accept_errors_total", &label).absolute(s.accept_errors);
+            metrics::counter!("coherent_rpc_origins_refused_total", &label)
+                .absolute(s.origins_refused);
+            metrics::gauge!("coherent_rpc_queued_bytes", &label).set(s.queued_bytes as f64);
+            metrics::gauge!("coherent_rpc_queued_bytes_peak", &label)
+                .set(s.queued_bytes_peak as f64);
         }))
     }
 

@@ -18,7 +18,6 @@ use crate::codec::{Format, Message};
 use crate::error::RpcError;
 use crate::frame::{Compression, Header, Kind};
 
-use super::writer::high_water;
 use super::Shared;
 
 /// With zero-RTT, the largest message sent before the other side's `HelloAck`: a larger
@@ -114,10 +113,7 @@ impl Shared {
         self.remote
             .max
             .store(ack.max_message_size, Ordering::Relaxed);
-        self.high_water.store(
-            high_water(self.settings.local_max, ack.max_message_size),
-            Ordering::Relaxed,
-        );
+        // Only what this side sends: its own bounds (the queue's mark) are its settings.
         self.remote
             .window
             .store(ack.stream_window, Ordering::Relaxed);

@@ -54,12 +54,12 @@ use crate::stream::ClientStream;
 
 pub(crate) use early::{Early, EARLY_MAX};
 pub use totals::EndpointStats;
-pub(crate) use totals::Totals;
+pub(crate) use totals::{Slot, Totals};
 pub(crate) use writer::{encode, Out};
 
 use reader::read_loop;
 use streams::{pump, MIN_BATCH};
-use writer::{high_water, WriteSide, WriterStart};
+use writer::{WriteSide, WriterStart};
 
 /// Settings agreed in the handshake, fixed for the connection's life.
 #[derive(Debug, Clone)]
@@ -70,6 +70,9 @@ pub(crate) struct Settings {
     pub(crate) local_max: u32,
     pub(crate) remote_max: u32,
     pub(crate) max_inbound: u32,
+    /// Queued bytes above which the reader stops taking new work (`Config::queue_mark`):
+    /// this side's own setting, never the other side's.
+    pub(crate) max_queued: usize,
     pub(crate) local_window: u32,
     pub(crate) remote_window: u32,
     pub(crate) keepalive_interval: Option<Duration>,
@@ -139,6 +142,12 @@ pub struct Stats {
     pub bytes_in: u64,
     /// Calls from the other side running now.
     pub in_flight_in: u64,
+    /// Bytes queued for sending now (see [`Config::max_queued_bytes`]).
+    ///
+    /// [`Config::max_queued_bytes`]: crate::Config::max_queued_bytes
+    pub queued_bytes: u64,
+    /// The most bytes queued for sending at once.
+    pub queued_bytes_peak: u64,
 }
 
 /// The other side's limit, stream window and the compression this side sends with.
@@ -168,6 +177,7 @@ pub(crate) enum Role {
         identity: Option<Identity>,
         trust: Trust,
         answer: Vec<u8>,
+        slot: Slot,
     },
 }
 
@@ -209,10 +219,14 @@ pub(crate) struct Shared {
     /// What calls fail with once the connection is closed (set with `closed`).
     failure: std::sync::OnceLock<RpcError>,
     /// Bytes handed to the writer and not yet written: the reader stops taking new
-    /// calls above `high_water` so that a peer that stops reading cannot grow this queue.
+    /// calls above `settings.max_queued` so that a peer that stops reading cannot grow
+    /// this queue. Counted in the endpoint's `Totals` too, for its budget.
     queued: AtomicUsize,
-    high_water: AtomicUsize,
+    queued_peak: AtomicUsize,
     drained: Notify,
+    /// An accepted connection's place under the endpoint's `max_connections`, given back
+    /// when it closes.
+    slot: Mutex<Option<Slot>>,
     counters: Counters,
     /// What a new stream's first batch reserves: what the last stream's batches did (see
     /// [`Batch::capacity`]). Growing each stream's first batch from a few hundred bytes
@@ -228,6 +242,10 @@ pub(crate) struct Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        if self.closed.borrow().is_none() {
+            // Never shut down (its tasks were dropped with their runtime).
+            self.totals.closing();
+        }
         self.totals.close(self.id, self.stats());
     }
 }
@@ -243,6 +261,8 @@ impl Shared {
             bytes_out: c.bytes_out.load(Ordering::Relaxed),
             bytes_in: c.bytes_in.load(Ordering::Relaxed),
             in_flight_in: self.inbound.lock().len() as u64,
+            queued_bytes: self.queued.load(Ordering::Relaxed) as u64,
+            queued_bytes_peak: self.queued_peak.load(Ordering::Relaxed) as u64,
         }
     }
 
@@ -309,6 +329,8 @@ impl Shared {
         if !first {
             return;
         }
+        self.totals.closing();
+        drop(self.slot.lock().take());
         tracing::debug!(%reason, "connection closing");
         let close = tell_remote.then(|| {
             encode(
@@ -332,6 +354,15 @@ impl Shared {
             i.abort.abort();
         }
         self.drained.notify_waiters();
+    }
+
+    /// Closes the connection for `reason` and drops what its writer has queued instead of
+    /// writing it: the endpoint's budget needs the memory back now, and the other side is
+    /// not reading it anyway. The reason is this side's only: a `Close` would wait behind
+    /// the unread bytes.
+    pub(super) fn abandon(&self, reason: RpcError) {
+        self.shutdown(reason, false);
+        self.writer.abandon.notify_one();
     }
 
     fn next_id(&self) -> u64 {
@@ -719,13 +750,14 @@ impl Peer {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (tx, rx) = mpsc::unbounded_channel();
-        let (identity, trust, owned, early, answer) = match role {
+        let (identity, trust, owned, early, answer, slot) = match role {
             Role::Accepting {
                 identity,
                 trust,
                 answer,
-            } => (identity, trust, false, None, answer),
-            Role::Connecting { early } => (None, Trust::Trusted, true, early, Vec::new()),
+                slot,
+            } => (identity, trust, false, None, answer, Some(slot)),
+            Role::Connecting { early } => (None, Trust::Trusted, true, early, Vec::new(), None),
         };
         let remote = Remote {
             max: AtomicU32::new(settings.remote_max),
@@ -734,12 +766,12 @@ impl Peer {
             known: AtomicBool::new(early.is_none()),
         };
         let early = early.map(Mutex::new);
-        let high_water = high_water(settings.local_max, settings.remote_max);
         let wr: Box<dyn AsyncWrite + Send + Unpin> = Box::new(wr);
         static NEXT_CONNECTION: AtomicU64 = AtomicU64::new(1);
         let writer = WriterStart {
             started: AtomicBool::new(false),
             start: Mutex::new(Some((rx, tokio::runtime::Handle::current()))),
+            abandon: Notify::new(),
         };
         let shared = Arc::new_cyclic(|me| Shared {
             writer,
@@ -765,8 +797,9 @@ impl Peer {
             closed: watch::Sender::new(None),
             failure: std::sync::OnceLock::new(),
             queued: AtomicUsize::new(0),
-            high_water: AtomicUsize::new(high_water),
+            queued_peak: AtomicUsize::new(0),
             drained: Notify::new(),
+            slot: Mutex::new(slot),
             counters: Counters::default(),
             stream_batch: AtomicUsize::new(MIN_BATCH),
             totals,

@@ -1,5 +1,6 @@
-//! Running the other side's calls: [`start_call`] checks the method, the `inbound` limit
-//! and the call id, polls a unary handler inline first (only one that waits is spawned as
+//! Running the other side's calls: [`start_call`] checks the method, the endpoint's queue
+//! budget, the `inbound` limit (every kind of call: unary, one-way, streams, uploads) and
+//! the call id, polls a unary handler inline first (only one that waits is spawned as
 //! a task), spawns a streaming handler (its items go out through `streams`), and records
 //! each running call in `inbound`; [`answer`] sends a unary call's reply.
 //!
@@ -39,9 +40,27 @@ pub(super) fn start_call(shared: &Arc<Shared>, h: Header, args: Bytes, lone: boo
             format!("no method with id {:#010x}", h.method_id),
         ));
     };
+    // Most connections have nothing queued: the endpoint-wide sum is read only by those
+    // that do.
+    let queued = s.queued.load(Ordering::Relaxed);
+    if queued > 0 && s.totals.over_fair_share(queued) {
+        s.totals
+            .refusals()
+            .calls_refused
+            .fetch_add(1, Ordering::Relaxed);
+        return fail(RpcError::new(
+            ErrorCode::Overloaded,
+            "the endpoint's send queues are over their budget, and this connection holds \
+             more than its share: read the answers before making more calls",
+        ));
+    }
     let inbound = s.inbound.lock();
     if inbound.len() >= s.settings.max_inbound as usize {
         drop(inbound);
+        s.totals
+            .refusals()
+            .calls_refused
+            .fetch_add(1, Ordering::Relaxed);
         return fail(RpcError::new(
             ErrorCode::Overloaded,
             format!(

@@ -4,7 +4,8 @@
 //! (each after its varint length; at most `STREAM_BATCH` or the receiver's limit; a lone
 //! item goes as a `StreamItem`).
 //!
-//! Invariants: never more items than the credits taken ([`take_credits`]); what is
+//! Invariants: never more items than the credits taken ([`take_credits`]), and none while
+//! the connection's queue is over its mark (as for the reader's new calls); what is
 //! batched goes out before waiting for credits, before an error and before the stream's
 //! end (which the caller sends). A stream's first batch reserves what the connection's
 //! last stream needed (`Shared::stream_batch`).
@@ -18,6 +19,7 @@ use tokio::sync::Semaphore;
 use crate::error::{ErrorCode, RpcError};
 use crate::frame::Kind;
 
+use super::writer::wait_for_room;
 use super::Shared;
 
 /// Pulls a streaming handler's items under flow control and sends them in batches: the
@@ -68,6 +70,12 @@ async fn pump_batches(
     let format = s.settings.format;
     let mut credit = 0u32;
     loop {
+        if s.queued.load(Ordering::Relaxed) > s.settings.max_queued {
+            // Credits say what the other side will buffer, not that it reads: one that
+            // announced a huge window and acks without reading would fill the queue.
+            batch.flush(s, id)?;
+            wait_for_room(s).await;
+        }
         if credit == 0 {
             // Out of credits: what is batched goes now, not after the consumer catches up.
             batch.flush(s, id)?;

@@ -6,7 +6,8 @@
 //! `prepare` (the other side's limit, compression), `enqueue` (a lone frame of up to
 //! `DIRECT_MAX` written by its sender, anything else queued for the writer task),
 //! `uncork`, and `stop` (the `Close` and the shutdown of the write half). Also the queue's
-//! bound: `high_water` and `wait_for_room`.
+//! bound (`Settings::max_queued`, this side's own, and the endpoint's budget over all
+//! connections, counted in `Totals`): `wait_for_room`, and the writer's `abandon`.
 //!
 //! Invariants: a sender writes its frame itself only while `backlog` (items handed to the
 //! writer task and not yet written) is zero, so it never overtakes one of its own queued
@@ -148,6 +149,8 @@ impl AsyncWrite for Locked<'_> {
 pub(super) struct WriterStart {
     pub(super) started: AtomicBool,
     pub(super) start: Mutex<Option<(mpsc::UnboundedReceiver<Out>, tokio::runtime::Handle)>>,
+    /// Tells the writer task to drop its queue and end (see [`Shared::abandon`]).
+    pub(super) abandon: tokio::sync::Notify,
 }
 
 /// Frames larger than this always go through the writer task.
@@ -289,9 +292,31 @@ impl Shared {
             Out::Frame { payload, .. } => payload.len(),
             Out::Stop(_) | Out::Flush => 0,
         };
-        self.queued.fetch_add(bytes, Ordering::Relaxed);
+        let over_budget = bytes > 0 && {
+            let now = self.queued.fetch_add(bytes, Ordering::Relaxed) + bytes;
+            if now > self.queued_peak.load(Ordering::Relaxed) {
+                self.queued_peak.fetch_max(now, Ordering::Relaxed);
+            }
+            self.totals.queue(bytes)
+        };
         self.backlog.fetch_add(1, Ordering::AcqRel);
-        self.to_writer(out)
+        let sent = self.to_writer(out);
+        if sent.is_err() {
+            // The writer task has ended: nothing will write these bytes.
+            self.written(bytes);
+        }
+        if over_budget {
+            self.totals.shed();
+        }
+        sent
+    }
+
+    /// Counts `bytes` off the queue (written, or dropped with the writer's queue).
+    fn written(&self, bytes: usize) {
+        if bytes > 0 {
+            self.queued.fetch_sub(bytes, Ordering::Relaxed);
+            self.totals.dequeue(bytes);
+        }
     }
 
     /// Queues `out` for the writer task, starting that task first if it has not run yet.
@@ -373,9 +398,45 @@ pub(crate) fn encode(
     }
 }
 
-/// The writer task: coalesces queued frames into few writes, after what senders of lone
-/// frames left in `carry`.
+/// The writer task: writes until it is told to stop (or to abandon its queue, or a write
+/// fails), then counts off what it never wrote.
 async fn write_loop(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Out>) {
+    // Bytes taken off the queue and not yet written: counted off once written, or at the
+    // end, however the loop ends.
+    let mut taken = 0usize;
+    let result = tokio::select! {
+        r = write_batches(&shared, &mut rx, &mut taken) => r,
+        _ = shared.writer.abandon.notified() => {
+            // The queue is dropped unwritten; the write half is shut down as far as the
+            // transport takes it without waiting.
+            let mut io = shared.io.lock();
+            let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+            let _ = std::pin::Pin::new(&mut io.wr).poll_shutdown(&mut cx);
+            Ok(())
+        }
+    };
+    // From here on a send fails (and counts its bytes off itself); what was queued before
+    // is counted off as it is dropped.
+    rx.close();
+    while let Ok(m) = rx.try_recv() {
+        if let Out::Frame { payload, .. } = m {
+            taken += payload.len();
+        }
+    }
+    shared.written(taken);
+    shared.drained.notify_waiters();
+    if let Err(e) = result {
+        shared.shutdown(e, false);
+    }
+}
+
+/// The writer task's work: coalesces queued frames into few writes, after what senders of
+/// lone frames left in `carry`. `taken`: see [`write_loop`].
+async fn write_batches(
+    shared: &Shared,
+    rx: &mut mpsc::UnboundedReceiver<Out>,
+    taken: &mut usize,
+) -> Result<(), RpcError> {
     let mut wr = Locked(&shared.io);
     // Grown as batches need (up to about `BATCH`), not allocated at full size: most
     // connections write little, and freeing a 64 KiB buffer per connection made glibc give
@@ -383,55 +444,49 @@ async fn write_loop(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Out>) {
     // interrupts the other cores: counted with `strace -c` on `examples/connect`).
     let mut buf: Vec<u8> = Vec::with_capacity(SMALL_BATCH);
     let stall = shared.settings.write_stall_timeout;
-    let result: Result<(), RpcError> = async {
-        while let Some(first) = rx.recv().await {
-            let mut written_payload = 0usize;
-            let mut items = 1;
-            let mut stop = match append(&mut buf, first, &mut written_payload) {
-                None => false,
-                Some(m) => push(&mut wr, &mut buf, m, &mut written_payload, stall).await?,
-            };
-            let mut yielded = false;
-            while !stop {
-                match rx.try_recv() {
-                    Ok(m) => {
-                        items += 1;
-                        if let Some(m) = append(&mut buf, m, &mut written_payload) {
-                            stop = push(&mut wr, &mut buf, m, &mut written_payload, stall).await?;
-                        }
+    while let Some(first) = rx.recv().await {
+        let mut items = 1;
+        let mut stop = match append(&mut buf, first, taken) {
+            None => false,
+            Some(m) => push(&mut wr, &mut buf, m, taken, stall).await?,
+        };
+        let mut yielded = false;
+        while !stop {
+            match rx.try_recv() {
+                Ok(m) => {
+                    items += 1;
+                    if let Some(m) = append(&mut buf, m, taken) {
+                        stop = push(&mut wr, &mut buf, m, taken, stall).await?;
                     }
-                    Err(_) if !yielded && buf.len() < SMALL_BATCH => {
-                        yielded = true;
-                        tokio::task::yield_now().await;
-                    }
-                    Err(_) => break,
                 }
-                if buf.len() >= BATCH {
-                    break;
+                Err(_) if !yielded && buf.len() < SMALL_BATCH => {
+                    yielded = true;
+                    tokio::task::yield_now().await;
                 }
+                Err(_) => break,
             }
-            flush(&mut wr, &mut buf, stall).await?;
-            shared
-                .counters
-                .bytes_out
-                .fetch_add(written_payload as u64, Ordering::Relaxed);
-            shared.queued.fetch_sub(written_payload, Ordering::Relaxed);
-            shared.drained.notify_waiters();
-            // Not after the stop: nothing may be written past the `Close`.
-            if !stop {
-                shared.backlog.fetch_sub(items, Ordering::AcqRel);
-            }
-            if stop {
-                let _ = wr.shutdown().await;
-                return Ok(());
+            if buf.len() >= BATCH {
+                break;
             }
         }
-        Ok(())
+        flush(&mut wr, &mut buf, stall).await?;
+        let written = std::mem::take(taken);
+        shared
+            .counters
+            .bytes_out
+            .fetch_add(written as u64, Ordering::Relaxed);
+        shared.written(written);
+        shared.drained.notify_waiters();
+        // Not after the stop: nothing may be written past the `Close`.
+        if !stop {
+            shared.backlog.fetch_sub(items, Ordering::AcqRel);
+        }
+        if stop {
+            let _ = wr.shutdown().await;
+            return Ok(());
+        }
     }
-    .await;
-    if let Err(e) = result {
-        shared.shutdown(e, false);
-    }
+    Ok(())
 }
 
 /// Appends a frame to the batch when none of its parts is written on its own (the usual
@@ -561,23 +616,13 @@ async fn write_all<W: AsyncWrite + Unpin>(
     }
 }
 
-/// Queued bytes above which the reader stops taking new calls: room for the largest
-/// message either way, twice, and at least 16 MiB.
-pub(super) fn high_water(local_max: u32, remote_max: u32) -> usize {
-    (local_max as usize)
-        .max(remote_max as usize)
-        .saturating_mul(2)
-        .max(16 << 20)
-}
-
 /// Backpressure for frames that make this side write (calls, pings): a peer that keeps
 /// sending them but stops reading stalls here instead of growing the writer's queue.
 pub(super) async fn wait_for_room(s: &Shared) {
-    while s.queued.load(Ordering::Relaxed) > s.high_water.load(Ordering::Relaxed) {
+    let mark = s.settings.max_queued;
+    while s.queued.load(Ordering::Relaxed) > mark {
         let drained = s.drained.notified();
-        if s.queued.load(Ordering::Relaxed) <= s.high_water.load(Ordering::Relaxed)
-            || s.closed_reason().is_some()
-        {
+        if s.queued.load(Ordering::Relaxed) <= mark || s.closed_reason().is_some() {
             break;
         }
         drained.await;

@@ -92,3 +92,36 @@ async fn calls_beyond_the_inbound_limit_are_refused_as_overloaded() {
     }
     assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
 }
+
+#[tokio::test]
+async fn streams_and_uploads_count_in_the_inbound_limit_and_refusals_are_counted() {
+    use futures::StreamExt;
+    let (server, _) = calc_server(Config::default().max_inbound_calls(2));
+    let (c, s) = pair(&server, &Endpoint::builder().build()).await.unwrap();
+    let calc = CalcClient::new(c);
+    // A stream that is never read (its producer waits for credits) and an upload that
+    // never ends (its handler waits for items): both keep running.
+    let unread = calc.items(1_000_000, 0).await.unwrap();
+    let upload = {
+        let calc = calc.clone();
+        tokio::spawn(async move { calc.sum_upload(0, futures::stream::pending()).await })
+    };
+    eventually("both calls run", || s.stats().in_flight_in == 2).await;
+
+    let mut stream = calc.items(1, 0).await.unwrap();
+    let err = stream.next().await.unwrap().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Overloaded, "{err}");
+    let err = calc
+        .sum_upload(0, futures::stream::iter([1i64]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Overloaded, "{err}");
+    let err = calc.sum(1, 2).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Overloaded, "{err}");
+    assert_eq!(server.stats().calls_refused, 3);
+
+    drop(unread);
+    upload.abort();
+    eventually("the held calls ended", || s.stats().in_flight_in == 0).await;
+    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+}

@@ -3,7 +3,7 @@
 use axum::routing::get;
 use axum::Router;
 use coherent_rpc::{Config, Endpoint};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 
 use crate::support::*;
 
@@ -85,4 +85,127 @@ async fn websocket_connections_are_untrusted_and_tcp_ones_trusted_unless_configu
     let (server, _) = calc_server(Config::default().trust(Trust::Untrusted));
     let (_, s) = pair(&server, &Endpoint::builder().build()).await.unwrap();
     assert_eq!(s.trust(), Trust::Untrusted);
+}
+
+/// Serves `server`'s WebSocket handler on a loopback port.
+async fn serve_ws(server: &Endpoint) -> std::net::SocketAddr {
+    let app = Router::new().route("/rpc", get(server.websocket_handler()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// Opens a WebSocket to `addr`'s `/rpc` as a browser on `origin` would (none: not a
+/// browser); returns the HTTP status of the answer and the socket if it was upgraded.
+async fn upgrade(
+    addr: std::net::SocketAddr,
+    origin: Option<&str>,
+) -> (
+    u16,
+    Option<tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<TcpStream>>>,
+) {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::Error;
+    let mut request = format!("ws://{addr}/rpc").into_client_request().unwrap();
+    if let Some(origin) = origin {
+        request
+            .headers_mut()
+            .insert("origin", origin.parse().unwrap());
+    }
+    match tokio_tungstenite::connect_async(request).await {
+        Ok((ws, response)) => (response.status().as_u16(), Some(ws)),
+        Err(Error::Http(response)) => {
+            let body = response.body().as_deref().unwrap_or_default();
+            let body = String::from_utf8_lossy(body);
+            assert!(body.contains("origin"), "the reason: {body}");
+            (response.status().as_u16(), None)
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[tokio::test]
+async fn a_cross_origin_upgrade_is_refused_and_same_origin_no_origin_and_listed_ones_are_not() {
+    let (server, _) = calc_server(Config::default());
+    let addr = serve_ws(&server).await;
+    assert_eq!(upgrade(addr, Some("https://evil.example")).await.0, 403);
+    assert_eq!(upgrade(addr, Some("null")).await.0, 403);
+    assert_eq!(upgrade(addr, Some(&format!("http://{addr}"))).await.0, 101);
+    assert_eq!(upgrade(addr, None).await.0, 101);
+    assert_eq!(server.stats().origins_refused, 2);
+    // The refusal comes before the RPC handshake: no connection was made.
+    assert_eq!(server.stats().connections_refused, 0);
+
+    let (listed, _) = calc_server(Config::default().allowed_origins(["https://app.example/"]));
+    let addr = serve_ws(&listed).await;
+    assert_eq!(upgrade(addr, Some("https://app.example")).await.0, 101);
+    assert_eq!(upgrade(addr, Some(&format!("http://{addr}"))).await.0, 101);
+    assert_eq!(upgrade(addr, Some("https://evil.example")).await.0, 403);
+
+    let (any, _) = calc_server(Config::default().allowed_origins(["*"]));
+    let addr = serve_ws(&any).await;
+    assert_eq!(upgrade(addr, Some("https://evil.example")).await.0, 101);
+}
+
+/// axum's default let one WebSocket message be 64 MiB, all buffered before the protocol's
+/// limit saw a byte of it.
+#[tokio::test]
+async fn a_websocket_message_over_the_limit_closes_the_connection_unread() {
+    use coherent_rpc::frame::{Compression, Header, Kind, MAX_HEADER_LEN};
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    fn frame(kind: Kind, payload: &[u8]) -> Vec<u8> {
+        let mut head = [0u8; MAX_HEADER_LEN];
+        let n = Header {
+            kind,
+            compression: Compression::None,
+            upload: false,
+            call_id: 0,
+            method_id: 0,
+            len: payload.len() as u32,
+        }
+        .encode(&mut head);
+        let mut out = head[..n].to_vec();
+        out.extend_from_slice(payload);
+        out
+    }
+    // The largest message the server takes is then 1 MiB (what this crate's side writes).
+    let (server, _) = calc_server(Config::default().max_message_size(64 << 10));
+    let addr = serve_ws(&server).await;
+    let (_, ws) = upgrade(addr, None).await;
+    let mut ws = ws.unwrap();
+    ws.send(Message::binary(frame(
+        Kind::Hello,
+        &crate::hostile::hello().encode(),
+    )))
+    .await
+    .unwrap();
+    // Pings of 1 KiB, each well under the limit, 2 MiB of them in one message.
+    let mut flood = Vec::new();
+    while flood.len() < 2 << 20 {
+        flood.extend_from_slice(&frame(Kind::Ping, &[0u8; 1024]));
+    }
+    let _ = ws.send(Message::binary(flood)).await;
+    let mut got = Vec::new();
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while let Some(Ok(m)) = ws.next().await {
+            if let Message::Binary(b) = m {
+                got.extend_from_slice(&b);
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the server kept the connection open");
+    let mut kinds = Vec::new();
+    let mut at = 0;
+    while let Some((h, n)) = Header::decode(&got[at..], u32::MAX).unwrap() {
+        kinds.push(h.kind);
+        at += n + h.len as usize;
+    }
+    assert_eq!(kinds.first(), Some(&Kind::HelloAck));
+    assert!(
+        !kinds.contains(&Kind::Pong),
+        "the message was read: {kinds:?}"
+    );
 }
