@@ -79,6 +79,19 @@ impl LiveBackend {
         listener: TcpListener,
         notifier: Option<Notifier>,
     ) -> anyhow::Result<Self> {
+        Self::start_with(db, listener, notifier, None).await
+    }
+
+    /// [`start`](Self::start), with logins: a connection to the endpoint over `/rpc` that
+    /// carries a login cookie authenticates as its user (`coherent_rpc::Identity`, the
+    /// [`User`](crate::session::User) as its principal), one without is anonymous (and
+    /// may read, not run commands), as is one whose cookie does not verify.
+    pub async fn start_with(
+        db: &DbConfig,
+        listener: TcpListener,
+        notifier: Option<Notifier>,
+        auth: Option<crate::session::Auth>,
+    ) -> anyhow::Result<Self> {
         let store = db.open(16).await?;
         let registry = Registry::new();
         let backend = TasksBackend::new(store, &registry);
@@ -98,10 +111,22 @@ impl LiveBackend {
             builder = builder.notifier(n);
         }
         let host = live::commands(builder, &backend).start().await?;
-        let endpoint = Endpoint::builder()
+        let mut endpoint = Endpoint::builder()
             .service(remote.service())
-            .service(CommandsServer::new(host.clone()))
-            .build();
+            .service(CommandsServer::new(host.clone()));
+        if let Some(auth) = auth {
+            endpoint = endpoint.authenticate_with(move |creds| {
+                // A cookie that does not verify (signed under a secret since changed) is
+                // no login, as over HTTP: the connection is anonymous.
+                let user = creds
+                    .cookies(crate::session::COOKIE)
+                    .find_map(|v| auth.verify(v));
+                std::future::ready(Ok(
+                    user.map(|u| coherent_rpc::Identity::new(u.name.clone()).with_principal(u))
+                ))
+            });
+        }
+        let endpoint = endpoint.build();
         let addr = listener.local_addr()?;
         let serving = tokio::spawn({
             let endpoint = endpoint.clone();

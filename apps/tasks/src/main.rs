@@ -142,12 +142,12 @@ enum AuthMode {
 }
 
 impl AuthArgs {
-    /// `router` behind the logins, or as it is with `--auth off`.
-    fn apply(self, router: axum::Router) -> anyhow::Result<axum::Router> {
+    /// The logins, or `None` with `--auth off`.
+    fn build(self) -> anyhow::Result<Option<coherent_tasks::session::Auth>> {
         use coherent_tasks::session::{Auth, AuthConfig};
         if self.auth == AuthMode::Off {
             eprintln!("tasks: --auth off: anyone who reaches this server may read and write");
-            return Ok(router);
+            return Ok(None);
         }
         let secret = match self.session_secret {
             Some(s) => s.into_bytes(),
@@ -169,7 +169,15 @@ impl AuthArgs {
                 .ok_or_else(|| anyhow::anyhow!("--user {user:?}: NAME:PASSWORD"))?;
             config = config.user(name, password);
         }
-        Ok(Auth::new(config)?.protect(router))
+        Ok(Some(Auth::new(config)?))
+    }
+}
+
+/// `router` behind `auth`'s rules, or as it is without.
+fn protect(auth: Option<&coherent_tasks::session::Auth>, router: axum::Router) -> axum::Router {
+    match auth {
+        Some(auth) => auth.protect(router),
+        None => router,
     }
 }
 
@@ -217,6 +225,7 @@ async fn main() -> anyhow::Result<()> {
             seed,
             auth,
         } => {
+            let auth = auth.build()?;
             if let Some(tasks) = seed {
                 let store = db.open(2).await?;
                 if store.projects().await?.is_empty() {
@@ -244,7 +253,7 @@ async fn main() -> anyhow::Result<()> {
                 }
                 Kind::Coherent if connect.is_empty() => {
                     let listener = TcpListener::bind("127.0.0.1:0").await?;
-                    let b = LiveBackend::start(&db, listener, None).await?;
+                    let b = LiveBackend::start_with(&db, listener, None, auth.clone()).await?;
                     let router = b.http_router(web::dir(web)).await?;
                     in_process = Some(b);
                     router
@@ -260,7 +269,7 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 eprintln!("tasks: serving http://{addr}/api/tasks");
             }
-            app::serve_http(listener, auth.apply(router)?).await
+            app::serve_http(listener, protect(auth.as_ref(), router)).await
         }
         Cmd::Backend {
             listen,
@@ -268,7 +277,9 @@ async fn main() -> anyhow::Result<()> {
             web,
             auth,
         } => {
-            let b = LiveBackend::start(&db, TcpListener::bind(listen).await?, None).await?;
+            let auth = auth.build()?;
+            let listener = TcpListener::bind(listen).await?;
+            let b = LiveBackend::start_with(&db, listener, None, auth.clone()).await?;
             eprintln!("tasks: Coherent backend on {}", b.addr);
             if let Some(http) = http {
                 let listener = TcpListener::bind(http).await?;
@@ -276,7 +287,7 @@ async fn main() -> anyhow::Result<()> {
                     "tasks: serving http://{}/ (the live page), /api, /rpc and /gateway",
                     listener.local_addr()?
                 );
-                let router = auth.apply(b.http_router(web::dir(web)).await?)?;
+                let router = protect(auth.as_ref(), b.http_router(web::dir(web)).await?);
                 tokio::spawn(async move {
                     if let Err(e) = app::serve_http(listener, router).await {
                         tracing::error!(error = %format!("{e:#}"), "the backend's HTTP stopped");

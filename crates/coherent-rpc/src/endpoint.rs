@@ -17,13 +17,14 @@ use crate::frame::{Compression, Header, Kind};
 use crate::handshake::{self, Hello};
 use crate::net::Due;
 use crate::peer::{self, Out, Peer, Role, Settings};
-use crate::service::{BoxFuture, Identity, Registry, Service};
+use crate::service::{BoxFuture, Credentials, Identity, Registry, Service};
 
 /// How long, and for how many bytes, a refused connection is drained before it is dropped.
 const LINGER: std::time::Duration = std::time::Duration::from_secs(1);
 const LINGER_BYTES: usize = 1 << 20;
 
-type AuthHook = Arc<dyn Fn(String) -> BoxFuture<Result<Identity, String>> + Send + Sync>;
+type AuthHook =
+    Arc<dyn Fn(Credentials) -> BoxFuture<Result<Option<Identity>, String>> + Send + Sync>;
 
 /// Builds an [`Endpoint`].
 #[derive(Default)]
@@ -58,7 +59,40 @@ impl EndpointBuilder {
         F: Fn(String) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Identity, String>> + Send + 'static,
     {
-        self.auth = Some(Arc::new(move |t| Box::pin(hook(t))));
+        self.auth = Some(Arc::new(move |c: Credentials| {
+            let checked = hook(c.token);
+            Box::pin(async move { checked.await.map(Some) })
+        }));
+        self
+    }
+
+    /// Checks every accepted connection by what it presented ([`Credentials`]: its token,
+    /// and over WebSocket its upgrade request's headers and cookies). `Ok(Some(identity))`
+    /// accepts it as `identity` (visible to handlers through `CallContext::identity`,
+    /// with a typed principal if the hook attached one), `Ok(None)` accepts it as
+    /// anonymous, `Err(reason)` refuses it with `Unauthenticated`.
+    ///
+    /// ```
+    /// # use coherent_rpc::{Endpoint, Identity};
+    /// #[derive(Debug)]
+    /// struct User { id: u64 }
+    /// let endpoint = Endpoint::builder()
+    ///     .authenticate_with(|creds| async move {
+    ///         match creds.cookie("session") {
+    ///             Some("s3cr3t") => Ok(Some(Identity::new("alice").with_principal(User { id: 7 }))),
+    ///             Some(_) => Err("unknown session".to_owned()),
+    ///             None => Ok(None), // anonymous: what it may do is up to the services
+    ///         }
+    ///     })
+    ///     .build();
+    /// # let _ = endpoint;
+    /// ```
+    pub fn authenticate_with<F, Fut>(mut self, hook: F) -> Self
+    where
+        F: Fn(Credentials) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Option<Identity>, String>> + Send + 'static,
+    {
+        self.auth = Some(Arc::new(move |c| Box::pin(hook(c))));
         self
     }
 
@@ -240,8 +274,24 @@ impl Endpoint {
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
+        self.accept_with(io, transport, Vec::new()).await
+    }
+
+    /// [`accept_by`](Self::accept_by), with the headers of the HTTP request that carried
+    /// the connection (WebSocket), for the authentication hook.
+    pub(crate) async fn accept_with<IO>(
+        &self,
+        io: IO,
+        transport: Trust,
+        headers: Vec<(String, String)>,
+    ) -> Result<Peer, RpcError>
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
         let (rd, wr) = tokio::io::split(io);
-        let (peer, reader) = self.handshake_accepting(rd, wr, None, transport).await?;
+        let (peer, reader) = self
+            .handshake_accepting(rd, wr, None, (transport, headers))
+            .await?;
         // The reader runs later, on its own task: the answer to the `Hello` goes now.
         peer.shared.uncork();
         tokio::spawn(reader);
@@ -268,7 +318,7 @@ impl Endpoint {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (_peer, reader) = self
-            .handshake_accepting(rd, wr, due, Trust::Trusted)
+            .handshake_accepting(rd, wr, due, (Trust::Trusted, Vec::new()))
             .await?;
         reader.await;
         Ok(())
@@ -279,7 +329,7 @@ impl Endpoint {
         mut rd: R,
         mut wr: W,
         due: Option<Due>,
-        transport: Trust,
+        (transport, headers): (Trust, Vec<(String, String)>),
     ) -> Result<(Peer, impl Future<Output = ()> + Send + 'static), RpcError>
     where
         R: AsyncRead + Unpin + Send + 'static,
@@ -302,11 +352,18 @@ impl Endpoint {
             let hello = Hello::decode(&payload)?;
             let identity = match &self.inner.auth {
                 None => None,
-                Some(auth) => Some(
-                    auth(hello.token.clone())
+                Some(auth) => {
+                    // A WebSocket upgrade always has headers (`Host`, `Upgrade`...).
+                    let over_http = !headers.is_empty();
+                    let credentials = Credentials {
+                        token: hello.token.clone(),
+                        headers,
+                        over_http,
+                    };
+                    auth(credentials)
                         .await
-                        .map_err(|m| RpcError::new(ErrorCode::Unauthenticated, m))?,
-                ),
+                        .map_err(|m| RpcError::new(ErrorCode::Unauthenticated, m))?
+                }
             };
             Ok((hello, identity, buf, slot))
         };

@@ -61,8 +61,8 @@ pub use frame::Compression;
 pub use peer::{CallOptions, EndpointStats, Peer, Stats};
 pub use reconnect::{Backoff, Reconnecting};
 pub use service::{
-    item_stream, method_id, BoxFuture, CallContext, EncodeItems, Identity, ItemStream, MethodInfo,
-    MethodKind, Response, ServerStream, Service,
+    item_stream, method_id, BoxFuture, CallContext, Credentials, EncodeItems, Identity, ItemStream,
+    MethodInfo, MethodKind, Response, ServerStream, Service,
 };
 pub use stream::{ClientStream, Upload};
 

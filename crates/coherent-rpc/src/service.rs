@@ -177,25 +177,125 @@ impl Registry {
     }
 }
 
-/// Who a connection authenticated as, from the endpoint's authentication hook.
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Identity(Arc<str>);
+/// Who a connection authenticated as, from the endpoint's authentication hook: a name, and
+/// optionally a typed principal of the application's own (its user record, its roles), which
+/// handlers read back with [`Identity::principal`]. Two identities are equal when their
+/// names are.
+#[derive(Clone)]
+pub struct Identity {
+    name: Arc<str>,
+    principal: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
 
 impl Identity {
     /// An identity named `name`.
     pub fn new(name: impl Into<Arc<str>>) -> Self {
-        Self(name.into())
+        Self {
+            name: name.into(),
+            principal: None,
+        }
+    }
+
+    /// This identity carrying `principal`, the application's own description of who it is.
+    pub fn with_principal<P: std::any::Any + Send + Sync>(mut self, principal: P) -> Self {
+        self.principal = Some(Arc::new(principal));
+        self
     }
 
     /// Its name.
     pub fn name(&self) -> &str {
-        &self.0
+        &self.name
+    }
+
+    /// The principal it carries, if it carries one of type `P`.
+    pub fn principal<P: std::any::Any + Send + Sync>(&self) -> Option<&P> {
+        self.principal.as_deref()?.downcast_ref()
+    }
+}
+
+impl PartialEq for Identity {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for Identity {}
+
+impl std::hash::Hash for Identity {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name.hash(state);
     }
 }
 
 impl fmt::Debug for Identity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Identity({})", self.name())
+    }
+}
+
+/// What a connecting client presented, for the endpoint's authentication hook
+/// ([`EndpointBuilder::authenticate_with`](crate::EndpointBuilder::authenticate_with)):
+/// the bearer token of its `Hello`, and for a connection that came over WebSocket, the
+/// headers of its HTTP upgrade request (where a browser's cookies are: a page's script
+/// cannot set headers on a WebSocket, and its token would be readable by any script on the
+/// page).
+#[derive(Clone, Default)]
+pub struct Credentials {
+    pub(crate) token: String,
+    /// Lowercase names; values that are not UTF-8 are left out.
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) over_http: bool,
+}
+
+impl Credentials {
+    /// The bearer token of the `Hello` (empty when the client sent none).
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// Whether the connection came through an HTTP upgrade (WebSocket), so that
+    /// [`header`](Self::header) and [`cookie`](Self::cookie) can say something.
+    pub fn over_http(&self) -> bool {
+        self.over_http
+    }
+
+    /// The first value of the upgrade request's header `name` (any case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Every value of the upgrade request's cookie `name`, in order (a browser may send
+    /// several cookies of one name, for different paths).
+    pub fn cookies<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n == "cookie")
+            .flat_map(|(_, v)| v.split(';'))
+            .filter_map(|c| c.trim().split_once('='))
+            .filter(move |(k, _)| *k == name)
+            .map(|(_, v)| v)
+    }
+
+    /// The first value of the upgrade request's cookie `name`.
+    pub fn cookie<'a>(&'a self, name: &'a str) -> Option<&'a str> {
+        self.cookies(name).next()
+    }
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Tokens and cookies are secrets: their presence only.
+        f.debug_struct("Credentials")
+            .field("token", &(!self.token.is_empty()))
+            .field("over_http", &self.over_http)
+            .field(
+                "headers",
+                &self.headers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish()
     }
 }
 

@@ -146,6 +146,21 @@ impl Endpoint {
     /// Accepts a connection on an upgraded axum WebSocket: [`Trust::Untrusted`] unless
     /// [`Config::trust`](crate::Config::trust) says otherwise.
     pub async fn accept_websocket(&self, socket: WebSocket) -> Result<Peer, RpcError> {
+        self.accept_websocket_from(socket, &HeaderMap::new()).await
+    }
+
+    /// [`accept_websocket`](Self::accept_websocket), giving the authentication hook
+    /// ([`EndpointBuilder::authenticate_with`](crate::EndpointBuilder::authenticate_with))
+    /// the upgrade request's `headers` (a browser's cookies).
+    pub async fn accept_websocket_from(
+        &self,
+        socket: WebSocket,
+        headers: &HeaderMap,
+    ) -> Result<Peer, RpcError> {
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+            .collect();
         let io = socket
             .map(|m| match m {
                 Ok(AxumMessage::Binary(b)) => Some(Ok(b)),
@@ -156,12 +171,13 @@ impl Endpoint {
             .filter_map(std::future::ready)
             .sink_map_err(io::Error::other)
             .with(|b: Bytes| std::future::ready(Ok::<_, io::Error>(AxumMessage::Binary(b))));
-        self.accept_by(
+        self.accept_with(
             MessageIo {
                 inner: Box::pin(io),
                 pending: Bytes::new(),
             },
             Trust::Untrusted,
+            headers,
         )
         .await
     }
@@ -195,7 +211,7 @@ impl Endpoint {
             let this = this.clone();
             std::future::ready(ws.max_message_size(max).max_frame_size(max).on_upgrade(
                 move |socket| async move {
-                    if let Err(e) = this.accept_websocket(socket).await {
+                    if let Err(e) = this.accept_websocket_from(socket, &headers).await {
                         tracing::debug!(%e, "WebSocket handshake failed");
                     }
                 },
@@ -205,8 +221,28 @@ impl Endpoint {
 
     /// Connects to a `ws://` URL served by [`websocket_handler`](Self::websocket_handler).
     pub async fn connect_websocket(&self, url: &str) -> Result<Peer, RpcError> {
+        self.connect_websocket_with_headers(url, &[]).await
+    }
+
+    /// [`connect_websocket`](Self::connect_websocket), sending `headers` with the upgrade
+    /// request: a cookie or an `Authorization` header for a server whose authentication
+    /// hook reads them, an `Origin` for one that checks it.
+    pub async fn connect_websocket_with_headers(
+        &self,
+        url: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<Peer, RpcError> {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let bad =
+            |e: &dyn std::fmt::Display| RpcError::disconnected(format!("WebSocket request: {e}"));
+        let mut request = url.into_client_request().map_err(|e| bad(&e))?;
+        for (name, value) in headers {
+            let name = axum::http::HeaderName::from_bytes(name.as_bytes()).map_err(|e| bad(&e))?;
+            let value = axum::http::HeaderValue::from_str(value).map_err(|e| bad(&e))?;
+            request.headers_mut().append(name, value);
+        }
         let timeout = self.config_ref().handshake_timeout;
-        let (ws, _) = tokio::time::timeout(timeout, tokio_tungstenite::connect_async(url))
+        let (ws, _) = tokio::time::timeout(timeout, tokio_tungstenite::connect_async(request))
             .await
             .map_err(|_| RpcError::disconnected("WebSocket connect timed out"))?
             .map_err(|e| RpcError::disconnected(format!("WebSocket connect failed: {e}")))?;

@@ -380,3 +380,56 @@ async fn writes_need_a_login_and_reads_one_when_anonymous_reads_are_off() {
     }
     backend.stop().await;
 }
+
+/// Over `/rpc`, a browser's login cookie makes its connection its user's (its
+/// `coherent_rpc::Identity`): it may run commands; without one (or with a forged one) the
+/// connection is anonymous and may only read.
+#[tokio::test]
+async fn a_websocket_with_a_login_cookie_runs_commands_as_its_user() {
+    use coherent_tasks::session::{Auth, AuthConfig, COOKIE};
+    let db = Db::sqlite();
+    let dir = tempfile::tempdir().unwrap();
+    let auth = Auth::new(AuthConfig::new(*b"a secret of 32 bytes, not random").user("alice", "pw"))
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let backend = coherent_tasks::app::LiveBackend::start_with(
+        &db.config,
+        listener,
+        None,
+        Some(auth.clone()),
+    )
+    .await
+    .unwrap();
+    let router = auth.protect(backend.http_router(dir.path().to_owned()).await.unwrap());
+    let (base, serving) = crate::harness::serve(router).await;
+    let url = format!("ws{}/rpc", base.trim_start_matches("http"));
+    let cookie = format!("{COOKIE}={}", auth.login("alice", "pw").unwrap());
+    let create = CreateProject {
+        new: NewProject { name: "p".into() },
+    };
+
+    let client = coherent::rpc::Endpoint::builder().build();
+    for headers in [
+        vec![],
+        vec![("cookie", format!("{COOKIE}=61646d696e.1.00"))],
+    ] {
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let anonymous = client
+            .connect_websocket_with_headers(&url, &headers)
+            .await
+            .unwrap();
+        let e = CommandClient::new(anonymous)
+            .run(&create)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unauthorized, "{e}");
+    }
+    let alice = client
+        .connect_websocket_with_headers(&url, &[("cookie", &cookie)])
+        .await
+        .unwrap();
+    let project = CommandClient::new(alice).run(&create).await.unwrap();
+    assert_eq!(project.name, "p");
+    serving.abort();
+    backend.stop().await;
+}

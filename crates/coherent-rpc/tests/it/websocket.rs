@@ -209,3 +209,80 @@ async fn a_websocket_message_over_the_limit_closes_the_connection_unread() {
         "the message was read: {kinds:?}"
     );
 }
+
+/// The authentication hook sees a WebSocket's upgrade request (a browser's cookie), accepts
+/// anonymous connections when it says so, and hands handlers a typed principal.
+#[tokio::test]
+async fn the_auth_hook_reads_cookies_of_the_upgrade_and_attaches_a_principal() {
+    use coherent_rpc::Identity;
+
+    #[derive(Debug, PartialEq)]
+    struct User {
+        id: u64,
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let server = Endpoint::builder()
+        .authenticate_with(move |creds| {
+            let tx = tx.clone();
+            async move {
+                assert!(creds.over_http());
+                let identity = match creds.cookie("session") {
+                    Some("alice-session") => {
+                        Some(Identity::new("alice").with_principal(User { id: 7 }))
+                    }
+                    Some(_) => return Err("unknown session".to_owned()),
+                    None => None,
+                };
+                tx.send(creds.header("x-probe").map(str::to_owned)).unwrap();
+                Ok(identity)
+            }
+        })
+        .build();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (peers_tx, mut peers) = tokio::sync::mpsc::unbounded_channel();
+    let app = Router::new().route(
+        "/rpc",
+        get(
+            move |headers: axum::http::HeaderMap, ws: axum::extract::WebSocketUpgrade| {
+                let (server, peers_tx) = (server.clone(), peers_tx.clone());
+                std::future::ready(ws.on_upgrade(move |socket| async move {
+                    if let Ok(peer) = server.accept_websocket_from(socket, &headers).await {
+                        let identity = peer.identity().cloned();
+                        peers_tx.send(identity).unwrap();
+                        peer.when_closed().await;
+                    }
+                }))
+            },
+        ),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let url = format!("ws://{addr}/rpc");
+    let client = Endpoint::builder().build();
+
+    let _alice = client
+        .connect_websocket_with_headers(
+            &url,
+            &[
+                ("cookie", "theme=dark; session=alice-session"),
+                ("x-probe", "1"),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rx.recv().await.unwrap().as_deref(), Some("1"));
+    let identity = peers.recv().await.unwrap().unwrap();
+    assert_eq!(identity.name(), "alice");
+    assert_eq!(identity.principal::<User>(), Some(&User { id: 7 }));
+    assert_eq!(identity.principal::<String>(), None);
+
+    let _anonymous = client.connect_websocket(&url).await.unwrap();
+    rx.recv().await.unwrap();
+    assert!(peers.recv().await.unwrap().is_none());
+
+    let e = client
+        .connect_websocket_with_headers(&url, &[("cookie", "session=forged")])
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), coherent_rpc::ErrorCode::Unauthenticated, "{e}");
+}
