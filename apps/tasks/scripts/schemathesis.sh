@@ -61,7 +61,7 @@ run() {
     for _ in $(seq 1 120); do
         cookie=$(curl -s -o /dev/null -D - -H 'content-type: application/json' \
             -d '{"name":"st","password":"a password for schemathesis"}' \
-            "http://127.0.0.1:$port/api/session" | sed -n 's/^set-cookie: \([^;]*\).*/\1/ip')
+            "http://127.0.0.1:$port/api/session" | sed -n 's/^set-cookie: \([^;]*\).*/\1/ip' || true)
         [[ -n $cookie ]] && break
         sleep 0.5
     done

@@ -130,3 +130,64 @@ test("a change in one context shows in the other; offline, then live and current
   );
   await a.screenshot({ path: join(shots, "5-added.png") });
 });
+
+test("a page of another origin can neither open /rpc nor write through /api, even with the user logged in", async () => {
+  const { createServer } = await import("node:http");
+  // The attacker's page, on another port of the same host: same site, other origin, so the
+  // SameSite=Strict login cookie still goes with its requests and only the server's own
+  // checks (the Origin of the WebSocket upgrade, JSON-only writes) stand in the way.
+  const evil = createServer((_, res) => {
+    res.writeHead(200, { "content-type": "text/html" });
+    res.end("<!doctype html><title>evil</title>");
+  });
+  await new Promise((resolve) => evil.listen(0, "127.0.0.1", resolve));
+  try {
+    const context = await browser.newContext();
+    const page = await context.newPage();
+    await page.goto(server.url("/"));
+    await page.waitForSelector('[data-testid="connection"][data-state="live"]');
+    await logIn(page);
+    const project = (await api(server, "GET", "/api/projects"))[0].id;
+    const count = async () => (await api(server, "GET", `/api/projects/${project}/summary`)).total;
+    const before = await count();
+
+    await page.goto(`http://127.0.0.1:${evil.address().port}/`);
+    const target = server.url("");
+    const outcome = await page.evaluate(async ([target, project]) => {
+      const ws = await new Promise((resolve) => {
+        const s = new WebSocket(`${target.replace("http", "ws")}/rpc`);
+        s.onopen = () => resolve("opened");
+        s.onerror = () => resolve("refused");
+      });
+      const body = JSON.stringify({ project, title: "forged" });
+      // A "simple" request: no preflight, the cookie goes along.
+      const simple = await fetch(`${target}/api/tasks`, {
+        method: "POST",
+        mode: "no-cors",
+        credentials: "include",
+        headers: { "content-type": "text/plain" },
+        body,
+      }).then(
+        (r) => r.type,
+        (e) => `failed: ${e}`,
+      );
+      // A JSON request needs a preflight, which the server does not grant.
+      const json = await fetch(`${target}/api/tasks`, {
+        method: "POST",
+        credentials: "include",
+        headers: { "content-type": "application/json" },
+        body,
+      }).then(
+        (r) => `answered ${r.status}`,
+        () => "blocked",
+      );
+      return { ws, simple, json };
+    }, [target, project]);
+    assert.deepEqual(outcome, { ws: "refused", simple: "opaque", json: "blocked" });
+    // Nothing was written.
+    assert.equal(await count(), before);
+    await context.close();
+  } finally {
+    evil.close();
+  }
+});
