@@ -224,17 +224,31 @@ pub trait Backend: Send + Sync + 'static {
 
 /// The API's routes over `backend`, with the body limit and the OpenAPI document.
 pub fn router<B: Backend>(backend: Arc<B>) -> Router {
+    // Each route's methods behind the login rule (`session::require_login`): a layer of the
+    // route, so that it runs only for a method the route has.
+    let login = || axum::middleware::from_fn(crate::session::require_login);
     Router::new()
-        .route("/api/tasks", get(list::<B>).post(create::<B>))
+        .route(
+            "/api/tasks",
+            get(list::<B>).post(create::<B>).route_layer(login()),
+        )
         .route(
             "/api/tasks/{id}",
-            get(one::<B>).patch(update::<B>).delete(remove::<B>),
+            get(one::<B>)
+                .patch(update::<B>)
+                .delete(remove::<B>)
+                .route_layer(login()),
         )
         .route(
             "/api/projects",
-            get(projects::<B>).post(create_project::<B>),
+            get(projects::<B>)
+                .post(create_project::<B>)
+                .route_layer(login()),
         )
-        .route("/api/projects/{id}/summary", get(summary::<B>))
+        .route(
+            "/api/projects/{id}/summary",
+            get(summary::<B>).route_layer(login()),
+        )
         .route("/api/openapi.json", get(crate::openapi::serve))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::middleware::from_fn(json_only))

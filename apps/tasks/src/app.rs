@@ -212,8 +212,9 @@ pub async fn direct_router(db: &DbConfig) -> anyhow::Result<axum::Router> {
 }
 
 /// The bounds of the HTTP server that a client can reach: how long it may take to send a
-/// request's head and body, how long a connection may stay idle, how many connections are
-/// served at once. Every field has a default fit for the open internet.
+/// request, how long a connection may stay idle, how many connections are served at once,
+/// and how many of them one address may hold. Every field has a default fit for the open
+/// internet.
 #[derive(Clone, Debug)]
 pub struct HttpLimits {
     /// How long a client may take to send a request's head (its line and headers), counted
@@ -221,11 +222,21 @@ pub struct HttpLimits {
     /// sends nothing (or one byte a minute, slowloris) is closed when it runs out. It is
     /// also how long a kept-alive connection may stay idle. Default: 10 s.
     pub header_read_timeout: Duration,
-    /// How long a client may take to send a request's body. Default: 10 s.
+    /// The longest pause between two pieces of a request's body. Default: 10 s.
     pub body_read_timeout: Duration,
-    /// Connections served at once; further connections wait in the kernel's backlog until
-    /// one closes. Default: 10,000.
+    /// How long a request may take, from its head to its answer's head, its body read
+    /// included: a body dripped a byte at a time within `body_read_timeout` still ends
+    /// here (408). A stream once started (server-sent events, an upgraded WebSocket) is
+    /// not cut. Default: 30 s.
+    pub request_timeout: Duration,
+    /// Connections served at once, WebSockets upgraded from them included (a connection
+    /// holds its place until it closes); further connections wait in the kernel's backlog
+    /// until one closes. Default: 10,000.
     pub max_connections: usize,
+    /// Connections one IP address may hold at once; beyond it a new one from that address
+    /// is closed at once. Default: 256 (a browser opens about six per site; many users
+    /// behind one NAT or proxy share an address).
+    pub max_connections_per_ip: usize,
     /// The largest request head, in bytes: a larger one is answered 431 and closed.
     /// Default: 16 KiB.
     pub max_header_bytes: usize,
@@ -236,7 +247,9 @@ impl Default for HttpLimits {
         Self {
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
             max_connections: 10_000,
+            max_connections_per_ip: 256,
             max_header_bytes: 16 << 10,
         }
     }
@@ -248,7 +261,7 @@ pub async fn serve_http(listener: TcpListener, router: axum::Router) -> anyhow::
 }
 
 /// Serves `router` on `listener` with `limits` (HTTP/1.1, WebSocket upgrades included)
-/// until the listener fails with an error that is not about this process's resources.
+/// until the process ends: a failed accept is logged and retried, never the end.
 ///
 /// Not `axum::serve`: it sets no timer, so hyper's header timeout never runs, and it
 /// has no cap on connections.
@@ -260,10 +273,16 @@ pub async fn serve_http_with(
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::service::TowerToHyperService;
 
-    let router = router.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
-        limits.body_read_timeout,
-    ));
+    let router = router
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            limits.body_read_timeout,
+        ))
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            axum::http::StatusCode::REQUEST_TIMEOUT,
+            limits.request_timeout,
+        ));
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let per_ip = PerIp::new(limits.max_connections_per_ip.max(1));
     let mut backoff = AcceptBackoff::default();
     loop {
         let permit = slots
@@ -271,22 +290,34 @@ pub async fn serve_http_with(
             .acquire_owned()
             .await
             .context("the connection slots were closed")?;
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => {
+        let (stream, addr) = match listener.accept().await {
+            Ok(accepted) => {
                 backoff.reset();
-                stream
+                accepted
             }
-            Err(e) if is_resource_error(&e) => {
-                // Out of file descriptors or memory: accepting again at once would spin a
-                // core. Wait, longer each time, for connections to close.
+            // One connection's trouble (reset before it was accepted): the next, at once.
+            Err(e) if is_connection_error(&e) => continue,
+            Err(e) => {
+                // Out of file descriptors or memory, or anything else: accepting again at
+                // once would spin a core, and giving up would end the server. Wait, longer
+                // each time, for connections to close.
                 backoff.wait(&e).await;
                 continue;
             }
-            Err(e) => return Err(e.into()),
+        };
+        let Some(ip_slot) = per_ip.take(addr.ip()) else {
+            tracing::debug!(ip = %addr.ip(), "an address over its connection limit: closed");
+            continue;
         };
         // No Nagle: a WebSocket's small frames (an invalidation, an answer) would otherwise
         // wait for the peer's delayed ACK, 40 ms on Linux, behind an earlier one.
         let _ = stream.set_nodelay(true);
+        // The places go with the socket, into an upgraded WebSocket too, and are given back
+        // when it closes.
+        let stream = Placed {
+            io: stream,
+            _places: (permit, ip_slot),
+        };
         let service = TowerToHyperService::new(router.clone());
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(TokioTimer::new())
@@ -300,26 +331,123 @@ pub async fn serve_http_with(
             if let Err(e) = served {
                 tracing::debug!(%e, "an HTTP connection ended with an error");
             }
-            drop(permit);
         });
     }
 }
 
-/// Accept errors that say this process is short of something (file descriptors, memory,
-/// buffers), not that the listener broke: serving goes on once connections close.
-fn is_resource_error(e: &std::io::Error) -> bool {
+/// A socket and the places it holds (the server's, its address's), given back when the
+/// socket is dropped.
+struct Placed<P> {
+    io: tokio::net::TcpStream,
+    _places: P,
+}
+
+impl<P: Unpin> tokio::io::AsyncRead for Placed<P> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<P: Unpin> tokio::io::AsyncWrite for Placed<P> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Connections per IP address.
+#[derive(Clone)]
+struct PerIp {
+    max: usize,
+    open: Arc<parking_lot::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+}
+
+/// One connection's place among its address's: given back when dropped.
+struct IpSlot {
+    ip: std::net::IpAddr,
+    open: Arc<parking_lot::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+}
+
+impl PerIp {
+    fn new(max: usize) -> Self {
+        Self {
+            max,
+            open: Arc::default(),
+        }
+    }
+
+    fn take(&self, ip: std::net::IpAddr) -> Option<IpSlot> {
+        let mut open = self.open.lock();
+        let n = open.entry(ip).or_insert(0);
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(IpSlot {
+            ip,
+            open: self.open.clone(),
+        })
+    }
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut open = self.open.lock();
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                // Only addresses with connections are kept: the map is bounded by them.
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Accept errors about one connection (reset or aborted before it was accepted): the
+/// listener is fine, and the next accept may go at once.
+fn is_connection_error(e: &std::io::Error) -> bool {
     use std::io::ErrorKind;
     matches!(
         e.kind(),
         ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset | ErrorKind::Interrupted
-    ) || matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
     )
 }
 
-/// Waits between accepts that failed for want of resources: 10 ms, doubling to 1 s, back to
-/// 10 ms after an accept succeeds. Logs once per failure streak.
+/// Waits between accepts that failed (for want of file descriptors or memory, mostly): 10 ms,
+/// doubling to 1 s, back to 10 ms after an accept succeeds. Logs once per failure streak.
 #[derive(Default)]
 struct AcceptBackoff {
     failures: u32,

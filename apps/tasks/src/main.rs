@@ -24,7 +24,7 @@ struct Cli {
     #[command(subcommand)]
     command: Cmd,
     /// PostgreSQL to use instead of the SQLite file (empty: none).
-    #[arg(long, env = "DATABASE_URL", global = true)]
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
     /// The PostgreSQL schema of the tables.
     #[arg(long, default_value = "public", global = true)]
@@ -120,7 +120,8 @@ struct AuthArgs {
         long = "user",
         value_name = "NAME:PASSWORD",
         env = "TASKS_USERS",
-        value_delimiter = ','
+        value_delimiter = ',',
+        hide_env_values = true
     )]
     users: Vec<String>,
     /// The secret logins are signed with (16 bytes or more), the same for every process of
@@ -278,6 +279,14 @@ async fn main() -> anyhow::Result<()> {
             auth,
         } => {
             let auth = auth.build()?;
+            if !listen.ip().is_loopback() {
+                // Its TCP connections are trusted (the tiers): every write waits for them,
+                // and they run commands without a login.
+                eprintln!(
+                    "tasks: warning: the backend's RPC port {listen} trusts whoever connects \
+                     (it is for the HTTP tiers): keep it on a private network"
+                );
+            }
             let listener = TcpListener::bind(listen).await?;
             let b = LiveBackend::start_with(&db, listener, None, auth.clone()).await?;
             eprintln!("tasks: Coherent backend on {}", b.addr);

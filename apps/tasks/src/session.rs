@@ -93,7 +93,25 @@ struct Inner {
     anonymous_reads: bool,
     ttl: Duration,
     secure: bool,
+    /// Failed logins per configured user name, for [`Throttle`].
+    throttle: parking_lot::Mutex<HashMap<String, Throttle>>,
 }
+
+/// Failed logins of one user: after [`FREE_FAILURES`] in a row, each further attempt must
+/// wait, twice as long each time (1 s, 2 s, ... up to 15 min); a success forgets them.
+/// An online guesser of a weak password gets a few dozen tries a day instead of thousands
+/// a second; the user, locked out at worst for 15 minutes, logs in once it passes.
+#[derive(Default)]
+struct Throttle {
+    failures: u32,
+    until: u64,
+}
+
+/// Failed logins of a user allowed before [`Throttle`] makes them wait.
+const FREE_FAILURES: u32 = 5;
+
+/// The shortest password a user may be given.
+pub const MIN_PASSWORD: usize = 8;
 
 /// Why an [`AuthConfig`] cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -105,9 +123,9 @@ pub enum AuthConfigError {
     /// `_`, `-` and `.`.
     #[error("user name {0:?}: 1 to 64 letters, digits, '_', '-' or '.'")]
     BadName(String),
-    /// A password is empty.
-    #[error("user {0}: the password is empty")]
-    EmptyPassword(String),
+    /// A password is shorter than [`MIN_PASSWORD`] characters.
+    #[error("user {0}: the password must be at least 8 characters")]
+    ShortPassword(String),
 }
 
 fn valid_name(name: &str) -> bool {
@@ -129,8 +147,8 @@ impl Auth {
             if !valid_name(&name) {
                 return Err(AuthConfigError::BadName(name));
             }
-            if password.is_empty() {
-                return Err(AuthConfigError::EmptyPassword(name));
+            if password.chars().count() < MIN_PASSWORD {
+                return Err(AuthConfigError::ShortPassword(name));
             }
             let mac = mac(&key, &[b"password", name.as_bytes(), password.as_bytes()]);
             users.insert(name, mac);
@@ -142,6 +160,7 @@ impl Auth {
                 anonymous_reads: config.anonymous_reads,
                 ttl: config.session_ttl,
                 secure: config.secure_cookie,
+                throttle: parking_lot::Mutex::default(),
             }),
         })
     }
@@ -153,22 +172,51 @@ impl Auth {
 
     /// The cookie value of a login as `name`, if the password is right.
     pub fn login(&self, name: &str, password: &str) -> Option<String> {
-        let expected = self.inner.users.get(name)?;
-        signer(
+        self.try_login(name, password).ok()
+    }
+
+    /// [`login`](Self::login), saying why not: a wrong name or password, or the user's
+    /// failed logins throttled (the seconds to wait).
+    fn try_login(&self, name: &str, password: &str) -> Result<String, Refusal> {
+        let now = now_secs();
+        if let Some(t) = self.inner.throttle.lock().get(name) {
+            if t.until > now {
+                return Err(Refusal::Throttled(t.until - now));
+            }
+        }
+        // An unknown name costs the same MAC as a known one: its answer comes no sooner.
+        let unknown = Vec::new();
+        let expected = self.inner.users.get(name);
+        let right = signer(
             &self.inner.key,
             &[b"password", name.as_bytes(), password.as_bytes()],
         )
-        .verify_slice(expected)
-        .ok()?;
-        let expires = now_secs().saturating_add(self.inner.ttl.as_secs());
-        Some(self.token(name, expires))
+        .verify_slice(expected.unwrap_or(&unknown))
+        .is_ok();
+        let Some(stamp) = expected.filter(|_| right) else {
+            if expected.is_some() {
+                let mut throttle = self.inner.throttle.lock();
+                let t = throttle.entry(name.to_owned()).or_default();
+                t.failures += 1;
+                if t.failures > FREE_FAILURES {
+                    let wait = 1u64 << (t.failures - FREE_FAILURES - 1).min(10);
+                    t.until = now + wait.min(15 * 60);
+                }
+            }
+            return Err(Refusal::Wrong);
+        };
+        self.inner.throttle.lock().remove(name);
+        let expires = now.saturating_add(self.inner.ttl.as_secs());
+        Ok(self.token(name, expires, stamp))
     }
 
-    /// `name.expires.signature`, the name and the signature in hex.
-    fn token(&self, name: &str, expires: u64) -> String {
+    /// `name.expires.signature`, the name and the signature in hex. The signature covers the
+    /// user's password MAC too (not in the cookie): a new password, or the user's removal,
+    /// ends the logins made before.
+    fn token(&self, name: &str, expires: u64, stamp: &[u8]) -> String {
         let signature = mac(
             &self.inner.key,
-            &[b"session", name.as_bytes(), &expires.to_le_bytes()],
+            &[b"session", name.as_bytes(), &expires.to_le_bytes(), stamp],
         );
         format!("{}.{expires}.{}", hex(name.as_bytes()), hex(&signature))
     }
@@ -181,10 +229,15 @@ impl Auth {
             return None;
         }
         let name = String::from_utf8(unhex(name)?).ok()?;
+        if expires.starts_with('+') {
+            return None;
+        }
         let expires: u64 = expires.parse().ok()?;
+        // A user no longer configured has no stamp: its logins are over.
+        let stamp = self.inner.users.get(&name)?;
         signer(
             &self.inner.key,
-            &[b"session", name.as_bytes(), &expires.to_le_bytes()],
+            &[b"session", name.as_bytes(), &expires.to_le_bytes(), stamp],
         )
         .verify_slice(&unhex(signature)?)
         .ok()?;
@@ -214,7 +267,13 @@ impl Auth {
     /// `router` behind the rules, with `/api/session` beside it (see the module's docs).
     pub fn protect(&self, router: Router) -> Router {
         Router::new()
-            .route("/api/session", post(login).get(whoami).delete(logout))
+            .route(
+                "/api/session",
+                post(login)
+                    .get(whoami)
+                    .delete(logout)
+                    .layer(axum::extract::DefaultBodyLimit::max(MAX_LOGIN_BODY)),
+            )
             .with_state(self.clone())
             .merge(router)
             .layer(axum::middleware::from_fn_with_state(self.clone(), guard))
@@ -277,34 +336,53 @@ fn error(status: StatusCode, message: &str) -> Response {
         .into_response()
 }
 
-/// The rules, before any route runs.
+/// What the outer middleware tells the API's routes: logins are required by these rules,
+/// and who (if anyone) the request's cookie stands for. The rules themselves run in
+/// [`require_login`], a layer of each API route, so that a method a route does not have
+/// stays a 405 and an unknown path a 404, logged in or not.
+#[derive(Clone, Debug)]
+pub struct Logins {
+    /// Whether clients that did not log in may read.
+    pub anonymous_reads: bool,
+    /// The request's user.
+    pub user: Option<User>,
+}
+
+/// The rules, before any route runs: `/rpc` and `/gateway` (not the API's, whose routes
+/// check [`Logins`] themselves).
 async fn guard(State(auth): State<Auth>, req: Request, next: Next) -> Response {
     let path = req.uri().path();
-    let api = path.starts_with("/api/");
-    let open = path == "/api/session" || path == "/api/openapi.json";
-    let reads = api || path == "/rpc" || path.starts_with("/gateway");
-    // The methods that change something; others (TRACE, a made-up one) go on to the
-    // router, which answers 405 where a route has no such method.
-    let writes = api
-        && matches!(
-            *req.method(),
-            Method::POST | Method::PUT | Method::PATCH | Method::DELETE
+    let user = auth.user(req.headers());
+    let reads = path == "/rpc" || path == "/rpc/" || path.starts_with("/gateway");
+    if reads && !auth.inner.anonymous_reads && user.is_none() {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "log in before reading: POST /api/session",
         );
-    if !open && (writes || (reads && !auth.inner.anonymous_reads)) {
-        match auth.user(req.headers()) {
-            Some(user) => {
-                let mut req = req;
-                req.extensions_mut().insert(user);
-                return next.run(req).await;
-            }
-            None => {
-                let what = if writes { "writing" } else { "reading" };
-                return error(
-                    StatusCode::UNAUTHORIZED,
-                    &format!("log in before {what}: POST /api/session"),
-                );
-            }
-        }
+    }
+    let mut req = req;
+    req.extensions_mut().insert(Logins {
+        anonymous_reads: auth.inner.anonymous_reads,
+        user,
+    });
+    next.run(req).await
+}
+
+/// The API's rule, on each of its routes (`api::router`): where [`Auth::protect`] put
+/// [`Logins`] on the request, writes need a user, and reads too when anonymous reads are
+/// off. Without `Logins` (no `protect`), anything goes.
+pub async fn require_login(req: Request, next: Next) -> Response {
+    let Some(logins) = req.extensions().get::<Logins>() else {
+        return next.run(req).await;
+    };
+    let writes = !matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    let open = matches!(req.uri().path(), "/api/session" | "/api/openapi.json");
+    if !open && logins.user.is_none() && (writes || !logins.anonymous_reads) {
+        let what = if writes { "writing" } else { "reading" };
+        return error(
+            StatusCode::UNAUTHORIZED,
+            &format!("log in before {what}: POST /api/session"),
+        );
     }
     next.run(req).await
 }
@@ -319,6 +397,17 @@ pub struct Login {
     pub password: String,
 }
 
+/// Why a login was refused.
+enum Refusal {
+    /// An unknown user or a wrong password (the answer does not say which).
+    Wrong,
+    /// The user's failed logins are throttled: try again in this many seconds.
+    Throttled(u64),
+}
+
+/// The largest body of `POST /api/session` read: a name and a password.
+const MAX_LOGIN_BODY: usize = 1024;
+
 async fn login(State(auth): State<Auth>, headers: HeaderMap, body: Bytes) -> Response {
     if !crate::api::is_json(&headers) {
         return error(
@@ -332,8 +421,8 @@ async fn login(State(auth): State<Auth>, headers: HeaderMap, body: Bytes) -> Res
             "the body must be {\"name\": ..., \"password\": ...}",
         );
     };
-    match auth.login(&login.name, &login.password) {
-        Some(token) => (
+    match auth.try_login(&login.name, &login.password) {
+        Ok(token) => (
             [(
                 header::SET_COOKIE,
                 auth.cookie(&token, auth.inner.ttl.as_secs()),
@@ -341,9 +430,30 @@ async fn login(State(auth): State<Auth>, headers: HeaderMap, body: Bytes) -> Res
             axum::Json(User { name: login.name }),
         )
             .into_response(),
-        None => {
-            tracing::info!(name = %login.name.escape_debug(), "a login was refused");
-            error(StatusCode::UNAUTHORIZED, "unknown user or wrong password")
+        Err(refusal) => {
+            // The name as given only when it could be one: the log is not the attacker's.
+            let name = if valid_name(&login.name) {
+                login.name.as_str()
+            } else {
+                "(not a user name)"
+            };
+            match refusal {
+                Refusal::Wrong => {
+                    tracing::info!(name, "a login was refused");
+                    error(StatusCode::UNAUTHORIZED, "unknown user or wrong password")
+                }
+                Refusal::Throttled(wait) => {
+                    tracing::warn!(name, wait, "a login was refused: too many failures");
+                    let mut r = error(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        &format!("too many failed logins: try again in {wait} s"),
+                    );
+                    if let Ok(v) = HeaderValue::from_str(&wait.to_string()) {
+                        r.headers_mut().insert(header::RETRY_AFTER, v);
+                    }
+                    r
+                }
+            }
         }
     }
 }
@@ -399,8 +509,36 @@ mod tests {
             assert_eq!(a.verify(junk), None, "{junk}");
         }
         // Expired.
-        let old = a.token("alice", now_secs() - 1);
+        let stamp = a.inner.users["alice"].clone();
+        let old = a.token("alice", now_secs() - 1, &stamp);
         assert_eq!(a.verify(&old), None);
+        // A new password, or the user gone, under the same secret: the login is over.
+        let key = *b"0123456789abcdef";
+        let changed = Auth::new(AuthConfig::new(key).user("alice", "looking-glass")).unwrap();
+        assert_eq!(changed.verify(&token), None);
+        let gone = Auth::new(AuthConfig::new(key).user("bob", "builder!")).unwrap();
+        assert_eq!(gone.verify(&token), None);
+        let same = Auth::new(AuthConfig::new(key).user("alice", "wonderland")).unwrap();
+        assert_eq!(same.verify(&token).map(|u| u.name), Some("alice".into()));
+    }
+
+    #[test]
+    fn failed_logins_of_a_user_are_throttled_after_a_few() {
+        let a = auth();
+        for _ in 0..FREE_FAILURES {
+            assert!(matches!(a.try_login("alice", "guess"), Err(Refusal::Wrong)));
+        }
+        // The next failure starts the wait; then even the right password waits.
+        assert!(matches!(a.try_login("alice", "guess"), Err(Refusal::Wrong)));
+        assert!(matches!(
+            a.try_login("alice", "wonderland"),
+            Err(Refusal::Throttled(1))
+        ));
+        // Other users are not held up; unknown names are not tracked.
+        for _ in 0..20 {
+            assert!(matches!(a.try_login("nobody", "x"), Err(Refusal::Wrong)));
+        }
+        assert!(a.inner.throttle.lock().get("nobody").is_none());
     }
 
     #[test]
@@ -422,5 +560,6 @@ mod tests {
         assert!(Auth::new(AuthConfig::new(key).user("", "x")).is_err());
         assert!(Auth::new(AuthConfig::new(key).user("a b", "x")).is_err());
         assert!(Auth::new(AuthConfig::new(key).user("a", "")).is_err());
+        assert!(Auth::new(AuthConfig::new(key).user("a", "1234567")).is_err());
     }
 }

@@ -25,6 +25,17 @@ pub enum StoreError {
     Db(String),
 }
 
+/// The most projects a database holds: every page lists them all (`projects()`), and an
+/// answer has a size limit, so their number is bounded where they are made.
+pub const MAX_PROJECTS: i64 = 1_000;
+
+fn too_many_projects() -> StoreError {
+    StoreError::Invalid(Invalid::new(
+        "name",
+        format!("there are {MAX_PROJECTS} projects already, the most there can be"),
+    ))
+}
+
 impl From<Invalid> for StoreError {
     fn from(i: Invalid) -> Self {
         Self::Invalid(i)
@@ -678,10 +689,18 @@ pub mod pg {
     /// Inserts a project.
     pub async fn insert_project(c: &ClientWrapper, p: &Project) -> Result<()> {
         let s = c
-            .prepare_cached("INSERT INTO projects (id, name, created_at) VALUES ($1, $2, $3)")
+            .prepare_cached(
+                "INSERT INTO projects (id, name, created_at) SELECT $1, $2, $3 \
+                 WHERE (SELECT count(*) FROM projects) < $4",
+            )
             .await?;
-        c.execute(&s, &[&p.id, &p.name, &p.created_at]).await?;
-        Ok(())
+        match c
+            .execute(&s, &[&p.id, &p.name, &p.created_at, &MAX_PROJECTS])
+            .await?
+        {
+            0 => Err(too_many_projects()),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -831,8 +850,15 @@ pub mod lite {
 
     /// Inserts a project.
     pub fn insert_project(c: &Connection, p: &Project) -> Result<()> {
-        c.prepare_cached("INSERT INTO projects (id, name, created_at) VALUES (?1, ?2, ?3)")?
-            .execute(params![p.id.as_bytes(), p.name, p.created_at])?;
-        Ok(())
+        let inserted = c
+            .prepare_cached(
+                "INSERT INTO projects (id, name, created_at) SELECT ?1, ?2, ?3 \
+                 WHERE (SELECT count(*) FROM projects) < ?4",
+            )?
+            .execute(params![p.id.as_bytes(), p.name, p.created_at, MAX_PROJECTS])?;
+        match inserted {
+            0 => Err(super::too_many_projects()),
+            _ => Ok(()),
+        }
     }
 }

@@ -81,8 +81,10 @@ fn escape(text: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// The page that says how to build the live page. It does not show where the server looked
+/// (a path of the server's disk is not a visitor's business): the log says it.
 fn not_built(index: &Path) -> String {
-    let dir = escape(&index.parent().unwrap_or(index).display().to_string());
+    tracing::warn!(index = %index.display(), "the live page is not built");
     let build = escape(BUILD_COMMAND);
     format!(
         r#"<!doctype html>
@@ -90,8 +92,9 @@ fn not_built(index: &Path) -> String {
 <head><meta charset="utf-8"><title>Tasks</title></head>
 <body>
 <h1>Tasks</h1>
-<p>The live page is not built: there is no <code>index.html</code> in <code>{dir}</code>.
-Build it from the repository's root, then reload:</p>
+<p>The live page is not built: there is no <code>index.html</code> in the directory this
+server serves it from (its log says which). Build it from the repository's root, then
+reload:</p>
 <pre>{build}</pre>
 <p>(or point <code>tasks serve --web DIR</code> at a build). Meanwhile the API answers at
 <a href="/api/tasks">/api/tasks</a> (<a href="/api/openapi.json">OpenAPI</a>), the compute

@@ -391,6 +391,17 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     return this.replicas.size;
   }
 
+  /**
+   * Drops the connection and connects again at once, revalidating every replica held, as
+   * after any reconnect: what a page does after its user logged in or out, so that the
+   * server sees the new login cookie on the new connection's upgrade. Calls made meanwhile
+   * wait for the new connection; calls in flight on the old one fail with `Disconnected`.
+   */
+  reconnect(): void {
+    if (this.closedByUser) return;
+    this.conn?.close();
+  }
+
   /** Closes the connection and stops reconnecting; waiting calls fail with `Disconnected`. */
   close(): void {
     if (this.closedByUser) return;

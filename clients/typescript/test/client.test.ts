@@ -159,6 +159,26 @@ describe("replicas", () => {
     }
   });
 
+  test("reconnect() drops the connection and comes back live with the replicas current", async () => {
+    const a = client.replica("Counters.get", "a");
+    const stop = a.subscribe(() => {});
+    try {
+      const before = ok(await a.get());
+      const states: string[] = [];
+      const off = client.onStateChange((s) => states.push(s));
+      client.reconnect();
+      await until(() => states.includes("live"));
+      off();
+      assert.deepEqual(states, ["reconnecting", "live"]);
+      assert.equal(ok(await a.get()), before);
+      // And it is still kept current.
+      const now = await client.call<number>("Calc.bump", ["a", 1]);
+      assert.equal(ok(await a.get()), now);
+    } finally {
+      stop();
+    }
+  });
+
   test("a computed over replicas recomputes when one changes", async () => {
     const a = client.replica("Counters.get", "a");
     const b = client.replica("Counters.get", "b");

@@ -229,7 +229,8 @@ async fn writes_need_a_login_and_reads_one_when_anonymous_reads_are_off() {
     let dir = tempfile::tempdir().unwrap();
     let backend = live_backend(&db.config).await;
     for anonymous_reads in [true, false] {
-        let mut config = AuthConfig::new(*b"a secret of 32 bytes, not random").user("alice", "pw");
+        let mut config =
+            AuthConfig::new(*b"a secret of 32 bytes, not random").user("alice", "password1");
         config.anonymous_reads = anonymous_reads;
         let auth = Auth::new(config).unwrap();
         let router = auth.protect(backend.http_router(dir.path().to_owned()).await.unwrap());
@@ -278,11 +279,24 @@ async fn writes_need_a_login_and_reads_one_when_anonymous_reads_are_off() {
             .send(Method::GET, &url("/api/openapi.json"), None, &[])
             .await;
         assert_eq!(r.status, StatusCode::OK);
+        // A method a route does not have is a 405, logged in or not; a path no route has
+        // gets what the router answers it (the page's files: 405 to a POST), not a 401.
+        let r = http
+            .send_untyped(Method::PUT, &url("/api/projects"), "{}", &json)
+            .await;
+        assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+        let r = http
+            .send_untyped(Method::POST, &url("/api/nothing"), "{}", &json)
+            .await;
+        assert!(
+            r.status.is_client_error() && r.status != StatusCode::UNAUTHORIZED,
+            "{r:?}"
+        );
 
         // A wrong password, an unknown user, a body that is not JSON.
         for body in [
             r#"{"name":"alice","password":"no"}"#,
-            r#"{"name":"bob","password":"pw"}"#,
+            r#"{"name":"bob","password":"password1"}"#,
         ] {
             let r = http
                 .send_untyped(Method::POST, &url("/api/session"), body, &json)
@@ -294,7 +308,7 @@ async fn writes_need_a_login_and_reads_one_when_anonymous_reads_are_off() {
             .send_untyped(
                 Method::POST,
                 &url("/api/session"),
-                r#"{"name":"alice","password":"pw"}"#,
+                r#"{"name":"alice","password":"password1"}"#,
                 &[],
             )
             .await;
@@ -305,7 +319,7 @@ async fn writes_need_a_login_and_reads_one_when_anonymous_reads_are_off() {
             .send_untyped(
                 Method::POST,
                 &url("/api/session"),
-                r#"{"name":"alice","password":"pw"}"#,
+                r#"{"name":"alice","password":"password1"}"#,
                 &json,
             )
             .await;
@@ -389,8 +403,9 @@ async fn a_websocket_with_a_login_cookie_runs_commands_as_its_user() {
     use coherent_tasks::session::{Auth, AuthConfig, COOKIE};
     let db = Db::sqlite();
     let dir = tempfile::tempdir().unwrap();
-    let auth = Auth::new(AuthConfig::new(*b"a secret of 32 bytes, not random").user("alice", "pw"))
-        .unwrap();
+    let auth =
+        Auth::new(AuthConfig::new(*b"a secret of 32 bytes, not random").user("alice", "password1"))
+            .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let backend = coherent_tasks::app::LiveBackend::start_with(
         &db.config,
@@ -403,7 +418,7 @@ async fn a_websocket_with_a_login_cookie_runs_commands_as_its_user() {
     let router = auth.protect(backend.http_router(dir.path().to_owned()).await.unwrap());
     let (base, serving) = crate::harness::serve(router).await;
     let url = format!("ws{}/rpc", base.trim_start_matches("http"));
-    let cookie = format!("{COOKIE}={}", auth.login("alice", "pw").unwrap());
+    let cookie = format!("{COOKIE}={}", auth.login("alice", "password1").unwrap());
     let create = CreateProject {
         new: NewProject { name: "p".into() },
     };
@@ -432,4 +447,148 @@ async fn a_websocket_with_a_login_cookie_runs_commands_as_its_user() {
     assert_eq!(project.name, "p");
     serving.abort();
     backend.stop().await;
+}
+
+/// One address cannot hold every connection: past its limit, its new connections are
+/// closed at once while other addresses are served; a place frees when one closes.
+#[tokio::test]
+async fn one_address_holds_at_most_its_share_of_connections() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let db = Db::sqlite();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = coherent_tasks::app::HttpLimits {
+        max_connections_per_ip: 2,
+        ..Default::default()
+    };
+    let router = coherent_tasks::app::direct_router(&db.config)
+        .await
+        .unwrap();
+    let serving = tokio::spawn(coherent_tasks::app::serve_http_with(
+        listener, router, limits,
+    ));
+    let held_1 = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _held_2 = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // The third from 127.0.0.1: closed without an answer.
+    let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _ = third
+        .write_all(b"GET /api/projects HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    let mut buf = Vec::new();
+    let _ = third.read_to_end(&mut buf).await;
+    assert!(buf.is_empty(), "{}", String::from_utf8_lossy(&buf));
+    // Another address (127.0.0.2, loopback too on Linux) is served meanwhile.
+    let other = tokio::net::TcpSocket::new_v4().unwrap();
+    other.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut other = other.connect(addr).await.unwrap();
+    other
+        .write_all(b"GET /api/projects HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    other.read_to_end(&mut answer).await.unwrap();
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    // One closes: the address gets a place again (retried: the server sees the close a
+    // moment later).
+    drop(held_1);
+    let mut served = false;
+    for _ in 0..100 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = s
+            .write_all(b"GET /api/projects HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await;
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer).await;
+        if answer.starts_with(b"HTTP/1.1 200") {
+            served = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(served, "a place never freed");
+    serving.abort();
+}
+
+/// A body dripped a byte at a time, each within the pause allowed, still ends at the
+/// request's deadline.
+#[tokio::test]
+async fn a_body_dripped_slowly_ends_at_the_request_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let db = Db::sqlite();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = coherent_tasks::app::HttpLimits {
+        request_timeout: std::time::Duration::from_millis(500),
+        ..Default::default()
+    };
+    let router = coherent_tasks::app::direct_router(&db.config)
+        .await
+        .unwrap();
+    let serving = tokio::spawn(coherent_tasks::app::serve_http_with(
+        listener, router, limits,
+    ));
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        b"POST /api/projects HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let drip = tokio::spawn(async move {
+        for _ in 0..1000 {
+            if wr.write_all(b" ").await.is_err() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    });
+    // A bound for the test, not a measure: 30 s.
+    let mut answer = vec![0; 64];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(30), rd.read(&mut answer))
+        .await
+        .expect("an answer before the body ends")
+        .unwrap();
+    assert!(
+        answer[..n].starts_with(b"HTTP/1.1 408"),
+        "{}",
+        String::from_utf8_lossy(&answer[..n])
+    );
+    drip.abort();
+    serving.abort();
+}
+
+/// The projects are all listed in one answer, so their number is bounded where they are
+/// made: past it, a new one is refused naming `name`, on every path (here the store, which
+/// the commands, `direct` and gRPC all write through).
+#[tokio::test]
+async fn projects_are_bounded_in_number() {
+    for db in Db::all("projects_bounded") {
+        let store = db.config.open(2).await.unwrap();
+        fill_to_the_bound(&store).await;
+    }
+}
+
+async fn fill_to_the_bound(store: &coherent_tasks::store::Store) {
+    use coherent_tasks::model::{new_id, now_micros, Project};
+    use coherent_tasks::store::{StoreError, MAX_PROJECTS};
+    let project = || {
+        let now = now_micros();
+        Project {
+            id: new_id(now),
+            name: "p".into(),
+            created_at: now,
+        }
+    };
+    for _ in 0..MAX_PROJECTS {
+        store.insert_project(project()).await.unwrap();
+    }
+    match store.insert_project(project()).await {
+        Err(StoreError::Invalid(i)) => assert_eq!(i.field, "name"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(store.projects().await.unwrap().len() as i64, MAX_PROJECTS);
 }

@@ -1,6 +1,6 @@
-// The page's link to the server: one Coherent client for reads (replicas over the `/rpc`
-// WebSocket) and the HTTP API for writes (each write is a command on the server, whose
-// invalidations come back to every page holding what it changed).
+// The page's link to the server: one Coherent client over the `/rpc` WebSocket, for reads
+// (replicas) and writes (commands, whose invalidations come back to every page holding what
+// they changed, this one's before its answer). The HTTP API is for the login.
 import { Client } from "@coherent/client";
 
 import type { ApiError, Status, Task, TasksService } from "./generated/tasks";
@@ -31,17 +31,25 @@ function describe(e: ApiError): string {
   return typeof detail === "string" ? `${kind}: ${detail}` : `${kind}: ${JSON.stringify(detail)}`;
 }
 
-async function send(method: string, path: string, body: unknown): Promise<void> {
-  const res = await fetch(path, {
-    method,
-    headers: { "content-type": "application/json" },
-    body: JSON.stringify(body),
-  });
-  if (res.status === 401) setUser(null);
-  if (!res.ok) {
-    const text = await res.text();
-    throw new Error(`${method} ${path}: ${res.status} ${text}`);
+/** A command's failure, as the host answers it (`coherent_ops::CommandError`). */
+interface CommandError {
+  kind: string;
+  message: string;
+}
+
+/**
+ * Runs a command on the backend over the page's own connection (`Commands.run`). Its answer
+ * comes after the replicas this connection holds of what it changed were invalidated here
+ * (the backend waits for the writing connection's acknowledgement): the page sees its own
+ * write as soon as the promise resolves. Needs a login (an anonymous connection is refused).
+ */
+async function command<T>(kind: string, body: unknown): Promise<T> {
+  const answer = await client.call<{ Ok: string } | { Err: CommandError }>("Commands.run", [kind, JSON.stringify(body)]);
+  if ("Err" in answer) {
+    if (answer.Err.kind === "Unauthorized") setUser(null);
+    throw new Error(`${kind}: ${answer.Err.kind}: ${answer.Err.message}`);
   }
+  return JSON.parse(answer.Ok) as T;
 }
 
 // ---- the login: a cookie the server signs (HttpOnly: the page never sees it), and the
@@ -80,25 +88,31 @@ export async function logIn(name: string, password: string): Promise<void> {
   });
   if (!res.ok) throw new Error(((await res.json()) as { error: string }).error);
   setUser(((await res.json()) as { name: string }).name);
+  // The connection was opened before the cookie existed: the server sees it on a new one.
+  client.reconnect();
 }
 
 /** Logs out. */
 export async function logOut(): Promise<void> {
   await fetch("/api/session", { method: "DELETE" });
   setUser(null);
+  client.reconnect();
 }
 
 /** Moves a task to another column. */
-export function setStatus(task: Task, status: Status): Promise<void> {
-  return send("PATCH", `/api/tasks/${task.id}`, { status });
+export async function setStatus(task: Pick<Task, "id">, status: Status): Promise<void> {
+  await command<Task>("tasks.update", { id: task.id, patch: { status } });
 }
 
 /** Renames a task. */
-export function rename(task: Task, title: string): Promise<void> {
-  return send("PATCH", `/api/tasks/${task.id}`, { title });
+export async function rename(task: Pick<Task, "id">, title: string): Promise<void> {
+  await command<Task>("tasks.update", { id: task.id, patch: { title } });
 }
 
 /** Adds a task to a project. */
-export function addTask(project: string, title: string): Promise<void> {
-  return send("POST", "/api/tasks", { project, title });
+export async function addTask(project: string, title: string): Promise<void> {
+  await command<Task>("tasks.create", { new: { project, title } });
 }
+
+// For the browser tests: the writes, called as the page calls them.
+(globalThis as { tasksApi?: unknown }).tasksApi = { setStatus, rename, addTask };

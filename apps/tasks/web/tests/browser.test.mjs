@@ -90,6 +90,26 @@ test("a change in one context shows in the other; offline, then live and current
   for (const page of [a, b]) await logIn(page);
   await b.screenshot({ path: join(shots, "1-live.png") });
 
+  // Read-your-writes: when a write of A's answers, no replica of A's still holds what it
+  // changed as current (A's own replicas were invalidated before the answer came).
+  for (let round = 0; round < 10; round++) {
+    const { id: task, title } = await a.evaluate(() => {
+      const card = document.querySelector('[data-status="todo"] [data-task]');
+      return { id: card.getAttribute("data-task"), title: card.querySelector(".title").textContent };
+    });
+    const stale = await a.evaluate(
+      async ([id, title, round]) => {
+        await globalThis.tasksApi.rename({ id }, `Renamed in A, round ${round}`);
+        const old = JSON.stringify(title);
+        return [...globalThis.coherent.replicas.values()]
+          .filter((r) => r.statusNow === "current" && JSON.stringify(r.current ?? null).includes(`"title":${old}`))
+          .map((r) => r.method);
+      },
+      [task, title, round],
+    );
+    assert.deepEqual(stale, [], `round ${round}: replicas still current with the old title after the write answered`);
+  }
+
   // In A: move the first task of "To do" to "In progress"; B shows it there.
   const id = await a.locator('[data-status="todo"] [data-task]').first().getAttribute("data-task");
   await a.locator(card("todo", id)).getByRole("button", { name: "move right" }).click();
