@@ -210,6 +210,13 @@ impl Service for WithFail {
     }
 }
 
+/// `config` trusting its WebSocket clients: the test server's clients are the tests, and
+/// `Calc.bump` answers once every client holding what it changed applied that (a server on
+/// the open internet leaves browsers untrusted, and its writes do not wait for them).
+pub fn trusted(config: coherent::rpc::Config) -> coherent::rpc::Config {
+    config.trust(coherent::rpc::Trust::Trusted)
+}
+
 /// How the test server is set up.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -226,7 +233,7 @@ impl Default for Options {
         Self {
             token: "secret".to_owned(),
             initial: Vec::new(),
-            config: coherent::rpc::Config::default(),
+            config: trusted(coherent::rpc::Config::default()),
         }
     }
 }

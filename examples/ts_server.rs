@@ -83,7 +83,7 @@ use std::net::SocketAddr;
 
 use clap::Parser;
 use coherent::rpc::Config;
-use coherent_examples::test_server::{Options, TestServer};
+use coherent_examples::test_server::{trusted, Options, TestServer};
 
 #[derive(Parser)]
 #[command(
@@ -124,9 +124,11 @@ async fn main() -> anyhow::Result<()> {
     let server = TestServer::new(Options {
         token: cli.token,
         initial: cli.initial,
-        config: Config::default()
-            .max_message_size(cli.max_message_size)
-            .stream_window(cli.stream_window),
+        config: trusted(
+            Config::default()
+                .max_message_size(cli.max_message_size)
+                .stream_window(cli.stream_window),
+        ),
     });
     let listener = tokio::net::TcpListener::bind(cli.listen).await?;
     let addr = listener.local_addr()?;
