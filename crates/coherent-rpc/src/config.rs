@@ -26,6 +26,7 @@ pub struct Config {
     pub(crate) trust: Option<Trust>,
     pub(crate) max_queued_bytes: Option<usize>,
     pub(crate) max_connections: usize,
+    pub(crate) trusted_reserve: Option<usize>,
     pub(crate) queue_budget: usize,
     pub(crate) allowed_origins: Origins,
 }
@@ -102,6 +103,7 @@ impl Default for Config {
             trust: None,
             max_queued_bytes: None,
             max_connections: 10_000,
+            trusted_reserve: None,
             queue_budget: 1 << 30,
             allowed_origins: Origins::SameOrigin,
         }
@@ -235,6 +237,16 @@ impl Config {
     /// endpoint makes do not count. Default: 10,000.
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n;
+        self
+    }
+
+    /// How many of [`max_connections`](Self::max_connections) only trusted connections
+    /// ([`Trust::Trusted`]: the application's tiers) may take: untrusted ones (browsers) are
+    /// refused once the rest are taken, so that a crowd of them, or an attacker opening
+    /// sockets, cannot keep a tier from reconnecting. Default: a tenth of
+    /// `max_connections`.
+    pub fn trusted_reserve(mut self, n: usize) -> Self {
+        self.trusted_reserve = Some(n);
         self
     }
 

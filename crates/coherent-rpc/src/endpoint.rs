@@ -109,6 +109,10 @@ impl EndpointBuilder {
                 registry: Arc::new(self.registry),
                 totals: Arc::new(peer::Totals::new(
                     self.config.max_connections,
+                    self.config
+                        .trusted_reserve
+                        .unwrap_or(self.config.max_connections / 10)
+                        .min(self.config.max_connections),
                     self.config.queue_budget,
                 )),
                 config: self.config,
@@ -336,7 +340,8 @@ impl Endpoint {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let timeout = self.inner.config.handshake_timeout;
-        let slot = self.inner.totals.take_slot();
+        let trust = self.inner.config.trust.unwrap_or(transport);
+        let slot = self.inner.totals.take_slot(trust);
         let exchange = async {
             // Refused before its `Hello` is read: a connection over the limit costs no
             // parsing and no auth hook.
@@ -411,7 +416,7 @@ impl Endpoint {
             (self.inner.registry.clone(), self.inner.totals.clone()),
             Role::Accepting {
                 identity,
-                trust: self.inner.config.trust.unwrap_or(transport),
+                trust,
                 answer: frame(Kind::HelloAck, &ack.encode()),
                 slot,
             },

@@ -17,6 +17,7 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 
+use crate::config::Trust;
 use crate::error::{ErrorCode, RpcError};
 
 use super::{Shared, Stats};
@@ -32,6 +33,8 @@ pub(crate) struct Totals {
     /// Accepted connections holding a [`Slot`], in their handshake or open.
     accepted: AtomicUsize,
     max_connections: usize,
+    /// The last of `max_connections` that only trusted connections may take.
+    trusted_reserve: usize,
     /// Bytes queued for the writer tasks of all connections (see `Shared::queued`).
     queued: AtomicUsize,
     queued_peak: AtomicUsize,
@@ -62,7 +65,7 @@ impl Drop for Slot {
 }
 
 impl Totals {
-    pub(crate) fn new(max_connections: usize, budget: usize) -> Self {
+    pub(crate) fn new(max_connections: usize, trusted_reserve: usize, budget: usize) -> Self {
         Self {
             live: Mutex::default(),
             closed: Mutex::default(),
@@ -70,6 +73,7 @@ impl Totals {
             open: AtomicUsize::new(0),
             accepted: AtomicUsize::new(0),
             max_connections,
+            trusted_reserve,
             queued: AtomicUsize::new(0),
             queued_peak: AtomicUsize::new(0),
             budget,
@@ -84,19 +88,30 @@ impl Totals {
 
     /// A slot for a newly accepted connection, or the refusal to send it when the endpoint
     /// has `max_connections` already.
-    pub(crate) fn take_slot(self: &Arc<Self>) -> Result<Slot, RpcError> {
+    pub(crate) fn take_slot(self: &Arc<Self>, trust: Trust) -> Result<Slot, RpcError> {
+        let max = match trust {
+            Trust::Trusted => self.max_connections,
+            Trust::Untrusted => self.max_connections - self.trusted_reserve,
+        };
         let mut n = self.accepted.load(Ordering::Acquire);
         loop {
-            if n >= self.max_connections {
+            if n >= max {
                 self.refusals
                     .connections_refused
                     .fetch_add(1, Ordering::Relaxed);
                 return Err(RpcError::new(
                     ErrorCode::Overloaded,
-                    format!(
-                        "this endpoint has its maximum of {} connections open",
-                        self.max_connections
-                    ),
+                    match trust {
+                        Trust::Trusted => format!(
+                            "this endpoint has its maximum of {} connections open",
+                            self.max_connections
+                        ),
+                        Trust::Untrusted => format!(
+                            "this endpoint has {max} connections open, the most it takes from \
+                             untrusted clients ({} more are kept for its tiers)",
+                            self.trusted_reserve
+                        ),
+                    },
                 ));
             }
             match self

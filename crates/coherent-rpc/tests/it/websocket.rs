@@ -286,3 +286,31 @@ async fn the_auth_hook_reads_cookies_of_the_upgrade_and_attaches_a_principal() {
         .unwrap_err();
     assert_eq!(e.code(), coherent_rpc::ErrorCode::Unauthenticated, "{e}");
 }
+
+/// Untrusted connections (browsers over WebSocket) cannot take the last places of the
+/// endpoint's maximum: those are kept for trusted ones (its tiers over TCP).
+#[tokio::test]
+async fn untrusted_connections_leave_the_trusted_reserve_to_the_tiers() {
+    let (server, _) = calc_server(Config::default().max_connections(3).trusted_reserve(1));
+    let app = Router::new().route("/rpc", get(server.websocket_handler()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tcp_addr = tcp.local_addr().unwrap();
+    tokio::spawn({
+        let server = server.clone();
+        async move { server.serve_tcp(tcp).await }
+    });
+    let client = Endpoint::builder().build();
+    let url = format!("ws://{http}/rpc");
+    let _browser_1 = client.connect_websocket(&url).await.unwrap();
+    let _browser_2 = client.connect_websocket(&url).await.unwrap();
+    let e = client.connect_websocket(&url).await.unwrap_err();
+    assert_eq!(e.code(), coherent_rpc::ErrorCode::Overloaded, "{e}");
+    assert!(e.message().contains("kept for its tiers"), "{e}");
+    // The tier gets the place kept for it.
+    let tier = client.connect_tcp(tcp_addr).await.unwrap();
+    assert_eq!(CalcClient::new(tier).sum(1, 2).await.unwrap(), 3);
+    assert_eq!(server.stats().connections_refused, 1);
+}
