@@ -224,34 +224,29 @@ pub trait Backend: Send + Sync + 'static {
 
 /// The API's routes over `backend`, with the body limit and the OpenAPI document.
 pub fn router<B: Backend>(backend: Arc<B>) -> Router {
-    // Each route's methods behind the login rule (`session::require_login`): a layer of the
-    // route, so that it runs only for a method the route has.
-    let login = || axum::middleware::from_fn(crate::session::require_login);
+    // Each route's methods behind the login rule (`session::require_login`) and then the
+    // JSON-only rule: layers of the route, so that they run only for a method the route
+    // has (another stays a 405).
+    fn rules<B: Backend>(
+        methods: axum::routing::MethodRouter<Arc<B>>,
+    ) -> axum::routing::MethodRouter<Arc<B>> {
+        methods
+            .route_layer(axum::middleware::from_fn(json_only))
+            .route_layer(axum::middleware::from_fn(crate::session::require_login))
+    }
     Router::new()
-        .route(
-            "/api/tasks",
-            get(list::<B>).post(create::<B>).route_layer(login()),
-        )
+        .route("/api/tasks", rules(get(list::<B>).post(create::<B>)))
         .route(
             "/api/tasks/{id}",
-            get(one::<B>)
-                .patch(update::<B>)
-                .delete(remove::<B>)
-                .route_layer(login()),
+            rules(get(one::<B>).patch(update::<B>).delete(remove::<B>)),
         )
         .route(
             "/api/projects",
-            get(projects::<B>)
-                .post(create_project::<B>)
-                .route_layer(login()),
+            rules(get(projects::<B>).post(create_project::<B>)),
         )
-        .route(
-            "/api/projects/{id}/summary",
-            get(summary::<B>).route_layer(login()),
-        )
+        .route("/api/projects/{id}/summary", rules(get(summary::<B>)))
         .route("/api/openapi.json", get(crate::openapi::serve))
         .layer(DefaultBodyLimit::max(MAX_BODY))
-        .layer(axum::middleware::from_fn(json_only))
         .with_state(backend)
 }
 
