@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use coherent::{CallbackKey, Computed};
@@ -386,7 +386,10 @@ impl RemoteServer {
     ///
     /// - A **trusted** connection ([`Trust::Trusted`]: the application's own tiers, over
     ///   TCP, TLS or a Unix socket by default) is waited for until its client has applied
-    ///   them (it answers each push once applied) or its connection is gone. When this
+    ///   them (it answers each push once applied) or its connection is gone. So are its
+    ///   fetches and revalidations in flight when this is called (one may have computed its
+    ///   value before the write and watch it only after: its client then gets the old value
+    ///   and, right behind it, a push), and then the pushes they queued. When this
     ///   completes, no trusted client of this server still answers from a value the write
     ///   changed.
     /// - The **connection of the call being served**, if this runs inside an RPC handler
@@ -401,28 +404,33 @@ impl RemoteServer {
     /// Whatever its trust, a client that leaves a push unanswered for longer than
     /// [`delivery_timeout`](Self::delivery_timeout) (5 s by default) has its connection
     /// closed (it then reconnects and revalidates what it holds), and that is logged; so
-    /// this waits at most that long.
+    /// this waits at most that long. A fetch still computing by then is not waited for
+    /// further (logged; its connection stays open: a slow method is not its client's fault),
+    /// and that client may get the old value and its push after this completes.
     pub async fn invalidations_delivered(&self) {
         let caller = CallContext::current().map(|ctx| ctx.peer().id());
+        let connections: Vec<Arc<Connection>> = self.connections.lock().values().cloned().collect();
         let mut skipped = 0;
-        let waits: Vec<(u64, watch::Receiver<u64>, Arc<Connection>)> = self
-            .connections
-            .lock()
-            .values()
-            .filter_map(|c| {
-                let queued = c.invalidated.lock().queued;
-                let rx = c.delivered.subscribe();
-                if *rx.borrow() >= queued {
-                    return None;
-                }
-                if c.peer.trust() == Trust::Trusted || Some(c.peer.id()) == caller {
-                    Some((queued, rx, c.clone()))
-                } else {
-                    skipped += 1;
-                    None
-                }
-            })
-            .collect();
+        let mut waits = Vec::new();
+        for c in connections {
+            let waited = c.peer.trust() == Trust::Trusted || Some(c.peer.id()) == caller;
+            // The fetches in flight first, then the queue: one that registers its watch
+            // after the queue was read (its value computed before the write, its callback
+            // run at once) is waited for through its generation.
+            let fetches = if waited {
+                c.retire_fetches_in_flight()
+            } else {
+                None
+            };
+            let queued = c.invalidated.lock().queued;
+            let rx = c.delivered.subscribe();
+            let behind = *rx.borrow() < queued;
+            if waited && (behind || fetches.is_some()) {
+                waits.push((queued, rx, fetches, c));
+            } else if behind && !waited {
+                skipped += 1;
+            }
+        }
         if skipped > 0 {
             self.counters
                 .waits_skipped_untrusted
@@ -431,7 +439,31 @@ impl RemoteServer {
         // One deadline for all: the clients are waited for at the same time, so a write
         // waits for the slowest of them, not for their sum.
         let deadline = tokio::time::Instant::now() + self.delivery_timeout;
-        for (queued, mut rx, c) in waits {
+        for (mut queued, mut rx, fetches, c) in waits {
+            if let Some(mut gone) = fetches {
+                // A fetch (or revalidation) that began before the call may have computed its
+                // value before the write and register its watch after it: its client gets
+                // that value and, right behind it, the push its watch queues at once. Wait
+                // for it to be done (or the connection gone), then for that push too.
+                let mut closed = rx.clone();
+                let done = async {
+                    tokio::select! {
+                        _ = gone.changed() => {}
+                        _ = closed.wait_for(|delivered| *delivered == u64::MAX) => {}
+                    }
+                };
+                if tokio::time::timeout_at(deadline, done).await.is_ok() {
+                    queued = c.invalidated.lock().queued;
+                } else {
+                    // A slow computation is not the client's fault: not closed for it.
+                    tracing::warn!(
+                        peer = c.peer.id(),
+                        "fetches in flight on a trusted connection were not done within {:?}: \
+                         a write did not wait for them further",
+                        self.delivery_timeout
+                    );
+                }
+            }
             let wait = rx.wait_for(|delivered| *delivered >= queued);
             if tokio::time::timeout_at(deadline, wait).await.is_err() {
                 // Closing makes the client reconnect and revalidate every replica it holds;
@@ -533,16 +565,54 @@ impl Drop for Slot {
     }
 }
 
-/// A connection's watches.
+/// A connection's watches, and the generation of its fetches in flight.
 struct Replicas {
     /// Replica id → the computed it watches.
     watches: HashMap<u64, Watch>,
+    /// Cloned by each fetch (and each replica a revalidation computes) under this lock,
+    /// which it takes anyway, and dropped once its watch is registered: see [`InFlight`].
+    in_flight: Arc<InFlight>,
+}
+
+/// A generation of the fetches in flight on a connection: each fetch holds the generation
+/// current when it began until its watch is registered (and has queued the replica's push,
+/// if its value was invalidated meanwhile). A writer that must wait for the fetches that
+/// began before it ([`RemoteServer::invalidations_delivered`]) starts a new generation and
+/// waits for the old one to be dropped. A fetch pays for it with a reference count.
+///
+/// Each generation keeps the next one alive, so that a generation is dropped only once the
+/// fetches of every earlier one are done too.
+struct InFlight {
+    /// The generation that a writer started after this one.
+    next: OnceLock<Arc<InFlight>>,
+    /// Dropped with the generation: what the writer that retired it waits for.
+    gone: watch::Sender<()>,
+}
+
+impl InFlight {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            next: OnceLock::new(),
+            gone: watch::Sender::new(()),
+        })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // The later generations this one was the last to hold, one at a time rather than
+        // recursively: a slow fetch under many writes makes a long chain.
+        let mut next = self.next.take();
+        while let Some(mut generation) = next.and_then(Arc::into_inner) {
+            next = generation.next.take();
+        }
+    }
 }
 
 /// What the server keeps for one client connection.
 struct Connection {
-    /// Its watches (replica id → the computed it watches). Never held while a callback
-    /// runs or a watch is dropped, except where noted.
+    /// Its watches (replica id → the computed it watches) and fetches in flight. Never held
+    /// while a callback runs or a watch is dropped, except where noted.
     replicas: Mutex<Replicas>,
     /// How many replicas it may hold: the smaller per-connection limit if it is untrusted.
     max_replicas: usize,
@@ -599,6 +669,7 @@ impl Host {
         let c = Arc::new(Connection {
             replicas: Mutex::new(Replicas {
                 watches: HashMap::new(),
+                in_flight: InFlight::new(),
             }),
             max_replicas: if untrusted {
                 self.limits
@@ -810,6 +881,23 @@ impl Connection {
         Ok(())
     }
 
+    /// Starts a new generation of fetches in flight, if any fetch is in flight: what
+    /// completes once every fetch that began before is done (see [`InFlight`]).
+    fn retire_fetches_in_flight(&self) -> Option<watch::Receiver<()>> {
+        let mut replicas = self.replicas.lock();
+        // Fetches clone the generation under this lock, and an earlier generation still
+        // alive holds this one: held by the connection alone, nothing is in flight.
+        if Arc::strong_count(&replicas.in_flight) == 1 {
+            return None;
+        }
+        let old = std::mem::replace(&mut replicas.in_flight, InFlight::new());
+        let _ = old.next.set(replicas.in_flight.clone());
+        let gone = old.gone.subscribe();
+        drop(replicas);
+        drop(old);
+        Some(gone)
+    }
+
     /// Closes the connection of a client that does not answer its pushes; logged and
     /// counted once per connection.
     fn close_unresponsive(&self, counters: &Counters, why: std::fmt::Arguments<'_>) {
@@ -833,7 +921,7 @@ impl ReplicaHost for Host {
         // Checked before the computation too, so that a refused fetch costs nothing; `watch`
         // checks again, for fetches of the same id that overlap.
         self.refuse_untrusted(&connection)?;
-        {
+        let in_flight = {
             let held = connection.replicas.lock();
             if held.watches.len() >= connection.max_replicas {
                 let limit = Limit::Connection(connection.max_replicas);
@@ -844,9 +932,13 @@ impl ReplicaHost for Host {
                     "replica id {replica} is already watched on this connection"
                 )));
             }
-        }
+            held.in_flight.clone()
+        };
         let (value, watched) = fetch(args, ctx.peer().format()).await?;
         connection.watch(replica, watched, self, false)?;
+        // In flight until its watch is registered (and has queued its push, if the value
+        // was invalidated meanwhile): a writer waiting for this connection waits for that.
+        drop(in_flight);
         Ok(value)
     }
 
@@ -865,9 +957,10 @@ impl ReplicaHost for Host {
             // Beyond the connection's limit (or the untrusted ones') the rest are stale
             // without being computed: the client drops them (and a fetch of one is refused
             // as over the limit). An id held already is watched anew in its place.
-            let (watched, count) = {
+            let (watched, count, in_flight) = {
                 let r = connection.replicas.lock();
-                (r.watches.contains_key(&held.replica), r.watches.len())
+                let watched = r.watches.contains_key(&held.replica);
+                (watched, r.watches.len(), r.in_flight.clone())
             };
             let admitted = || {
                 if watched {
@@ -893,6 +986,7 @@ impl ReplicaHost for Host {
                 }
                 _ => false,
             };
+            drop(in_flight);
             if !confirmed {
                 stale.push(held.replica);
                 // The client drops it: a watch this connection had for the id goes too.

@@ -5,13 +5,14 @@
 //! hand, as a Node or browser client does.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use coherent::{compute_service, ComputeService, ServiceHandle};
 use coherent_remote::{RemoteClient, RemoteServer};
 use coherent_rpc::{method_id, service, Blob, Config, Endpoint, Peer, RpcError, Trust};
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 use crate::support::*;
 
@@ -69,6 +70,8 @@ enum Answer {
     AtOnce,
     /// Never (a stopped process, a tab asleep).
     Never,
+    /// Each once the test adds a permit.
+    When(Arc<Semaphore>),
 }
 
 /// Records every push, and answers it as told.
@@ -83,6 +86,7 @@ impl ReplicaSink for Sink {
         match &self.answer {
             Answer::AtOnce => {}
             Answer::Never => std::future::pending::<()>().await,
+            Answer::When(permits) => permits.acquire().await.unwrap().forget(),
         }
     }
 }
@@ -138,6 +142,10 @@ impl RawClient {
             .fetch(method, self.args(user), replica)
             .await
             .unwrap()
+    }
+
+    fn decode(&self, value: &Blob) -> Option<String> {
+        self.peer.format().decode(value).unwrap()
     }
 
     fn held(&self, replica: u64, user: u64, hash: u64) -> Held {
@@ -524,4 +532,133 @@ async fn the_untrusted_connections_together_hold_at_most_their_limit_and_every_w
     until("b's end on the server", || remote.connections() == 1).await;
     assert_eq!(untrusted(), 0);
     assert_eq!(remote.replicas_held(), 10, "the tier's");
+}
+
+/// `Users.name` behind a gate: each call computes its value, says so, then waits for the
+/// test to let it return, so that a fetch can be held between its value computed and its
+/// watch registered.
+#[derive(Clone)]
+struct Gate {
+    computed: Arc<Semaphore>,
+    open: Arc<Semaphore>,
+}
+
+impl Gate {
+    fn new() -> Self {
+        Self {
+            computed: Arc::new(Semaphore::new(0)),
+            open: Arc::new(Semaphore::new(0)),
+        }
+    }
+
+    fn expose(&self, remote: RemoteServer, users: &Users) -> RemoteServer {
+        let gate = self.clone();
+        remote.expose("Users.gated", users.clone(), move |u, (id,): (u64,)| {
+            let gate = gate.clone();
+            async move {
+                let computed = u.name_computed(id).await;
+                gate.computed.add_permits(1);
+                gate.open.acquire().await.unwrap().forget();
+                computed
+            }
+        })
+    }
+
+    async fn computed(&self) {
+        let permit = within("the value computed", self.computed.acquire()).await;
+        permit.unwrap().forget();
+    }
+}
+
+#[tokio::test]
+async fn a_write_waits_for_a_trusted_fetch_that_computed_the_old_value_before_it() {
+    let users = Users::new();
+    let gate = Gate::new();
+    let remote = gate
+        .expose(remote_server(&users), &users)
+        .delivery_timeout(NEVER);
+    let acks = Arc::new(Semaphore::new(0));
+    let addr = serve_with(&users, &remote, Trust::Trusted).await;
+    let mut tier = RawClient::answering(addr, Answer::When(acks.clone())).await;
+    let fetch = tokio::spawn({
+        let (host, args) = (tier.host.clone(), tier.args(1));
+        async move { host.fetch(method_id("Users.gated"), args, 7).await }
+    });
+    gate.computed().await;
+
+    // The write lands between the fetch's value and its watch: no callback yet to queue.
+    users.rename(1, "anna");
+    let delivered = remote.invalidations_delivered();
+    tokio::pin!(delivered);
+    assert!(
+        futures::poll!(delivered.as_mut()).is_pending(),
+        "a write must wait for the fetch in flight that computed the old value"
+    );
+
+    gate.open.add_permits(1);
+    let value = within("the fetch", fetch).await.unwrap().unwrap().unwrap();
+    assert_eq!(tier.decode(&value).as_deref(), Some("ann"), "the old value");
+    // Its watch, registered on a computed invalidated already, pushed at once...
+    assert_eq!(tier.next_push().await, [7]);
+    // ...and the write waits for the tier to apply that push.
+    assert!(
+        futures::poll!(delivered.as_mut()).is_pending(),
+        "a write must wait for the push its fetch queued to be applied"
+    );
+    acks.add_permits(1);
+    within("the write's delivery", delivered).await;
+    let stats = remote.stats();
+    assert_eq!(stats.clients_closed_unresponsive, 0);
+    assert_eq!(stats.pushes, 1);
+    assert_eq!(remote.replicas_held(), 0, "pushed, so no longer watched");
+}
+
+#[tokio::test]
+async fn a_write_waits_for_a_trusted_revalidation_that_confirmed_the_old_value_before_it() {
+    let users = Users::new();
+    let gate = Gate::new();
+    let remote = gate
+        .expose(remote_server(&users), &users)
+        .delivery_timeout(NEVER);
+    let acks = Arc::new(Semaphore::new(0));
+    let addr = serve_with(&users, &remote, Trust::Trusted).await;
+    let mut tier = RawClient::answering(addr, Answer::When(acks.clone())).await;
+    // What the tier held before it reconnected: `Users.gated(1)`, "ann" (the same value as
+    // `Users.name(1)`).
+    let old = value_hash(&tier.fetch_value(1, 1).await.unwrap());
+    tier.host.release(vec![1]).await.unwrap();
+    until("the release handled", || remote.replicas_held() == 0).await;
+    let held = Held {
+        method: method_id("Users.gated"),
+        ..tier.held(7, 1, old)
+    };
+    let revalidation = tokio::spawn({
+        let host = tier.host.clone();
+        async move { host.revalidate(vec![held]).await }
+    });
+    gate.computed().await;
+
+    users.rename(1, "anna");
+    let delivered = remote.invalidations_delivered();
+    tokio::pin!(delivered);
+    assert!(
+        futures::poll!(delivered.as_mut()).is_pending(),
+        "a write must wait for the revalidation in flight that confirmed the old value"
+    );
+
+    gate.open.add_permits(1);
+    let stale = within("the revalidation", revalidation).await.unwrap();
+    assert_eq!(
+        stale.unwrap(),
+        Vec::<u64>::new(),
+        "confirmed: the old value"
+    );
+    assert_eq!(tier.next_push().await, [7]);
+    assert!(
+        futures::poll!(delivered.as_mut()).is_pending(),
+        "a write must wait for the push its revalidation queued to be applied"
+    );
+    acks.add_permits(1);
+    within("the write's delivery", delivered).await;
+    assert_eq!(remote.stats().clients_closed_unresponsive, 0);
 }
