@@ -2,11 +2,11 @@
 //! handed out as replicas, each watched by one callback that queues its id for a single
 //! coalescing task to push.
 
-use std::collections::{hash_map::Entry, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use coherent::{CallbackKey, Computed};
@@ -22,6 +22,15 @@ pub const DELIVERY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The default of [`RemoteServer::max_unanswered_pushes`].
 pub const MAX_UNANSWERED_PUSHES: usize = 1024;
+
+/// The default of [`RemoteServer::max_replicas_per_connection`].
+pub const MAX_REPLICAS_PER_CONNECTION: usize = 100_000;
+
+/// The default of [`RemoteServer::max_replicas_per_untrusted_connection`].
+pub const MAX_REPLICAS_PER_UNTRUSTED_CONNECTION: usize = 1_000;
+
+/// The default of [`RemoteServer::max_untrusted_replicas`].
+pub const MAX_UNTRUSTED_REPLICAS: usize = 100_000;
 
 use crate::wire::{value_hash, Failure, Held, ReplicaHost, ReplicaHostServer, ReplicaSinkClient};
 
@@ -85,7 +94,7 @@ pub(crate) type JsonFetch =
 #[derive(Clone)]
 pub struct RemoteServer {
     methods: HashMap<u32, Method>,
-    max_replicas: usize,
+    limits: ReplicaLimits,
     delivery_timeout: Duration,
     max_unanswered_pushes: usize,
     #[cfg(feature = "http")]
@@ -103,6 +112,11 @@ pub(crate) struct Counters {
     pushes: AtomicU64,
     closed_unresponsive: AtomicU64,
     waits_skipped_untrusted: AtomicU64,
+    /// Replicas watched for untrusted connections now: one per [`Watch`] holding a
+    /// [`Slot`], so that every way a watch goes gives its place back.
+    untrusted_replicas: AtomicUsize,
+    refused_per_connection: AtomicU64,
+    refused_untrusted_total: AtomicU64,
     pub(crate) sse_feeds_open: AtomicUsize,
     pub(crate) sse_feeds_refused: AtomicU64,
 }
@@ -115,6 +129,17 @@ pub struct ServerStats {
     pub connections: usize,
     /// Replicas watched now, over all connections.
     pub replicas_held: usize,
+    /// Replicas watched now for untrusted connections, together: what
+    /// [`RemoteServer::max_untrusted_replicas`] bounds.
+    pub untrusted_replicas_held: usize,
+    /// Replicas refused (a fetch answered `TooManyReplicas`, or an id a revalidation
+    /// reported stale without computing it) because their connection held as many as it
+    /// may: [`RemoteServer::max_replicas_per_connection`], or for an untrusted one
+    /// [`RemoteServer::max_replicas_per_untrusted_connection`].
+    pub replicas_refused_per_connection: u64,
+    /// Replicas refused to untrusted connections because they held
+    /// [`RemoteServer::max_untrusted_replicas`] together.
+    pub replicas_refused_untrusted_total: u64,
     /// Invalidation messages pushed to clients (a batch too large for one message counts
     /// once per message).
     pub pushes: u64,
@@ -147,12 +172,16 @@ impl Default for RemoteServer {
 }
 
 impl RemoteServer {
-    /// No methods yet; at most 100,000 replicas per connection; see each setting for its
-    /// default.
+    /// No methods yet; at most 100,000 replicas per connection, 1,000 per untrusted one and
+    /// 100,000 for the untrusted ones together; see each setting for its default.
     pub fn new() -> Self {
         Self {
             methods: HashMap::new(),
-            max_replicas: 100_000,
+            limits: ReplicaLimits {
+                per_connection: MAX_REPLICAS_PER_CONNECTION,
+                per_untrusted_connection: MAX_REPLICAS_PER_UNTRUSTED_CONNECTION,
+                untrusted_total: MAX_UNTRUSTED_REPLICAS,
+            },
             delivery_timeout: DELIVERY_TIMEOUT,
             max_unanswered_pushes: MAX_UNANSWERED_PUSHES,
             #[cfg(feature = "http")]
@@ -245,10 +274,54 @@ impl RemoteServer {
         service.expose_on(self)
     }
 
-    /// How many replicas one connection may hold (default 100,000); a fetch beyond it fails
-    /// with `Overloaded`. This bounds what a client can make the server keep.
+    /// How many replicas one connection may hold (default
+    /// [`MAX_REPLICAS_PER_CONNECTION`], 100,000); a fetch beyond it fails with
+    /// `TooManyReplicas` (`Overloaded` for a Rust client). This bounds what one of the
+    /// application's tiers can make the server keep; an untrusted connection is also held
+    /// to [`max_replicas_per_untrusted_connection`](Self::max_replicas_per_untrusted_connection),
+    /// and the untrusted ones together to [`max_untrusted_replicas`](Self::max_untrusted_replicas).
+    ///
+    /// Each replica keeps its computed cached (the core never evicts what is held), so what
+    /// it costs is the computed's value, its dependencies and about a hundred bytes of
+    /// bookkeeping: the limits count replicas, not bytes (not yet), so a method whose values
+    /// are large (a page of results) makes each replica cost that much more.
     pub fn max_replicas_per_connection(mut self, n: usize) -> Self {
-        self.max_replicas = n;
+        self.limits.per_connection = n;
+        self
+    }
+
+    /// How many replicas one untrusted connection ([`Trust::Untrusted`]: a browser over
+    /// WebSocket, by default) may hold (default [`MAX_REPLICAS_PER_UNTRUSTED_CONNECTION`],
+    /// 1,000; the smaller of this and
+    /// [`max_replicas_per_connection`](Self::max_replicas_per_connection) applies). A page
+    /// holds a handful to a few hundred; anyone on the internet may open a connection, so this
+    /// is what one of them can make the server keep per connection. Beyond it a fetch fails
+    /// with `TooManyReplicas`, counted in [`ServerStats::replicas_refused_per_connection`].
+    ///
+    /// Entries are counted, not bytes (not yet): with a method whose values weigh 33 KiB, the
+    /// default lets one connection pin about 33 MiB. Lower it, or
+    /// [`max_untrusted_replicas`](Self::max_untrusted_replicas), where values are large.
+    pub fn max_replicas_per_untrusted_connection(mut self, n: usize) -> Self {
+        self.limits.per_untrusted_connection = n;
+        self
+    }
+
+    /// How many replicas the untrusted connections may hold together (default
+    /// [`MAX_UNTRUSTED_REPLICAS`], 100,000): beyond it, a fetch on an untrusted connection
+    /// fails with `TooManyReplicas` (`Overloaded`) and a revalidation reports the replicas
+    /// it cannot watch as stale, until pushes, releases or disconnections give places back.
+    /// Counted in [`ServerStats::replicas_refused_untrusted_total`]; the total held is
+    /// [`ServerStats::untrusted_replicas_held`]. Trusted connections (the application's
+    /// tiers) are never refused for it, and do not count toward it: many connections, each
+    /// within its own limit, cannot together make the server keep more than this for
+    /// anonymous clients.
+    ///
+    /// It bounds entries, not bytes (not yet): what the untrusted clients can pin is this
+    /// many times the largest value (and dependencies) of the methods exposed to them, e.g.
+    /// about 3.3 GB at the default for a method whose values weigh 33 KiB. Size it for the
+    /// heaviest method, or expose heavy methods on a server of their own with lower limits.
+    pub fn max_untrusted_replicas(mut self, n: usize) -> Self {
+        self.limits.untrusted_total = n;
         self
     }
 
@@ -285,7 +358,10 @@ impl RemoteServer {
     /// How many replicas the server watches now, over all connections.
     pub fn replicas_held(&self) -> usize {
         let connections: Vec<_> = self.connections.lock().values().cloned().collect();
-        connections.iter().map(|c| c.replicas.lock().len()).sum()
+        connections
+            .iter()
+            .map(|c| c.replicas.lock().watches.len())
+            .sum()
     }
 
     /// The server's gauges and counters now (shared by its clones).
@@ -294,6 +370,9 @@ impl RemoteServer {
         ServerStats {
             connections: self.connections(),
             replicas_held: self.replicas_held(),
+            untrusted_replicas_held: c.untrusted_replicas.load(Ordering::Relaxed),
+            replicas_refused_per_connection: c.refused_per_connection.load(Ordering::Relaxed),
+            replicas_refused_untrusted_total: c.refused_untrusted_total.load(Ordering::Relaxed),
             pushes: c.pushes.load(Ordering::Relaxed),
             clients_closed_unresponsive: c.closed_unresponsive.load(Ordering::Relaxed),
             waits_skipped_untrusted: c.waits_skipped_untrusted.load(Ordering::Relaxed),
@@ -307,7 +386,10 @@ impl RemoteServer {
     ///
     /// - A **trusted** connection ([`Trust::Trusted`]: the application's own tiers, over
     ///   TCP, TLS or a Unix socket by default) is waited for until its client has applied
-    ///   them (it answers each push once applied) or its connection is gone. When this
+    ///   them (it answers each push once applied) or its connection is gone. So are its
+    ///   fetches and revalidations in flight when this is called (one may have computed its
+    ///   value before the write and watch it only after: its client then gets the old value
+    ///   and, right behind it, a push), and then the pushes they queued. When this
     ///   completes, no trusted client of this server still answers from a value the write
     ///   changed.
     /// - The **connection of the call being served**, if this runs inside an RPC handler
@@ -322,28 +404,33 @@ impl RemoteServer {
     /// Whatever its trust, a client that leaves a push unanswered for longer than
     /// [`delivery_timeout`](Self::delivery_timeout) (5 s by default) has its connection
     /// closed (it then reconnects and revalidates what it holds), and that is logged; so
-    /// this waits at most that long.
+    /// this waits at most that long. A fetch still computing by then is not waited for
+    /// further (logged; its connection stays open: a slow method is not its client's fault),
+    /// and that client may get the old value and its push after this completes.
     pub async fn invalidations_delivered(&self) {
         let caller = CallContext::current().map(|ctx| ctx.peer().id());
+        let connections: Vec<Arc<Connection>> = self.connections.lock().values().cloned().collect();
         let mut skipped = 0;
-        let waits: Vec<(u64, watch::Receiver<u64>, Arc<Connection>)> = self
-            .connections
-            .lock()
-            .values()
-            .filter_map(|c| {
-                let queued = c.invalidated.lock().queued;
-                let rx = c.delivered.subscribe();
-                if *rx.borrow() >= queued {
-                    return None;
-                }
-                if c.peer.trust() == Trust::Trusted || Some(c.peer.id()) == caller {
-                    Some((queued, rx, c.clone()))
-                } else {
-                    skipped += 1;
-                    None
-                }
-            })
-            .collect();
+        let mut waits = Vec::new();
+        for c in connections {
+            let waited = c.peer.trust() == Trust::Trusted || Some(c.peer.id()) == caller;
+            // The fetches in flight first, then the queue: one that registers its watch
+            // after the queue was read (its value computed before the write, its callback
+            // run at once) is waited for through its generation.
+            let fetches = if waited {
+                c.retire_fetches_in_flight()
+            } else {
+                None
+            };
+            let queued = c.invalidated.lock().queued;
+            let rx = c.delivered.subscribe();
+            let behind = *rx.borrow() < queued;
+            if waited && (behind || fetches.is_some()) {
+                waits.push((queued, rx, fetches, c));
+            } else if behind && !waited {
+                skipped += 1;
+            }
+        }
         if skipped > 0 {
             self.counters
                 .waits_skipped_untrusted
@@ -352,7 +439,31 @@ impl RemoteServer {
         // One deadline for all: the clients are waited for at the same time, so a write
         // waits for the slowest of them, not for their sum.
         let deadline = tokio::time::Instant::now() + self.delivery_timeout;
-        for (queued, mut rx, c) in waits {
+        for (mut queued, mut rx, fetches, c) in waits {
+            if let Some(mut gone) = fetches {
+                // A fetch (or revalidation) that began before the call may have computed its
+                // value before the write and register its watch after it: its client gets
+                // that value and, right behind it, the push its watch queues at once. Wait
+                // for it to be done (or the connection gone), then for that push too.
+                let mut closed = rx.clone();
+                let done = async {
+                    tokio::select! {
+                        _ = gone.changed() => {}
+                        _ = closed.wait_for(|delivered| *delivered == u64::MAX) => {}
+                    }
+                };
+                if tokio::time::timeout_at(deadline, done).await.is_ok() {
+                    queued = c.invalidated.lock().queued;
+                } else {
+                    // A slow computation is not the client's fault: not closed for it.
+                    tracing::warn!(
+                        peer = c.peer.id(),
+                        "fetches in flight on a trusted connection were not done within {:?}: \
+                         a write did not wait for them further",
+                        self.delivery_timeout
+                    );
+                }
+            }
             let wait = rx.wait_for(|delivered| *delivered >= queued);
             if tokio::time::timeout_at(deadline, wait).await.is_err() {
                 // Closing makes the client reconnect and revalidate every replica it holds;
@@ -372,7 +483,7 @@ impl RemoteServer {
     pub fn service(&self) -> impl Service {
         ReplicaHostServer::new(Host {
             methods: self.methods.clone(),
-            max_replicas: self.max_replicas,
+            limits: self.limits,
             push: PushSettings {
                 delivery_timeout: self.delivery_timeout,
                 max_unanswered: self.max_unanswered_pushes,
@@ -392,7 +503,7 @@ pub trait Expose {
 
 struct Host {
     methods: HashMap<u32, Method>,
-    max_replicas: usize,
+    limits: ReplicaLimits,
     push: PushSettings,
     connections: Connections,
 }
@@ -405,12 +516,23 @@ struct PushSettings {
     counters: Arc<Counters>,
 }
 
+/// How many replicas the server watches, per connection and for the untrusted ones.
+#[derive(Clone, Copy)]
+struct ReplicaLimits {
+    per_connection: usize,
+    per_untrusted_connection: usize,
+    untrusted_total: usize,
+}
+
 /// One replica's watch: the computed, held so that it stays cached, and its callback,
 /// taken back when the watch is dropped (released, replaced, pushed, or its connection
 /// gone), so that watches that come and go leave nothing on a long-lived computed.
 struct Watch {
     watched: Box<dyn Watched>,
     key: CallbackKey,
+    /// An untrusted connection's place under [`RemoteServer::max_untrusted_replicas`],
+    /// given back with the watch (handed on to the watch that replaces it).
+    slot: Option<Slot>,
 }
 
 impl Drop for Watch {
@@ -421,11 +543,81 @@ impl Drop for Watch {
     }
 }
 
+/// One replica counted in [`Counters::untrusted_replicas`], until dropped.
+struct Slot(Arc<Counters>);
+
+impl Slot {
+    /// A place under `max`, if one is left.
+    fn take(counters: &Arc<Counters>, max: usize) -> Option<Self> {
+        counters
+            .untrusted_replicas
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Self(counters.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.untrusted_replicas.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A connection's watches, and the generation of its fetches in flight.
+struct Replicas {
+    /// Replica id → the computed it watches.
+    watches: HashMap<u64, Watch>,
+    /// Cloned by each fetch (and each replica a revalidation computes) under this lock,
+    /// which it takes anyway, and dropped once its watch is registered: see [`InFlight`].
+    in_flight: Arc<InFlight>,
+}
+
+/// A generation of the fetches in flight on a connection: each fetch holds the generation
+/// current when it began until its watch is registered (and has queued the replica's push,
+/// if its value was invalidated meanwhile). A writer that must wait for the fetches that
+/// began before it ([`RemoteServer::invalidations_delivered`]) starts a new generation and
+/// waits for the old one to be dropped. A fetch pays for it with a reference count.
+///
+/// Each generation keeps the next one alive, so that a generation is dropped only once the
+/// fetches of every earlier one are done too.
+struct InFlight {
+    /// The generation that a writer started after this one.
+    next: OnceLock<Arc<InFlight>>,
+    /// Dropped with the generation: what the writer that retired it waits for.
+    gone: watch::Sender<()>,
+}
+
+impl InFlight {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            next: OnceLock::new(),
+            gone: watch::Sender::new(()),
+        })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // The later generations this one was the last to hold, one at a time rather than
+        // recursively: a slow fetch under many writes makes a long chain.
+        let mut next = self.next.take();
+        while let Some(mut generation) = next.and_then(Arc::into_inner) {
+            next = generation.next.take();
+        }
+    }
+}
+
 /// What the server keeps for one client connection.
 struct Connection {
-    /// Replica id → the computed it watches. Never held while a callback runs or a watch
-    /// is dropped, except where noted.
-    replicas: Mutex<HashMap<u64, Watch>>,
+    /// Its watches (replica id → the computed it watches) and fetches in flight. Never held
+    /// while a callback runs or a watch is dropped, except where noted.
+    replicas: Mutex<Replicas>,
+    /// How many replicas it may hold: the smaller per-connection limit if it is untrusted.
+    max_replicas: usize,
+    /// Whether its watches count toward [`RemoteServer::max_untrusted_replicas`].
+    untrusted: bool,
     /// Replicas invalidated and not yet pushed. A watch's callback adds its id once, and the
     /// watch is removed when the id is pushed; a callback that the invalidation took while
     /// its watch was being dropped may add one id more, which the next push drains: this
@@ -450,6 +642,16 @@ struct Pending {
 }
 
 impl Host {
+    /// Refuses a replica beyond the server's limit for the untrusted connections together,
+    /// before it is computed (`watch` takes the place, for fetches that overlap).
+    fn refuse_untrusted(&self, connection: &Connection) -> Result<(), Failure> {
+        let (counters, max) = (&self.push.counters, self.limits.untrusted_total);
+        if connection.untrusted && counters.untrusted_replicas.load(Ordering::Relaxed) >= max {
+            return Err(refused(counters, Limit::UntrustedTotal(max)));
+        }
+        Ok(())
+    }
+
     fn method(&self, id: u32) -> Result<Arc<Fetch>, Failure> {
         self.methods
             .get(&id)
@@ -463,8 +665,20 @@ impl Host {
         if let Some(c) = connections.get(&peer.id()) {
             return c.clone();
         }
+        let untrusted = peer.trust() != Trust::Trusted;
         let c = Arc::new(Connection {
-            replicas: Mutex::new(HashMap::new()),
+            replicas: Mutex::new(Replicas {
+                watches: HashMap::new(),
+                in_flight: InFlight::new(),
+            }),
+            max_replicas: if untrusted {
+                self.limits
+                    .per_connection
+                    .min(self.limits.per_untrusted_connection)
+            } else {
+                self.limits.per_connection
+            },
+            untrusted,
             invalidated: Mutex::new(Pending::default()),
             wake: Notify::new(),
             delivered: Arc::new(watch::Sender::new(0)),
@@ -480,6 +694,24 @@ impl Host {
         ));
         c
     }
+}
+
+/// Which limit refused a replica, and its value.
+enum Limit {
+    Connection(usize),
+    UntrustedTotal(usize),
+}
+
+/// Counts a refusal: the failure to answer. Both limits answer `TooManyReplicas` with the
+/// limit reached, which every client knows already.
+fn refused(counters: &Counters, limit: Limit) -> Failure {
+    let (counter, n) = match limit {
+        Limit::Connection(n) => (&counters.refused_per_connection, n),
+        Limit::UntrustedTotal(n) => (&counters.refused_untrusted_total, n),
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(limit = n, "a replica refused: too many held");
+    Failure::TooManyReplicas(n)
 }
 
 /// Sends each batch of invalidated replica ids in one message, until the connection closes;
@@ -549,7 +781,9 @@ async fn push_invalidations(
         // invalidation cascade, where releasing a computed is not welcome.
         let dropped: Vec<_> = {
             let mut replicas = c.replicas.lock();
-            ids.iter().filter_map(|id| replicas.remove(id)).collect()
+            ids.iter()
+                .filter_map(|id| replicas.watches.remove(id))
+                .collect()
         };
         drop(dropped);
         drop(c);
@@ -582,7 +816,7 @@ async fn push_invalidations(
     // Released now, not when the last handler still running on this connection lets go of
     // it: each watch takes its callback back from its computed as it drops.
     if let Some(c) = gone.or_else(|| connection.upgrade()) {
-        let held = std::mem::take(&mut *c.replicas.lock());
+        let held = std::mem::take(&mut c.replicas.lock().watches);
         drop(held);
     }
     // Nothing more will be acknowledged here: release whoever waits (the client, cut off,
@@ -593,25 +827,37 @@ async fn push_invalidations(
 impl Connection {
     /// Holds `watched` for `replica` and pushes the replica's id when it is invalidated.
     /// An id held already is refused (`fetch`) or its watch replaced (`revalidate`:
-    /// `replace`); a new id beyond `max` replicas is refused. Either way the connection
+    /// `replace`); a new id beyond the connection's limit, or for an untrusted connection
+    /// beyond the untrusted ones' limit together, is refused. Either way the connection
     /// keeps at most one watch, hence one callback, per replica id.
     fn watch(
         self: &Arc<Self>,
         replica: u64,
         watched: Box<dyn Watched>,
-        max: usize,
+        host: &Host,
         replace: bool,
     ) -> Result<(), Failure> {
+        let counters = &host.push.counters;
         let mut replicas = self.replicas.lock();
-        let held = replicas.contains_key(&replica);
-        if held && !replace {
-            return Err(Failure::BadArguments(format!(
-                "replica id {replica} is already watched on this connection"
-            )));
-        }
-        if !held && replicas.len() >= max {
-            return Err(Failure::TooManyReplicas(max));
-        }
+        let held = replicas.watches.len();
+        let slot = match replicas.watches.get_mut(&replica) {
+            Some(_) if !replace => {
+                return Err(Failure::BadArguments(format!(
+                    "replica id {replica} is already watched on this connection"
+                )));
+            }
+            // The watch it replaces hands on its place.
+            Some(previous) => previous.slot.take(),
+            None if held >= self.max_replicas => {
+                return Err(refused(counters, Limit::Connection(self.max_replicas)));
+            }
+            None if self.untrusted => {
+                let max = host.limits.untrusted_total;
+                let slot = Slot::take(counters, max);
+                Some(slot.ok_or_else(|| refused(counters, Limit::UntrustedTotal(max)))?)
+            }
+            None => None,
+        };
         // Registered under the lock, so that two calls for one id cannot both get in. The
         // callback takes only `invalidated`, never `replicas`, and it runs at once if the
         // computed is already invalidated: the client then gets the value and, right behind
@@ -626,17 +872,30 @@ impl Connection {
                 c.wake.notify_one();
             }
         }));
-        let previous = match replicas.entry(replica) {
-            Entry::Occupied(mut e) => Some(e.insert(Watch { watched, key })),
-            Entry::Vacant(e) => {
-                e.insert(Watch { watched, key });
-                None
-            }
-        };
+        let previous = replicas
+            .watches
+            .insert(replica, Watch { watched, key, slot });
         drop(replicas);
         // Outside the lock: dropping a watch locks its computed to take its callback back.
         drop(previous);
         Ok(())
+    }
+
+    /// Starts a new generation of fetches in flight, if any fetch is in flight: what
+    /// completes once every fetch that began before is done (see [`InFlight`]).
+    fn retire_fetches_in_flight(&self) -> Option<watch::Receiver<()>> {
+        let mut replicas = self.replicas.lock();
+        // Fetches clone the generation under this lock, and an earlier generation still
+        // alive holds this one: held by the connection alone, nothing is in flight.
+        if Arc::strong_count(&replicas.in_flight) == 1 {
+            return None;
+        }
+        let old = std::mem::replace(&mut replicas.in_flight, InFlight::new());
+        let _ = old.next.set(replicas.in_flight.clone());
+        let gone = old.gone.subscribe();
+        drop(replicas);
+        drop(old);
+        Some(gone)
     }
 
     /// Closes the connection of a client that does not answer its pushes; logged and
@@ -661,19 +920,25 @@ impl ReplicaHost for Host {
         let connection = self.connection(ctx.peer());
         // Checked before the computation too, so that a refused fetch costs nothing; `watch`
         // checks again, for fetches of the same id that overlap.
-        {
+        self.refuse_untrusted(&connection)?;
+        let in_flight = {
             let held = connection.replicas.lock();
-            if held.len() >= self.max_replicas {
-                return Err(Failure::TooManyReplicas(self.max_replicas));
+            if held.watches.len() >= connection.max_replicas {
+                let limit = Limit::Connection(connection.max_replicas);
+                return Err(refused(&self.push.counters, limit));
             }
-            if held.contains_key(&replica) {
+            if held.watches.contains_key(&replica) {
                 return Err(Failure::BadArguments(format!(
                     "replica id {replica} is already watched on this connection"
                 )));
             }
-        }
+            held.in_flight.clone()
+        };
         let (value, watched) = fetch(args, ctx.peer().format()).await?;
-        connection.watch(replica, watched, self.max_replicas, false)?;
+        connection.watch(replica, watched, self, false)?;
+        // In flight until its watch is registered (and has queued its push, if the value
+        // was invalidated meanwhile): a writer waiting for this connection waits for that.
+        drop(in_flight);
         Ok(value)
     }
 
@@ -689,28 +954,43 @@ impl ReplicaHost for Host {
             if !seen.insert(held.replica) {
                 continue;
             }
-            // Beyond the connection's limit the rest are stale without being computed: the
-            // client drops them (and a fetch of one is refused as over the limit).
-            let full = {
+            // Beyond the connection's limit (or the untrusted ones') the rest are stale
+            // without being computed: the client drops them (and a fetch of one is refused
+            // as over the limit). An id held already is watched anew in its place.
+            let (watched, count, in_flight) = {
                 let r = connection.replicas.lock();
-                r.len() >= self.max_replicas && !r.contains_key(&held.replica)
+                let watched = r.watches.contains_key(&held.replica);
+                (watched, r.watches.len(), r.in_flight.clone())
             };
-            let current = match self.method(held.method) {
-                Ok(_) if full => Err(Failure::TooManyReplicas(self.max_replicas)),
+            let admitted = || {
+                if watched {
+                    Ok(())
+                } else if count >= connection.max_replicas {
+                    let limit = Limit::Connection(connection.max_replicas);
+                    Err(refused(&self.push.counters, limit))
+                } else {
+                    self.refuse_untrusted(&connection)
+                }
+            };
+            let current = match self
+                .method(held.method)
+                .and_then(|f| admitted().map(|()| f))
+            {
                 Ok(fetch) => fetch(held.args, format).await,
                 Err(e) => Err(e),
             };
             let confirmed = match current {
                 // An id this connection holds already gets a new watch in place of the old.
-                Ok((value, watched)) if value_hash(&value) == held.hash => connection
-                    .watch(held.replica, watched, self.max_replicas, true)
-                    .is_ok(),
+                Ok((value, watched)) if value_hash(&value) == held.hash => {
+                    connection.watch(held.replica, watched, self, true).is_ok()
+                }
                 _ => false,
             };
+            drop(in_flight);
             if !confirmed {
                 stale.push(held.replica);
                 // The client drops it: a watch this connection had for the id goes too.
-                let dropped = connection.replicas.lock().remove(&held.replica);
+                let dropped = connection.replicas.lock().watches.remove(&held.replica);
                 drop(dropped);
             }
         }
@@ -737,7 +1017,10 @@ impl ReplicaHost for Host {
         };
         let dropped: Vec<_> = {
             let mut held = c.replicas.lock();
-            replicas.iter().filter_map(|id| held.remove(id)).collect()
+            replicas
+                .iter()
+                .filter_map(|id| held.watches.remove(id))
+                .collect()
         };
         drop(dropped);
     }

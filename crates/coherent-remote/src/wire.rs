@@ -15,7 +15,9 @@ pub(crate) enum Failure {
     BadArguments(String),
     /// The value does not encode.
     BadValue(String),
-    /// This connection holds as many replicas as the server allows.
+    /// This connection holds as many replicas as the server allows it, or it is untrusted
+    /// and the untrusted connections hold as many as the server allows them together: the
+    /// limit reached.
     TooManyReplicas(usize),
 }
 
@@ -30,7 +32,7 @@ impl From<Failure> for RpcError {
             Failure::BadValue(e) => RpcError::new(ErrorCode::Internal, e),
             Failure::TooManyReplicas(n) => RpcError::new(
                 ErrorCode::Overloaded,
-                format!("this connection already holds {n} replicas"),
+                format!("too many replicas held: the server's limit of {n} was reached"),
             ),
         }
     }

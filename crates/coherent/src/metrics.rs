@@ -31,6 +31,9 @@
 //! | `coherent_rpc_queued_bytes_peak` | gauge | `endpoint` | the most bytes queued for sending at once |
 //! | `coherent_remote_connections` | gauge | `server` | client connections holding replicas |
 //! | `coherent_remote_replicas_held` | gauge | `server` | replicas the server watches for its clients |
+//! | `coherent_remote_untrusted_replicas_held` | gauge | `server` | replicas the server watches for its untrusted clients together (what `max_untrusted_replicas` bounds) |
+//! | `coherent_remote_replicas_refused_per_connection_total` | counter | `server` | replicas refused because their connection held as many as it may (`max_replicas_per_connection`, or `max_replicas_per_untrusted_connection`) |
+//! | `coherent_remote_replicas_refused_untrusted_total` | counter | `server` | replicas refused to untrusted connections because they held `max_untrusted_replicas` together |
 //! | `coherent_remote_pushes_total` | counter | `server` | invalidation messages pushed to clients |
 //! | `coherent_remote_clients_closed_unresponsive_total` | counter | `server` | client connections closed for leaving pushes unanswered (past the delivery timeout, or too many at once) |
 //! | `coherent_remote_waits_skipped_untrusted_total` | counter | `server` | untrusted connections behind on a write's invalidations that `invalidations_delivered` did not wait for |
@@ -122,8 +125,9 @@ impl Observer {
         }))
     }
 
-    /// Reports the replicas that `server` holds for its clients, its pushes and the clients
-    /// it closed or did not wait for, and its gateway's event feeds, labelled `server = name`.
+    /// Reports the replicas that `server` holds for its clients (and for the untrusted ones,
+    /// and those it refused), its pushes and the clients it closed or did not wait for, and
+    /// its gateway's event feeds, labelled `server = name`.
     #[cfg(feature = "remote")]
     pub fn remote_server(self, name: &str, server: &coherent_remote::RemoteServer) -> Self {
         let (server, name) = (server.clone(), name.to_owned());
@@ -132,6 +136,15 @@ impl Observer {
             let label = [("server", name.clone())];
             metrics::gauge!("coherent_remote_connections", &label).set(s.connections as f64);
             metrics::gauge!("coherent_remote_replicas_held", &label).set(s.replicas_held as f64);
+            metrics::gauge!("coherent_remote_untrusted_replicas_held", &label)
+                .set(s.untrusted_replicas_held as f64);
+            metrics::counter!(
+                "coherent_remote_replicas_refused_per_connection_total",
+                &label
+            )
+            .absolute(s.replicas_refused_per_connection);
+            metrics::counter!("coherent_remote_replicas_refused_untrusted_total", &label)
+                .absolute(s.replicas_refused_untrusted_total);
             metrics::counter!("coherent_remote_pushes_total", &label).absolute(s.pushes);
             metrics::counter!("coherent_remote_clients_closed_unresponsive_total", &label)
                 .absolute(s.clients_closed_unresponsive);

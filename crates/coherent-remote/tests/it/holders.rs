@@ -5,13 +5,14 @@
 //! hand, as a Node or browser client does.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use coherent::{compute_service, ComputeService, ServiceHandle};
 use coherent_remote::{RemoteClient, RemoteServer};
 use coherent_rpc::{method_id, service, Blob, Config, Endpoint, Peer, RpcError, Trust};
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 use crate::support::*;
 
@@ -63,17 +64,29 @@ fn value_hash(bytes: &[u8]) -> u64 {
     h
 }
 
-/// Records every push; a stalled one never answers it (a stopped process, a tab asleep).
+/// How a client answers its pushes.
+#[derive(Clone)]
+enum Answer {
+    AtOnce,
+    /// Never (a stopped process, a tab asleep).
+    Never,
+    /// Each once the test adds a permit.
+    When(Arc<Semaphore>),
+}
+
+/// Records every push, and answers it as told.
 struct Sink {
     pushed: mpsc::UnboundedSender<Vec<u64>>,
-    stalled: bool,
+    answer: Answer,
 }
 
 impl ReplicaSink for Sink {
     async fn invalidated(&self, replicas: Vec<u64>) {
         let _ = self.pushed.send(replicas);
-        if self.stalled {
-            std::future::pending::<()>().await;
+        match &self.answer {
+            Answer::AtOnce => {}
+            Answer::Never => std::future::pending::<()>().await,
+            Answer::When(permits) => permits.acquire().await.unwrap().forget(),
         }
     }
 }
@@ -87,12 +100,18 @@ struct RawClient {
 
 impl RawClient {
     async fn connect(addr: SocketAddr, stalled: bool) -> Self {
+        let answer = if stalled {
+            Answer::Never
+        } else {
+            Answer::AtOnce
+        };
+        Self::answering(addr, answer).await
+    }
+
+    async fn answering(addr: SocketAddr, answer: Answer) -> Self {
         let (tx, pushed) = mpsc::unbounded_channel();
         let peer = Endpoint::builder()
-            .service(ReplicaSinkServer::new(Sink {
-                pushed: tx,
-                stalled,
-            }))
+            .service(ReplicaSinkServer::new(Sink { pushed: tx, answer }))
             .config(Config::default().max_message_size(64 << 20))
             .build()
             .connect_tcp(addr)
@@ -111,9 +130,22 @@ impl RawClient {
 
     /// Holds `Users.name(user)` as `replica`; answers the value's hash.
     async fn fetch(&self, replica: u64, user: u64) -> Result<u64, Failure> {
+        self.fetch_value(replica, user)
+            .await
+            .map(|v| value_hash(&v))
+    }
+
+    /// The same, answering the value.
+    async fn fetch_value(&self, replica: u64, user: u64) -> Result<Blob, Failure> {
         let method = method_id("Users.name");
-        let value = self.host.fetch(method, self.args(user), replica).await;
-        value.unwrap().map(|v| value_hash(&v))
+        self.host
+            .fetch(method, self.args(user), replica)
+            .await
+            .unwrap()
+    }
+
+    fn decode(&self, value: &Blob) -> Option<String> {
+        self.peer.format().decode(value).unwrap()
     }
 
     fn held(&self, replica: u64, user: u64, hash: u64) -> Held {
@@ -394,4 +426,239 @@ async fn a_client_writing_through_its_own_untrusted_connection_sees_its_write_in
     assert_eq!(page.name(1).await.unwrap().as_deref(), Some("anna"));
     assert_eq!(remote.stats().waits_skipped_untrusted, 1, "the stalled one");
     assert!(stalled.peer.close_reason().is_none());
+}
+
+/// Fetches `Users.name(user)` under each of `replicas`, 100 at a time.
+async fn fetch_all(client: &RawClient, replicas: std::ops::Range<u64>, user: u64) {
+    let ids: Vec<u64> = replicas.collect();
+    for chunk in ids.chunks(100) {
+        let fetches = chunk.iter().map(|&id| client.fetch(id, user));
+        for hash in futures::future::join_all(fetches).await {
+            hash.unwrap();
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_untrusted_connection_holds_a_thousand_replicas_by_default_and_a_trusted_one_more() {
+    let users = Users::new();
+    let remote = remote_server(&users);
+    let browser =
+        RawClient::connect(serve_with(&users, &remote, Trust::Untrusted).await, false).await;
+    let tier = RawClient::connect(serve_with(&users, &remote, Trust::Trusted).await, false).await;
+    // Each a computed of its own that the core keeps while it is held.
+    fetch_all(&browser, 0..1_000, 1).await;
+    assert_eq!(
+        browser.fetch(1_000, 1).await,
+        Err(Failure::TooManyReplicas(1_000))
+    );
+    fetch_all(&tier, 0..1_500, 1).await;
+    let stats = remote.stats();
+    assert_eq!(stats.replicas_held, 2_500);
+    assert_eq!(stats.untrusted_replicas_held, 1_000);
+    assert_eq!(stats.replicas_refused_per_connection, 1);
+    assert_eq!(stats.replicas_refused_untrusted_total, 0);
+
+    browser.peer.close();
+    until("the browser's end on the server", || {
+        remote.connections() == 1
+    })
+    .await;
+    assert_eq!(remote.stats().untrusted_replicas_held, 0);
+    assert_eq!(remote.replicas_held(), 1_500);
+}
+
+#[tokio::test]
+async fn the_untrusted_connections_together_hold_at_most_their_limit_and_every_watch_gone_gives_its_place_back(
+) {
+    let users = Users::new();
+    let remote = remote_server(&users)
+        .max_untrusted_replicas(4)
+        .delivery_timeout(NEVER);
+    let addr = serve_with(&users, &remote, Trust::Untrusted).await;
+    let (mut a, mut b) = (
+        RawClient::connect(addr, false).await,
+        RawClient::connect(addr, false).await,
+    );
+    let tier = RawClient::connect(serve_with(&users, &remote, Trust::Trusted).await, false).await;
+    let untrusted = || remote.stats().untrusted_replicas_held;
+
+    let bob = a.fetch(2, 2).await.unwrap();
+    a.fetch(1, 1).await.unwrap();
+    a.fetch(3, 2).await.unwrap();
+    b.fetch(1, 1).await.unwrap();
+    assert_eq!(untrusted(), 4);
+    // A fifth is refused, whichever untrusted connection asks; a trusted one is not.
+    assert_eq!(b.fetch(2, 2).await, Err(Failure::TooManyReplicas(4)));
+    assert_eq!(a.fetch(4, 2).await, Err(Failure::TooManyReplicas(4)));
+    fetch_all(&tier, 0..10, 2).await;
+    assert_eq!(remote.stats().replicas_refused_untrusted_total, 2);
+    assert_eq!(remote.stats().replicas_refused_per_connection, 0);
+    assert_eq!(untrusted(), 4);
+
+    // A push gives the pushed watches' places back.
+    users.rename(1, "anna");
+    assert_eq!(a.next_push().await, [1]);
+    assert_eq!(b.next_push().await, [1]);
+    until("the pushed watches dropped", || untrusted() == 2).await;
+    b.fetch(2, 2).await.unwrap();
+    assert_eq!(untrusted(), 3);
+
+    // A revalidation watches an id held already anew in its own place, refuses a new one
+    // beyond the limit, and gives back the place of one that changed.
+    b.fetch(5, 2).await.unwrap();
+    assert_eq!(untrusted(), 4);
+    let stale = a
+        .host
+        .revalidate(vec![a.held(2, 2, bob), a.held(6, 2, bob)])
+        .await
+        .unwrap();
+    assert_eq!(stale, [6]);
+    assert_eq!(untrusted(), 4);
+    assert_eq!(remote.stats().replicas_refused_untrusted_total, 3);
+    let stale = a.host.revalidate(vec![a.held(3, 2, !bob)]).await.unwrap();
+    assert_eq!(stale, [3]);
+    assert_eq!(untrusted(), 3);
+
+    // A release does too.
+    b.host.release(vec![5]).await.unwrap();
+    until("the release handled", || untrusted() == 2).await;
+
+    // And a disconnection, for everything the connection held.
+    a.peer.close();
+    until("a's end on the server", || remote.connections() == 2).await;
+    assert_eq!(untrusted(), 1);
+    b.peer.close();
+    until("b's end on the server", || remote.connections() == 1).await;
+    assert_eq!(untrusted(), 0);
+    assert_eq!(remote.replicas_held(), 10, "the tier's");
+}
+
+/// `Users.name` behind a gate: each call computes its value, says so, then waits for the
+/// test to let it return, so that a fetch can be held between its value computed and its
+/// watch registered.
+#[derive(Clone)]
+struct Gate {
+    computed: Arc<Semaphore>,
+    open: Arc<Semaphore>,
+}
+
+impl Gate {
+    fn new() -> Self {
+        Self {
+            computed: Arc::new(Semaphore::new(0)),
+            open: Arc::new(Semaphore::new(0)),
+        }
+    }
+
+    fn expose(&self, remote: RemoteServer, users: &Users) -> RemoteServer {
+        let gate = self.clone();
+        remote.expose("Users.gated", users.clone(), move |u, (id,): (u64,)| {
+            let gate = gate.clone();
+            async move {
+                let computed = u.name_computed(id).await;
+                gate.computed.add_permits(1);
+                gate.open.acquire().await.unwrap().forget();
+                computed
+            }
+        })
+    }
+
+    async fn computed(&self) {
+        let permit = within("the value computed", self.computed.acquire()).await;
+        permit.unwrap().forget();
+    }
+}
+
+#[tokio::test]
+async fn a_write_waits_for_a_trusted_fetch_that_computed_the_old_value_before_it() {
+    let users = Users::new();
+    let gate = Gate::new();
+    let remote = gate
+        .expose(remote_server(&users), &users)
+        .delivery_timeout(NEVER);
+    let acks = Arc::new(Semaphore::new(0));
+    let addr = serve_with(&users, &remote, Trust::Trusted).await;
+    let mut tier = RawClient::answering(addr, Answer::When(acks.clone())).await;
+    let fetch = tokio::spawn({
+        let (host, args) = (tier.host.clone(), tier.args(1));
+        async move { host.fetch(method_id("Users.gated"), args, 7).await }
+    });
+    gate.computed().await;
+
+    // The write lands between the fetch's value and its watch: no callback yet to queue.
+    users.rename(1, "anna");
+    let delivered = remote.invalidations_delivered();
+    tokio::pin!(delivered);
+    assert!(
+        futures::poll!(delivered.as_mut()).is_pending(),
+        "a write must wait for the fetch in flight that computed the old value"
+    );
+
+    gate.open.add_permits(1);
+    let value = within("the fetch", fetch).await.unwrap().unwrap().unwrap();
+    assert_eq!(tier.decode(&value).as_deref(), Some("ann"), "the old value");
+    // Its watch, registered on a computed invalidated already, pushed at once...
+    assert_eq!(tier.next_push().await, [7]);
+    // ...and the write waits for the tier to apply that push.
+    assert!(
+        futures::poll!(delivered.as_mut()).is_pending(),
+        "a write must wait for the push its fetch queued to be applied"
+    );
+    acks.add_permits(1);
+    within("the write's delivery", delivered).await;
+    let stats = remote.stats();
+    assert_eq!(stats.clients_closed_unresponsive, 0);
+    assert_eq!(stats.pushes, 1);
+    assert_eq!(remote.replicas_held(), 0, "pushed, so no longer watched");
+}
+
+#[tokio::test]
+async fn a_write_waits_for_a_trusted_revalidation_that_confirmed_the_old_value_before_it() {
+    let users = Users::new();
+    let gate = Gate::new();
+    let remote = gate
+        .expose(remote_server(&users), &users)
+        .delivery_timeout(NEVER);
+    let acks = Arc::new(Semaphore::new(0));
+    let addr = serve_with(&users, &remote, Trust::Trusted).await;
+    let mut tier = RawClient::answering(addr, Answer::When(acks.clone())).await;
+    // What the tier held before it reconnected: `Users.gated(1)`, "ann" (the same value as
+    // `Users.name(1)`).
+    let old = value_hash(&tier.fetch_value(1, 1).await.unwrap());
+    tier.host.release(vec![1]).await.unwrap();
+    until("the release handled", || remote.replicas_held() == 0).await;
+    let held = Held {
+        method: method_id("Users.gated"),
+        ..tier.held(7, 1, old)
+    };
+    let revalidation = tokio::spawn({
+        let host = tier.host.clone();
+        async move { host.revalidate(vec![held]).await }
+    });
+    gate.computed().await;
+
+    users.rename(1, "anna");
+    let delivered = remote.invalidations_delivered();
+    tokio::pin!(delivered);
+    assert!(
+        futures::poll!(delivered.as_mut()).is_pending(),
+        "a write must wait for the revalidation in flight that confirmed the old value"
+    );
+
+    gate.open.add_permits(1);
+    let stale = within("the revalidation", revalidation).await.unwrap();
+    assert_eq!(
+        stale.unwrap(),
+        Vec::<u64>::new(),
+        "confirmed: the old value"
+    );
+    assert_eq!(tier.next_push().await, [7]);
+    assert!(
+        futures::poll!(delivered.as_mut()).is_pending(),
+        "a write must wait for the push its revalidation queued to be applied"
+    );
+    acks.add_permits(1);
+    within("the write's delivery", delivered).await;
+    assert_eq!(remote.stats().clients_closed_unresponsive, 0);
 }
