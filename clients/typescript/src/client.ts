@@ -779,7 +779,7 @@ function failure(f: unknown): RpcError {
       case "BadValue":
         return new RpcError(ErrorCode.Internal, String(data));
       case "TooManyReplicas":
-        return new RpcError(ErrorCode.Overloaded, `this connection already holds ${String(data)} replicas`);
+        return new RpcError(ErrorCode.Overloaded, `too many replicas held: the server's limit of ${String(data)} was reached`);
     }
   }
   return new RpcError(ErrorCode.Internal, `an unknown failure: ${JSON.stringify(f)}`);
