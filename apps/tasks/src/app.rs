@@ -95,7 +95,11 @@ impl LiveBackend {
         let store = db.open(16).await?;
         let registry = Registry::new();
         let backend = TasksBackend::new(store, &registry);
-        let remote = RemoteServer::new().expose_service(TasksServiceServer::new(backend.clone()));
+        // Server-sent event feeds hold an HTTP connection each for as long as they last: at
+        // most a tenth of `HttpLimits::max_connections`, so that feeds cannot take them all.
+        let remote = RemoteServer::new()
+            .max_sse_feeds(1_000)
+            .expose_service(TasksServiceServer::new(backend.clone()));
         // A command's answer waits until the tiers holding replicas it invalidated have
         // applied that: a read that starts after a write returned sees it, on any tier of
         // this backend.
