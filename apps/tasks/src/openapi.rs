@@ -221,7 +221,7 @@ fn project_summary() {}
         (status = 200, description = "Logged in (`Set-Cookie`)", body = User),
         (status = 400, description = "Not a login", body = ErrorBody),
         (status = 401, description = "Unknown user or wrong password", body = ErrorBody),
-        (status = 413, description = "Body over 1 KiB"),
+        (status = 413, description = "Body over 64 KiB"),
         (status = 415, description = "The body is not `application/json`", body = ErrorBody),
         (status = 429, description = "Too many failed logins of this user: wait `Retry-After` seconds", body = ErrorBody),
     )

@@ -405,8 +405,9 @@ enum Refusal {
     Throttled(u64),
 }
 
-/// The largest body of `POST /api/session` read: a name and a password.
-const MAX_LOGIN_BODY: usize = 1024;
+/// The largest body of `POST /api/session` read, as for the API's other bodies (the name
+/// is logged only when it is one, so a large body cannot flood the log).
+const MAX_LOGIN_BODY: usize = crate::api::MAX_BODY;
 
 async fn login(State(auth): State<Auth>, headers: HeaderMap, body: Bytes) -> Response {
     if !crate::api::is_json(&headers) {
