@@ -68,6 +68,7 @@ const RSS_CAP_MB: f64 = 3072.0;
 /// Runs the suite.
 pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
     raise_fd_limit();
+    let panics = count_panics();
     let quick = timing.run < Duration::from_secs(1);
     // One continuous run per row, as long as the other suites' runs together.
     let run = if quick {
@@ -280,6 +281,13 @@ pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
     drop(boards);
     drop(server);
 
+    let panics = panics.lock();
+    if panics.0 > 0 {
+        report.note(format!(
+            "THE BENCH'S OWN PROCESS (the clients, coherent_rpc's connecting side) saw {} panics in its tasks; the first: {}",
+            panics.0, panics.1
+        ));
+    }
     acceptance(&mut report);
     report.note(format!(
         "one continuous run of {run:?} per row after a {warmup:?} warm-up; {tasks} tasks in {PROJECTS} projects on SQLite; the server is `LiveBackend` + `http_router` under `serve_http` (default HttpLimits), not behind `Auth::protect` (writes need no login), in a child process"
@@ -290,6 +298,10 @@ pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
     ));
     report.note(format!(
         "writes: PATCH /api/tasks/{{id}} (title) of the board's 48 tasks, one every {WRITE_PERIOD:?}; {clients} RemoteClients on /rpc (WebSocket, untrusted) hold the board (4 x TasksService.page, limit 12) and read it again when invalidated; then {silent} of them closed and replaced by raw clients whose ReplicaSink.invalidated never returns (they hold the board again when closed)"
+    ));
+    report.note(format!(
+        "rpc_ping_flood sends at most {} pings of 41 bytes (1 MiB each decompressed) over all its connections, and any attack is stopped when the server's RSS grows {SLICE_GROWTH_CAP_MB:.0} MB during it (all attacks past {RSS_CAP_MB:.0} MB; the server's address space is capped at 6 GiB): the machine is shared. A server that queues every pong is held to that by the bench, not by itself",
+        attacks::PING_BUDGET
     ));
     report.note("cpu_per_request_us: the server's CPU time (user + system) over the run ÷ the requests it served to the victim (or writes); the load generator shares the 2 cores");
     Ok(report)
@@ -345,6 +357,24 @@ fn acceptance(report: &mut Report) {
         eprintln!("{l}");
         report.note(l);
     }
+}
+
+/// Counts the panics of this process's threads and tasks (and keeps the first's message),
+/// then reports each as the default hook does.
+fn count_panics() -> Arc<parking_lot::Mutex<(u64, String)>> {
+    let seen = Arc::new(parking_lot::Mutex::new((0u64, String::new())));
+    let previous = std::panic::take_hook();
+    let counted = seen.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        let mut seen = counted.lock();
+        seen.0 += 1;
+        if seen.1.is_empty() {
+            seen.1 = info.to_string().replace('\n', " ");
+        }
+        drop(seen);
+        previous(info);
+    }));
+    seen
 }
 
 /// Raises the soft limit on open files to the hard one (1,000 WebSockets and the floods).
