@@ -2,7 +2,7 @@
 //! same run, on the same machine, and reporting ratios.
 //!
 //! ```text
-//! cargo run --release -p coherent-bench -- local|rpc|remote|cluster|tasks [--json out.json] [--chart out.svg] [--quick] [--seconds N]
+//! cargo run --release -p coherent-bench -- local|rpc|remote|cluster|tasks|hostile [--json out.json] [--chart out.svg] [--quick] [--seconds N]
 //! ```
 //!
 //! `--chart PATH` writes an SVG of the run: a bar panel per row group, ours against each peer,
@@ -10,6 +10,7 @@
 
 mod chart;
 mod cluster;
+mod hostile;
 mod load;
 mod local;
 mod remote;
@@ -75,6 +76,13 @@ enum Suite {
         #[arg(long)]
         wrk: bool,
     },
+    /// The Tasks app's Coherent backend (a child process) under attack: a well-behaved
+    /// client's read p99 with and without 50 hostile connections, the server's peak RSS,
+    /// and write p99 with 1,000 WebSocket replica clients, 100 of them silent.
+    Hostile,
+    /// The server of the `hostile` suite (the suite starts it as a child process).
+    #[command(hide = true)]
+    HostileServer(hostile::ServerArgs),
     /// A host of the `cluster` suite (the suite starts these as child processes).
     #[command(hide = true)]
     ClusterHost(cluster::HostArgs),
@@ -140,6 +148,8 @@ fn main() -> anyhow::Result<()> {
         Suite::Remote => remote::run(timing)?,
         Suite::Cluster => cluster::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Tasks { wrk } => tasks::run(timing, *wrk, cli.only.as_deref().unwrap_or(""))?,
+        Suite::Hostile => hostile::run(timing)?,
+        Suite::HostileServer(args) => return hostile::server::main(args.clone()),
         Suite::ClusterHost(args) => return cluster::host::main(args.clone()),
         Suite::CheckerHost => return cluster::checker::host_main(),
     };
