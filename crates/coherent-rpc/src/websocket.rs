@@ -86,6 +86,35 @@ fn same_origin(origin: &str, host: &str) -> bool {
 struct MessageIo<S> {
     inner: S,
     pending: Bytes,
+    /// The sink failed once: it is not polled again. `sink_map_err` maps one error with a
+    /// `FnOnce` and panics ("polled MapErr after completion") at a second, which a flush
+    /// or a shutdown after a failed write would reach.
+    failed: bool,
+}
+
+impl<S> MessageIo<S> {
+    fn new(inner: S) -> Self {
+        Self {
+            inner,
+            pending: Bytes::new(),
+            failed: false,
+        }
+    }
+
+    /// `result` of polling the sink, remembering a failure.
+    fn sink<T>(&mut self, result: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if let Poll::Ready(Err(_)) = &result {
+            self.failed = true;
+        }
+        result
+    }
+
+    fn failed_before() -> io::Error {
+        io::Error::new(
+            io::ErrorKind::BrokenPipe,
+            "the WebSocket failed on an earlier write",
+        )
+    }
 }
 
 impl<S> AsyncRead for MessageIo<S>
@@ -122,19 +151,33 @@ where
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        ready!(self.inner.poll_ready_unpin(cx))?;
+        if self.failed {
+            return Poll::Ready(Err(Self::failed_before()));
+        }
+        let ready = self.inner.poll_ready_unpin(cx);
+        ready!(self.sink(ready))?;
         let n = buf.len().min(MAX_WS_MESSAGE);
-        self.inner
-            .start_send_unpin(Bytes::copy_from_slice(&buf[..n]))?;
+        let sent = self
+            .inner
+            .start_send_unpin(Bytes::copy_from_slice(&buf[..n]));
+        ready!(self.sink(Poll::Ready(sent)))?;
         Poll::Ready(Ok(n))
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.inner.poll_flush_unpin(cx)
+        if self.failed {
+            return Poll::Ready(Err(Self::failed_before()));
+        }
+        let flushed = self.inner.poll_flush_unpin(cx);
+        self.sink(flushed)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.inner.poll_close_unpin(cx)
+        if self.failed {
+            return Poll::Ready(Ok(()));
+        }
+        let closed = self.inner.poll_close_unpin(cx);
+        self.sink(closed)
     }
 }
 
@@ -171,15 +214,8 @@ impl Endpoint {
             .filter_map(std::future::ready)
             .sink_map_err(io::Error::other)
             .with(|b: Bytes| std::future::ready(Ok::<_, io::Error>(AxumMessage::Binary(b))));
-        self.accept_with(
-            MessageIo {
-                inner: Box::pin(io),
-                pending: Bytes::new(),
-            },
-            Trust::Untrusted,
-            headers,
-        )
-        .await
+        self.accept_with(MessageIo::new(Box::pin(io)), Trust::Untrusted, headers)
+            .await
     }
 
     /// An axum handler that upgrades the request and serves the connection:
@@ -256,17 +292,53 @@ impl Endpoint {
             .filter_map(std::future::ready)
             .sink_map_err(io::Error::other)
             .with(|b: Bytes| std::future::ready(Ok::<_, io::Error>(WsMessage::Binary(b))));
-        self.connect(MessageIo {
-            inner: Box::pin(io),
-            pending: Bytes::new(),
-        })
-        .await
+        self.connect(MessageIo::new(Box::pin(io))).await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sink that fails every poll, behind `sink_map_err` as the transports have it: a
+    /// write, then a flush and a shutdown after its failure, answer errors, not a panic.
+    #[tokio::test]
+    async fn a_failed_sink_is_not_polled_again() {
+        use tokio::io::AsyncWriteExt;
+        struct Broken;
+        impl Sink<Bytes> for Broken {
+            type Error = &'static str;
+            fn poll_ready(
+                self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+            ) -> Poll<Result<(), Self::Error>> {
+                Poll::Ready(Err("broken"))
+            }
+            fn start_send(self: Pin<&mut Self>, _: Bytes) -> Result<(), Self::Error> {
+                Err("broken")
+            }
+            fn poll_flush(
+                self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+            ) -> Poll<Result<(), Self::Error>> {
+                Poll::Ready(Err("broken"))
+            }
+            fn poll_close(
+                self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+            ) -> Poll<Result<(), Self::Error>> {
+                Poll::Ready(Err("broken"))
+            }
+        }
+        let mut io = MessageIo::new(Box::pin(Broken.sink_map_err(io::Error::other)));
+        assert!(io.write_all(b"frame").await.is_err());
+        assert_eq!(
+            io.flush().await.unwrap_err().kind(),
+            io::ErrorKind::BrokenPipe
+        );
+        assert!(io.write_all(b"again").await.is_err());
+        assert!(io.shutdown().await.is_ok());
+    }
 
     fn refusal(allowed: &Origins, origin: Option<&str>, host: &str) -> Option<String> {
         let mut headers = HeaderMap::new();
