@@ -290,7 +290,7 @@ pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
     }
     acceptance(&mut report);
     report.note(format!(
-        "one continuous run of {run:?} per row after a {warmup:?} warm-up; {tasks} tasks in {PROJECTS} projects on SQLite; the server is `LiveBackend` + `http_router` under `serve_http` (default HttpLimits), not behind `Auth::protect` (writes need no login), in a child process"
+        "one continuous run of {run:?} per row after a {warmup:?} warm-up; {tasks} tasks in {PROJECTS} projects on SQLite; the server is `LiveBackend` + `http_router` under `serve_http_with` (default HttpLimits but no per-address cap: every client is on 127.0.0.1), not behind `Auth::protect` (writes need no login), in a child process"
     ));
     report.note(format!(
         "victim: GET /api/tasks/{{id}} of 100 tasks, closed loop on one keep-alive connection, on a thread of its own; attacks: {ATTACKERS} connections, each kind for a seventh of the run in this order: {}",

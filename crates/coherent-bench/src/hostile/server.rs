@@ -1,7 +1,8 @@
 //! The server under attack, as `tasks serve` runs it: the Tasks app's Coherent backend
 //! (`LiveBackend`: its RPC endpoint on TCP, trusted) and its HTTP router (`/api`, `/rpc` the
 //! same endpoint over WebSocket, untrusted; `/gateway`; the page's files) served by
-//! `serve_http` with its default `HttpLimits`, over SQLite in a temporary directory. The
+//! `serve_http_with` the default `HttpLimits` but the per-address cap (every client of the
+//! bench is on 127.0.0.1), over SQLite in a temporary directory. The
 //! router is not wrapped in `session::Auth::protect`: writes through `/api` need no login.
 //!
 //! It runs in a child process of the bench (`coherent-bench hostile-server`), so that its
@@ -78,7 +79,14 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
     let http = TcpListener::bind("127.0.0.1:0").await?;
     let http_addr = http.local_addr()?;
     tokio::spawn(async move {
-        if let Err(e) = app::serve_http(http, router).await {
+        // Every client of the bench, the 1,000 boards included, comes from 127.0.0.1: the
+        // per-address cap (256 by default, tested in the Tasks app's tests) would refuse
+        // them, so it is lifted here; every other limit is the default.
+        let limits = app::HttpLimits {
+            max_connections_per_ip: usize::MAX,
+            ..app::HttpLimits::default()
+        };
+        if let Err(e) = app::serve_http_with(http, router, limits).await {
             eprintln!("hostile server: HTTP stopped: {e:#}");
         }
     });
