@@ -74,6 +74,12 @@ export type Handler = (payload: Uint8Array) => Uint8Array | Promise<Uint8Array>;
 
 const FORMAT_MESSAGEPACK = 1;
 const EARLY_LIMIT = 64 * 1024;
+/**
+ * Frames queued in one turn go out together up to this many bytes, then in a new message:
+ * a server refuses a WebSocket message over its own limit (the Rust endpoint's is its
+ * message limit plus a header, at least 1 MiB), and closes the connection.
+ */
+const BATCH_LIMIT = 1 << 20;
 const OPEN = 1;
 
 interface Pending {
@@ -397,6 +403,10 @@ export class Connection {
     const end = writeFrame(frame, 0, kind, id, methodId, payload);
     this.queue.push(frame.subarray(0, end));
     this.queued += end;
+    if (this.queued >= BATCH_LIMIT) {
+      this.flush();
+      return;
+    }
     if (!this.flushScheduled) {
       this.flushScheduled = true;
       queueMicrotask(() => this.flush());

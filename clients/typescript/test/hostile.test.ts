@@ -153,3 +153,17 @@ test("more stream items than the window, unconsumed, is a protocol error", async
     () => {},
   );
 });
+
+test("frames queued in one turn go out in messages of at most about 1 MiB", async () => {
+  const [conn, socket] = await open(1 << 20);
+  socket.sent.length = 0;
+  // 100 one-way calls of 48 KiB in one turn: 4.8 MB, which one message would carry whole.
+  const payload = new Uint8Array(48 * 1024);
+  for (let i = 0; i < 100; i++) conn.oneway(0x1234, payload);
+  await new Promise((r) => setTimeout(r, 0));
+  const total = socket.sent.reduce((n, m) => n + m.length, 0);
+  assert.ok(total >= 100 * payload.length, `all sent: ${total}`);
+  for (const m of socket.sent) assert.ok(m.length <= (1 << 20) + 64 * 1024, `a message of ${m.length} bytes`);
+  assert.ok(socket.sent.length >= 5, `${socket.sent.length} messages`);
+  conn.close();
+});
