@@ -796,7 +796,9 @@ impl Host {
     /// The counters.
     pub fn stats(&self) -> HostStats {
         let c = &self.inner.counters;
-        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        // Acquire: a count read here comes with what was done before it was counted (a
+        // failed replay is counted after its flush).
+        let r = |a: &AtomicU64| a.load(Ordering::Acquire);
         // One lock at a time, each let go before the next is taken: a command's finish
         // holds the publisher while it takes the peers and the waits, so holding these
         // together (the temporaries of one expression live to its end) could deadlock.
@@ -998,31 +1000,39 @@ impl Inner {
                 match replay {
                     Ok(Ok(())) => None,
                     Ok(Err(e)) => {
-                        self.counters.undecodable.fetch_add(1, Ordering::Relaxed);
                         tracing::error!(host = %self.id, op = op.id, kind = op.kind, %e,
                             "an operation that does not decode here: flushing the cache");
-                        Some("an operation that does not decode here")
+                        Some((
+                            "an operation that does not decode here",
+                            &self.counters.undecodable,
+                        ))
                     }
                     Err(_) => {
-                        self.counters.replay_panics.fetch_add(1, Ordering::Relaxed);
                         tracing::error!(host = %self.id, op = op.id, kind = op.kind,
                             "an operation's invalidation panicked here: flushing the cache");
-                        Some("an operation's invalidation panicked")
+                        Some((
+                            "an operation's invalidation panicked",
+                            &self.counters.replay_panics,
+                        ))
                     }
                 }
             }
             Err(_) => {
-                self.counters.unknown.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(host = %self.id, op = op.id, kind = op.kind,
                     "no handler for this operation's command here (a host of another \
                      release?): flushing the cache");
-                Some("an operation of a command this host does not know")
+                Some((
+                    "an operation of a command this host does not know",
+                    &self.counters.unknown,
+                ))
             }
         };
-        if let Some(why) = failed {
+        if let Some((why, counter)) = failed {
             // Not counted as applied (nor sent to subscribers): its own invalidation did
-            // not run. The flush stands in for it, so its host need not wait.
+            // not run. The flush stands in for it, so its host need not wait. Counted
+            // after the flush: whoever sees the count sees the cache flushed.
             self.flush(why);
+            counter.fetch_add(1, Ordering::Release);
             self.acknowledge(&op.host, op.id);
             return;
         }
