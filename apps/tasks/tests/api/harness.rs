@@ -227,26 +227,12 @@ impl Http {
         body: Option<Bytes>,
         headers: &[(&str, &str)],
     ) -> Reply {
-        let mut req = Request::builder().method(method).uri(url);
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        if body.is_some() {
-            req = req.header("content-type", "application/json");
-        }
-        let req = req.body(Full::new(body.unwrap_or_default())).unwrap();
-        let resp = self.client.request(req).await.expect("the request");
-        let (parts, body) = resp.into_parts();
-        let body = body.collect().await.expect("the body").to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
+        let typed = body.as_ref().map(|_| ("content-type", "application/json"));
+        let headers: Vec<_> = headers.iter().copied().chain(typed).collect();
+        self.request(method, url, body.unwrap_or_default(), &headers)
+            .await
     }
-}
 
-impl Http {
     /// A request with a body and exactly the headers given (no content type of its own).
     pub(crate) async fn send_untyped(
         &self,
@@ -255,11 +241,22 @@ impl Http {
         body: &str,
         headers: &[(&str, &str)],
     ) -> Reply {
+        self.request(method, url, Bytes::from(body.to_owned()), headers)
+            .await
+    }
+
+    async fn request(
+        &self,
+        method: Method,
+        url: &str,
+        body: Bytes,
+        headers: &[(&str, &str)],
+    ) -> Reply {
         let mut req = Request::builder().method(method).uri(url);
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
+        let req = req.body(Full::new(body)).unwrap();
         let resp = self.client.request(req).await.expect("the request");
         let (parts, body) = resp.into_parts();
         let body = body.collect().await.expect("the body").to_bytes();
