@@ -122,6 +122,9 @@ pub struct HostStats {
     /// Times this host's lease ran out ([`HostBuilder::lease`]): it was paused, or its
     /// pings stalled; each fenced it until it rejoined.
     pub leases_lost: u64,
+    /// Commands that waited out a lease after their notice went out, for a host they did
+    /// not wait for (it missed a deadline before): see [`HostBuilder::lease`].
+    pub lease_waits: u64,
     /// This host's commands waiting for acknowledgements now (committed, their callers
     /// not answered yet). A caller that goes away takes its wait with it: this does not
     /// grow with callers that dropped [`Host::run`]'s future.
@@ -167,6 +170,7 @@ struct Counters {
     fences: AtomicU64,
     rejoins_incomplete: AtomicU64,
     leases_lost: AtomicU64,
+    lease_waits: AtomicU64,
 }
 
 /// An acknowledgement: `from` applied these operations of the host it is sent to.
@@ -205,6 +209,17 @@ struct Waiter {
 /// This host's commands waiting for acknowledgements, by operation id.
 type Waiting = Mutex<HashMap<i64, Waiter>>;
 
+/// Another live host, as this one knows it.
+#[derive(Clone, Copy)]
+struct Peer {
+    /// It missed an acknowledgement's deadline: not waited for until heard from again
+    /// (its lease is: see [`Inner::await_acks`]).
+    suspect: bool,
+    /// When this host last heard from it (a notice, an acknowledgement, a hello): a read
+    /// of the hosts table that began before does not drop it.
+    heard: Instant,
+}
+
 /// What [`Host::run`] awaits after the commit when other hosts must acknowledge. Dropped,
 /// however that happens (answered, timed out, or with the answer of a caller that went
 /// away: issue 30, hole 5), it removes its entry from the host's map.
@@ -212,6 +227,15 @@ struct AckWait {
     id: i64,
     done: oneshot::Receiver<()>,
     waiting: Weak<Waiting>,
+    /// The notice's sequence number, and how far the host's notices have gone out: the
+    /// deadline counts from when it is out.
+    seq: u64,
+    sends: Option<Arc<notify::Sends>>,
+    /// Some live host was not waited for (it missed a deadline before): the command
+    /// answers no sooner than that host's lease from before the notice ran out.
+    skipped: bool,
+    /// Some host is waited for (`done` tells when all answered).
+    waits: bool,
 }
 
 impl Drop for AckWait {
@@ -526,6 +550,9 @@ impl HostBuilder {
                 (Some(deadline), _) => self.lease.unwrap_or(Some(deadline / 2)),
             },
             lease_until: AtomicU64::new(0),
+            beat_ok: AtomicU64::new(0),
+            reads_owed: AtomicU64::new(0),
+            reads_done: AtomicU64::new(0),
             notify_interval: self.notify_interval,
             notify_queue: self.notify_queue,
             outbox: Arc::default(),
@@ -545,7 +572,9 @@ impl HostBuilder {
             // its cache (the rejoin handshake lifts the fence).
             inner.fence();
         }
+        let began = lease_clock();
         inner.db.heartbeat(&id, horizon).await?;
+        inner.beat_ok.fetch_max(began, Ordering::AcqRel);
         let host = Host { inner };
         notify::start(&host, notifier).await?;
         host.inner.refresh_peers().await?;
@@ -629,8 +658,16 @@ pub(crate) struct Inner {
     acknowledgements: Option<Duration>,
     /// How long the cache may answer after a ping came back ([`HostBuilder::lease`]).
     lease: Option<Duration>,
-    /// Until when (on [`lease_clock`]) the lease runs; 0: none taken yet.
+    /// Until when (on [`lease_clock`]) the pings that came back give a lease; 0: none
+    /// taken yet. The registries' lease may end sooner (see [`Inner::renew_lease`]).
     lease_until: AtomicU64,
+    /// When (on [`lease_clock`]) the last heartbeat that wrote this host's row began.
+    beat_ok: AtomicU64,
+    /// Notifications that told of an operation without carrying it (too large, or not
+    /// plausible): each owes a read of the log, and the lease is not renewed until one
+    /// that began after it is done (`reads_done` counts those covered).
+    reads_owed: AtomicU64,
+    reads_done: AtomicU64,
     /// The least time between two `NOTIFY` transactions.
     pub(crate) notify_interval: Duration,
     /// How many entries the notifying task's queue holds at most (PostgreSQL).
@@ -639,7 +676,7 @@ pub(crate) struct Inner {
     pub(crate) outbox: Arc<notify::OutboxCounts>,
     /// The other live hosts, by id: `true` for one that missed an acknowledgement's
     /// deadline (not waited for until it is heard from again).
-    peers: Mutex<HashMap<String, bool>>,
+    peers: Mutex<HashMap<String, Peer>>,
     /// This host's commands waiting for acknowledgements, by operation id; each entry is
     /// removed when its [`AckWait`] drops, if not before.
     waiting: Arc<Waiting>,
@@ -669,6 +706,10 @@ const NOTIFY_QUEUE: usize = 65_536;
 /// How long a rejoin greets the live hosts before it lifts the fence without the
 /// welcomes it lacks.
 pub(crate) const REJOIN_GIVE_UP: Duration = Duration::from_secs(10);
+
+/// What a command waits beyond a lease for a host it does not wait for: the lease clock
+/// is coarse (a few milliseconds), so a lease may run that much longer than it says.
+const LEASE_SLACK: Duration = Duration::from_millis(20);
 
 /// How recently (by the database's clock) a host must have written its row to be waited
 /// for. Each host writes it every second ([`heartbeat_loop`]), whatever its poll interval.
@@ -807,7 +848,7 @@ impl Host {
             .peers
             .lock()
             .values()
-            .filter(|&&suspect| !suspect)
+            .filter(|p| !p.suspect)
             .count() as u64;
         let horizon = self.inner.state.lock().cursor.horizon;
         let acks_waiting = self.inner.waiting.lock().len() as u64;
@@ -835,6 +876,7 @@ impl Host {
             acks_received: r(&c.acks_received),
             ack_timeouts: r(&c.ack_timeouts),
             peers_left: r(&c.peers_left),
+            lease_waits: r(&c.lease_waits),
             fences: r(&c.fences),
             rejoins_incomplete: r(&c.rejoins_incomplete),
             leases_lost: r(&c.leases_lost),
@@ -971,7 +1013,7 @@ impl Inner {
                 // wake-ups, the log decides.
                 drop(state);
                 self.counters.implausible.fetch_add(1, Ordering::Relaxed);
-                self.wake.notify_one();
+                self.owe_read();
                 return;
             }
             // Read by the cursor: a read of the log applied it (or it predates this host).
@@ -1077,57 +1119,101 @@ impl Inner {
     /// Registers a command's wait for the other live hosts' acknowledgements, if it waits.
     fn expect_acks(&self, id: i64, publisher: &Publisher) -> Option<AckWait> {
         self.acknowledgements?;
-        if !publisher.acks() {
-            return None;
-        }
-        let pending: HashSet<String> = self
-            .peers
-            .lock()
-            .iter()
-            .filter(|(_, &suspect)| !suspect)
-            .map(|(host, _)| host.clone())
-            .collect();
-        if pending.is_empty() {
+        let sends = publisher.sends()?.clone();
+        let (pending, skipped) = {
+            let peers = self.peers.lock();
+            let pending: HashSet<String> = peers
+                .iter()
+                .filter(|(_, p)| !p.suspect)
+                .map(|(host, _)| host.clone())
+                .collect();
+            (pending, peers.values().any(|p| p.suspect))
+        };
+        if pending.is_empty() && !skipped {
             return None;
         }
         let (done, rx) = oneshot::channel();
-        self.waiting.lock().insert(
-            id,
-            Waiter {
-                pending,
-                done: Some(done),
-            },
-        );
+        let waits = !pending.is_empty();
+        if !waits {
+            drop(done);
+        } else {
+            self.waiting.lock().insert(
+                id,
+                Waiter {
+                    pending,
+                    done: Some(done),
+                },
+            );
+        }
         Some(AckWait {
             id,
             done: rx,
             waiting: Arc::downgrade(&self.waiting),
+            seq: 0,
+            sends: Some(sends),
+            skipped,
+            waits,
         })
     }
 
-    /// Waits for a command's acknowledgements, at most the configured time; hosts that
-    /// did not answer in it are not waited for again until heard from.
+    /// Waits for a command's acknowledgements: first for its notice to go out (at most
+    /// [`notify::SEND_GIVE_UP`]), then at most the configured time; hosts that did not
+    /// answer in it are not waited for again until heard from. The ordering argument
+    /// (ARCHITECTURE.md) needs both: a host whose lease is valid when a read starts got a
+    /// ping back that it sent after every notice out before `lease` ago, so once a notice
+    /// has been out for longer than the lease, every host that has not applied it answers
+    /// nothing from its cache. Counted from the commit instead, a notice held in the queue
+    /// ate the deadline (issue 30: the checker's stale reads under load). A host not
+    /// waited for (a suspect) is covered the same way: the command answers no sooner than
+    /// a lease after its notice went out.
     async fn await_acks(&self, mut wait: AckWait) {
         // However this ends (the caller may drop `run`'s future), `wait` drops, and with
         // it the entry.
-        let timeout = self.acknowledgements.unwrap_or_default();
-        if tokio::time::timeout(timeout, &mut wait.done).await.is_ok() {
-            return;
+        let waits = wait.waits;
+        if let Some(sends) = wait.sends.clone() {
+            let out = async {
+                let sent = tokio::time::timeout(notify::SEND_GIVE_UP, sends.wait_out(wait.seq));
+                if sent.await.is_err() {
+                    tracing::warn!(host = %self.id, op = wait.id,
+                        "a notice did not go out in time: the other hosts read it from the log");
+                }
+            };
+            if waits && !wait.skipped {
+                // Every host waited for may answer first (having read the log).
+                tokio::select! {
+                    _ = &mut wait.done => return,
+                    () = out => {}
+                }
+            } else {
+                out.await;
+            }
         }
-        let Some(waiter) = self.waiting.lock().remove(&wait.id) else {
-            return;
-        };
-        {
-            let mut peers = self.peers.lock();
-            for host in &waiter.pending {
-                if let Some(suspect) = peers.get_mut(host) {
-                    *suspect = true;
+        let out_at = Instant::now();
+        if waits {
+            let timeout = self.acknowledgements.unwrap_or_default();
+            if tokio::time::timeout(timeout, &mut wait.done).await.is_err() {
+                let waiter = self.waiting.lock().remove(&wait.id);
+                if let Some(waiter) = waiter {
+                    {
+                        let mut peers = self.peers.lock();
+                        for host in &waiter.pending {
+                            if let Some(peer) = peers.get_mut(host) {
+                                peer.suspect = true;
+                            }
+                        }
+                    }
+                    self.counters.ack_timeouts.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(host = %self.id, op = wait.id, missing = ?waiter.pending,
+                        "hosts did not acknowledge an operation in time: not waited for until heard from again");
                 }
             }
         }
-        self.counters.ack_timeouts.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(host = %self.id, op = wait.id, missing = ?waiter.pending,
-            "hosts did not acknowledge an operation in time: not waited for until heard from again");
+        if wait.skipped {
+            if let Some(lease) = self.lease {
+                self.counters.lease_waits.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep_until((out_at + lease + LEASE_SLACK).into()).await;
+            }
+        }
     }
 
     /// An acknowledgement from another host.
@@ -1208,13 +1294,13 @@ impl Inner {
         if self.left.lock().contains_key(host) {
             return;
         }
-        let mut peers = self.peers.lock();
-        match peers.get_mut(host) {
-            Some(suspect) => *suspect = false,
-            None => {
-                peers.insert(host.to_owned(), false);
-            }
-        }
+        self.peers.lock().insert(
+            host.to_owned(),
+            Peer {
+                suspect: false,
+                heard: Instant::now(),
+            },
+        );
     }
 
     /// Reads which other hosts are alive (their rows in the hosts table).
@@ -1222,6 +1308,9 @@ impl Inner {
         if self.acknowledgements.is_none() || !self.publisher.lock().acks() {
             return Ok(());
         }
+        // A host heard from after this (its hello, say) stays, whatever the read says: it
+        // may have begun before that host's row was written.
+        let asked = Instant::now();
         let live = self.db.live_hosts(PEER_ALIVE.min(self.host_expiry)).await?;
         let left = {
             let mut left = self.left.lock();
@@ -1229,11 +1318,19 @@ impl Inner {
             left.keys().cloned().collect::<HashSet<_>>()
         };
         let mut peers = self.peers.lock();
-        let before = std::mem::take(&mut *peers);
+        let mut before = std::mem::take(&mut *peers);
         for host in live {
             if host != self.id && !left.contains(&host) {
-                let suspect = before.get(&host).copied().unwrap_or(false);
-                peers.insert(host, suspect);
+                let peer = before.remove(&host).unwrap_or(Peer {
+                    suspect: false,
+                    heard: asked,
+                });
+                peers.insert(host, peer);
+            }
+        }
+        for (host, peer) in before {
+            if peer.heard > asked && !left.contains(&host) {
+                peers.insert(host, peer);
             }
         }
         Ok(())
@@ -1243,7 +1340,7 @@ impl Inner {
     pub(crate) fn bad_notice(&self, e: &dyn std::fmt::Display) {
         self.counters.implausible.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(%e, "an undecodable notification: reading the log");
-        self.wake.notify_one();
+        self.owe_read();
     }
 
     pub(crate) fn apply_notice(&self, notice: Notice) {
@@ -1265,7 +1362,7 @@ impl Inner {
                 notice.committed_at,
                 Via::Notification,
             ),
-            None => self.wake.notify_one(),
+            None => self.owe_read(),
         }
     }
 
@@ -1273,6 +1370,8 @@ impl Inner {
     /// applied yet, and moves the cursor (see `db/log.rs`).
     async fn round(&self) -> Result<(), CommandError> {
         let _one_at_a_time = self.round.lock().await;
+        // The reads owed before this one began are done when it is.
+        let owed = self.reads_owed.load(Ordering::Acquire);
         self.counters.rounds.fetch_add(1, Ordering::Relaxed);
         let from = self.state.lock().cursor.clone();
         let mut reading = Reading::new(from);
@@ -1301,6 +1400,8 @@ impl Inner {
         // Remembered only while the cursor has not read them.
         state.applied.retain(|_, (p, _)| !to.has_read(*p));
         state.cursor = to;
+        drop(state);
+        self.reads_done.fetch_max(owed, Ordering::AcqRel);
         Ok(())
     }
 
@@ -1383,12 +1484,36 @@ impl Inner {
         }
     }
 
-    /// Takes (or renews) the lease until `until` (on [`lease_clock`]).
+    /// Takes (or renews) the lease until `until` (on [`lease_clock`]), but for the
+    /// registries no later than three fifths of the liveness window after the last
+    /// heartbeat that wrote this host's row began: the other hosts stop waiting for a host
+    /// whose row is older than the window, so a host whose heartbeats stall (a slow or
+    /// unreachable database) must stop answering from its cache before they do, though
+    /// its pings still come back.
     fn renew_lease(&self, until: u64) {
         self.lease_until.fetch_max(until, Ordering::AcqRel);
+        let alive = PEER_ALIVE.min(self.host_expiry) * 3 / 5;
+        let until = until.min(
+            self.beat_ok
+                .load(Ordering::Acquire)
+                .saturating_add(alive.as_nanos() as u64),
+        );
         for r in &self.registries {
             r.set_lease(until);
         }
+    }
+
+    /// Whether a read of the log is owed (see `reads_owed`).
+    fn read_owed(&self) -> bool {
+        self.reads_done.load(Ordering::Acquire) < self.reads_owed.load(Ordering::Acquire)
+    }
+
+    /// A notification told of an operation without carrying it: the log is read, and the
+    /// lease is not renewed before (a host that applies notices as they come may answer
+    /// from its cache; one that must read the log first may not, until it has).
+    fn owe_read(&self) {
+        self.reads_owed.fetch_add(1, Ordering::AcqRel);
+        self.wake.notify_one();
     }
 
     /// A ping this host sent itself at `sent` came back: every notice published before it
@@ -1396,7 +1521,7 @@ impl Inner {
     /// lease it would give ran out means the host was paused or its notifier stalled.
     fn ping_back(&self, sent: u64) {
         let Some(lease) = self.lease else { return };
-        if self.fenced.load(Ordering::Acquire) {
+        if self.fenced.load(Ordering::Acquire) || self.read_owed() {
             return;
         }
         let until = sent.saturating_add(lease.as_nanos() as u64);
@@ -1425,7 +1550,9 @@ impl Inner {
         }
         let now = lease_clock();
         let until = self.lease_until.load(Ordering::Acquire);
-        if until != 0 && until < now {
+        // While a read of the log is owed, pings do not renew the lease: its running out
+        // then says nothing of the notifier.
+        if until != 0 && until < now && !self.read_owed() {
             self.lease_lost("no ping came back within the lease");
             return;
         }
@@ -1597,8 +1724,8 @@ impl<C: Command> Job for TypedJob<C> {
                 });
                 let publisher = inner.publisher.lock();
                 // Registered before the notice goes: an acknowledgement cannot come first.
-                let acks = inner.expect_acks(id, &publisher);
-                publisher.publish(Notice {
+                let mut acks = inner.expect_acks(id, &publisher);
+                let seq = publisher.publish(Notice {
                     id,
                     position,
                     host: inner.id.clone(),
@@ -1609,6 +1736,9 @@ impl<C: Command> Job for TypedJob<C> {
                         output: output_json,
                     }),
                 });
+                if let Some(wait) = &mut acks {
+                    wait.seq = seq;
+                }
                 drop(publisher);
                 let _ = job.answer.send(Ok((output, acks)));
             }
@@ -1863,8 +1993,12 @@ async fn heartbeat_loop(host: Weak<Inner>, mut stop: watch::Receiver<bool>) {
                 return;
             }
             let horizon = inner.state.lock().cursor.horizon;
-            if let Err(e) = inner.db.heartbeat(&inner.id, horizon).await {
-                tracing::warn!(host = %inner.id, %e, "heartbeat failed");
+            let began = lease_clock();
+            match inner.db.heartbeat(&inner.id, horizon).await {
+                Ok(()) => {
+                    inner.beat_ok.fetch_max(began, Ordering::AcqRel);
+                }
+                Err(e) => tracing::warn!(host = %inner.id, %e, "heartbeat failed"),
             }
         }
         if let Err(e) = inner.refresh_peers().await {

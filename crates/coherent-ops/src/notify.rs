@@ -52,32 +52,100 @@ pub(crate) enum Publisher {
 #[cfg(feature = "nats")]
 #[derive(Clone)]
 pub(crate) struct NatsOutbox {
-    queue: tokio::sync::mpsc::Sender<(String, Vec<u8>)>,
+    /// (subject, payload, the notice's sequence number or 0).
+    queue: tokio::sync::mpsc::Sender<(String, bytes::Bytes, u64)>,
     counts: std::sync::Arc<OutboxCounts>,
+    sends: std::sync::Arc<Sends>,
 }
 
 #[cfg(feature = "nats")]
 impl NatsOutbox {
     fn push(&self, ack: bool, subject: String, payload: Vec<u8>) {
         use tokio::sync::mpsc::error::TrySendError;
-        if let Err(TrySendError::Full(_)) = self.queue.try_send((subject, payload)) {
+        if let Err(TrySendError::Full(_)) = self.queue.try_send((subject, payload.into(), 0)) {
             self.counts
                 .dropped(ack, 1, "the NATS publishing queue is full");
         }
     }
+
+    /// Queues notice `seq`; when the queue is full, its wake-up (`wake_up`, the notice
+    /// without its operation) is owed instead (see [`Sends`]).
+    fn push_notice(
+        &self,
+        subject: String,
+        payload: Vec<u8>,
+        seq: u64,
+        wake_up: impl FnOnce() -> Vec<u8>,
+    ) {
+        use tokio::sync::mpsc::error::TrySendError;
+        if let Err(TrySendError::Full(_)) = self.queue.try_send((subject, payload.into(), seq)) {
+            self.counts.dropped(
+                false,
+                1,
+                "the NATS publishing queue is full: a wake-up goes instead",
+            );
+            self.sends.owe(seq, wake_up());
+        }
+    }
 }
 
-/// Publishes what the host queues, one message after the other (so in order). Ends when
-/// the host's publisher is dropped.
+/// Publishes what the host queues, in order, in batches: each batch is published, then
+/// flushed (the server answered a ping sent after it, so every subscriber's queue holds
+/// it), and only then are its notices out ([`Sends`]). A batch whose flush fails is
+/// published again on the reconnected client (the hosts take a notice twice as one).
+/// Ends when the host's publisher is dropped.
 #[cfg(feature = "nats")]
 async fn nats_publish(
     client: async_nats::Client,
-    mut queue: tokio::sync::mpsc::Receiver<(String, Vec<u8>)>,
+    subject: String,
+    mut queue: tokio::sync::mpsc::Receiver<(String, bytes::Bytes, u64)>,
+    sends: std::sync::Arc<Sends>,
 ) {
-    while let Some((subject, payload)) = queue.recv().await {
-        if let Err(e) = client.publish(subject, payload.into()).await {
-            tracing::debug!(%e, "NATS publish failed: the other hosts read the log at their next poll");
+    const BATCH: usize = 256;
+    let mut batch = Vec::with_capacity(BATCH);
+    loop {
+        tokio::select! {
+            n = queue.recv_many(&mut batch, BATCH) => if n == 0 { return },
+            () = sends.kick.notified() => {}
         }
+        let mut last = batch.iter().map(|(_, _, seq)| *seq).max().unwrap_or(0);
+        if let Some((seq, wake_up)) = sends.take_owed() {
+            batch.push((subject.clone(), wake_up.into(), seq));
+            last = last.max(seq);
+        }
+        let started = std::time::Instant::now();
+        let mut failures = 0u32;
+        loop {
+            let mut result = Ok(());
+            for (subject, payload, _) in &batch {
+                if let Err(e) = client.publish(subject.clone(), payload.clone()).await {
+                    result = Err(e.to_string());
+                    break;
+                }
+            }
+            if result.is_ok() {
+                result = match tokio::time::timeout(SEND_RETRY_MAX, client.flush()).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("the flush timed out".to_owned()),
+                };
+            }
+            match result {
+                Ok(()) => break,
+                Err(e) if started.elapsed() < SEND_GIVE_UP && !queue.is_closed() => {
+                    failures = failures.saturating_add(1);
+                    tracing::debug!(%e, n = batch.len(), "NATS publish failed: publishing again");
+                    tokio::time::sleep(retry_wait(failures)).await;
+                }
+                Err(e) => {
+                    tracing::warn!(%e, n = batch.len(),
+                        "NATS publish failed for too long: the other hosts read the log at their next poll");
+                    break;
+                }
+            }
+        }
+        batch.clear();
+        sends.out(last);
     }
 }
 
@@ -106,6 +174,90 @@ impl OutboxCounts {
     }
 }
 
+/// How far a host's notices have gone out (issue 30). Each notice gets a sequence number
+/// when queued; `out` is the highest whose fate is settled: its `NOTIFY` committed (or its
+/// NATS publish was flushed), or its wake-up went out in its place, or sending it failed
+/// for [`SEND_GIVE_UP`]. A command's acknowledgement deadline counts from then: counted
+/// from the commit, a notice held in the queue (a busy or failed `NOTIFY`, the notify
+/// interval) ate the deadline, the command answered before the other hosts could know,
+/// and they served their old values under leases their own pings kept valid.
+///
+/// A notice the full queue cannot take is not dropped without a trace: a wake-up (the
+/// notice without its operation: "read the log") is owed, and the sending task sends the
+/// latest one owed with its next batch.
+pub(crate) struct Sends {
+    /// The last sequence number given.
+    queued: std::sync::atomic::AtomicU64,
+    out: watch::Sender<u64>,
+    owed: parking_lot::Mutex<Option<(u64, Vec<u8>)>>,
+    /// Wakes the sending task for an owed wake-up.
+    kick: tokio::sync::Notify,
+}
+
+impl Default for Sends {
+    fn default() -> Self {
+        Self {
+            queued: std::sync::atomic::AtomicU64::new(0),
+            out: watch::Sender::new(0),
+            owed: parking_lot::Mutex::new(None),
+            kick: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+impl Sends {
+    /// The next sequence number (called under the publisher's lock: numbers are queued in
+    /// order).
+    fn next(&self) -> u64 {
+        self.queued
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
+    }
+
+    fn owe(&self, seq: u64, wake_up: Vec<u8>) {
+        let mut owed = self.owed.lock();
+        if owed.as_ref().is_none_or(|(s, _)| *s < seq) {
+            *owed = Some((seq, wake_up));
+        }
+        drop(owed);
+        self.kick.notify_one();
+    }
+
+    fn take_owed(&self) -> Option<(u64, Vec<u8>)> {
+        self.owed.lock().take()
+    }
+
+    /// Every notice up to `seq` is out.
+    fn out(&self, seq: u64) {
+        self.out.send_if_modified(|out| {
+            let moved = seq > *out;
+            *out = (*out).max(seq);
+            moved
+        });
+    }
+
+    /// Waits until notice `seq` is out.
+    pub(crate) async fn wait_out(&self, seq: u64) {
+        let mut out = self.out.subscribe();
+        let _ = out.wait_for(|&o| o >= seq).await;
+    }
+}
+
+/// How long a host tries to send a batch of notifications before it gives up on them
+/// (the other hosts read the log at their next poll): a command waits this long at most
+/// for its notice to go out, before its acknowledgement deadline.
+pub(crate) const SEND_GIVE_UP: Duration = Duration::from_secs(30);
+
+/// The longest wait between two tries to send a batch.
+const SEND_RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// The wait before the next try to send, after `failures` failed tries: 25 ms doubling,
+/// to [`SEND_RETRY_MAX`].
+fn retry_wait(failures: u32) -> Duration {
+    (Duration::from_millis(25) * 2u32.saturating_pow(failures.saturating_sub(1).min(6)))
+        .min(SEND_RETRY_MAX)
+}
+
 /// The queue of a host's notifying task (PostgreSQL): it holds at most
 /// [`HostBuilder::notify_queue`](crate::HostBuilder::notify_queue) entries (issue 30,
 /// hole 5: it was unbounded, and grew for as long as the `NOTIFY`s did not go out); what
@@ -114,6 +266,7 @@ impl OutboxCounts {
 pub(crate) struct Outbox {
     queue: tokio::sync::mpsc::Sender<Outgoing>,
     counts: std::sync::Arc<OutboxCounts>,
+    sends: std::sync::Arc<Sends>,
 }
 
 impl Outbox {
@@ -131,6 +284,20 @@ impl Outbox {
         }
     }
 
+    /// Queues notice `seq`; when the queue is full, its wake-up (`wake_up`, the notice
+    /// without its operation) is owed instead (see [`Sends`]).
+    fn push_notice(&self, payload: String, seq: u64, wake_up: impl FnOnce() -> String) {
+        use tokio::sync::mpsc::error::TrySendError;
+        if let Err(TrySendError::Full(_)) = self.queue.try_send(Outgoing::Notice { payload, seq }) {
+            self.counts.dropped(
+                false,
+                1,
+                "the notifying queue is full: a wake-up goes instead",
+            );
+            self.sends.owe(seq, wake_up().into_bytes());
+        }
+    }
+
     /// Entries in the queue now.
     pub(crate) fn queued(&self) -> usize {
         self.queue.max_capacity() - self.queue.capacity()
@@ -139,8 +306,8 @@ impl Outbox {
 
 /// What a host's notifying task sends (PostgreSQL).
 pub(crate) enum Outgoing {
-    /// A notice, on the log's channel.
-    Notice(String),
+    /// A notice, on the log's channel, and its sequence number ([`Sends`]).
+    Notice { payload: String, seq: u64 },
     /// An acknowledgement of the operation `id`, on the channel `to` (its host's).
     Ack { to: String, id: i64 },
     /// A message of the rejoin handshake (a hello or a welcome, an [`Ack`] as JSON) on the
@@ -293,24 +460,46 @@ impl Publisher {
         }
     }
 
-    pub(crate) fn publish(&self, mut notice: Notice) {
+    /// Queues a notice; answers its sequence number ([`Sends`]), 0 when none goes out
+    /// (the host polls).
+    pub(crate) fn publish(&self, mut notice: Notice) -> u64 {
         match self {
-            Publisher::None => {}
+            Publisher::None => 0,
             Publisher::Postgres {
                 queue, notice_max, ..
             } => {
+                let seq = queue.sends.next();
                 let mut payload = serde_json::to_string(&notice).unwrap_or_default();
                 if payload.len() > *notice_max {
                     notice.op = None;
                     payload = serde_json::to_string(&notice).unwrap_or_default();
                 }
-                queue.push(Outgoing::Notice(payload));
+                queue.push_notice(payload, seq, || {
+                    notice.op = None;
+                    serde_json::to_string(&notice).unwrap_or_default()
+                });
+                seq
             }
             #[cfg(feature = "nats")]
             Publisher::Nats(_, subject, queue) => {
+                let seq = queue.sends.next();
                 let payload = serde_json::to_vec(&notice).unwrap_or_default();
-                queue.push(false, subject.clone(), payload);
+                queue.push_notice(subject.clone(), payload, seq, || {
+                    notice.op = None;
+                    serde_json::to_vec(&notice).unwrap_or_default()
+                });
+                seq
             }
+        }
+    }
+
+    /// How far this host's notices have gone out; `None` when it polls.
+    pub(crate) fn sends(&self) -> Option<&std::sync::Arc<Sends>> {
+        match self {
+            Publisher::None => None,
+            Publisher::Postgres { queue, .. } => Some(&queue.sends),
+            #[cfg(feature = "nats")]
+            Publisher::Nats(_, _, queue) => Some(&queue.sends),
         }
     }
 
@@ -349,6 +538,7 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             config.application_name(format!("coherent-listener:{}", host.id()));
             let channel = pg.channel.clone();
             let (queue, payloads) = tokio::sync::mpsc::channel(inner.notify_queue);
+            let sends = std::sync::Arc::new(Sends::default());
             tokio::spawn(pg_notify_batches(
                 pg.pool.clone(),
                 channel.clone(),
@@ -356,11 +546,13 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                 inner.notify_interval,
                 payloads,
                 inner.outbox.clone(),
+                sends.clone(),
             ));
             *inner.publisher.lock() = Publisher::Postgres {
                 queue: Outbox {
                     queue,
                     counts: inner.outbox.clone(),
+                    sends,
                 },
                 channel: channel.clone(),
                 notice_max: Packer::notices(host.id()).item_max(),
@@ -432,10 +624,17 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             let _ = made.set(client.clone());
             tokio::spawn(up_after_flush(weak.clone(), client.clone()));
             let (queue, outgoing) = tokio::sync::mpsc::channel(inner.notify_queue);
-            tokio::spawn(nats_publish(client.clone(), outgoing));
+            let sends = std::sync::Arc::new(Sends::default());
+            tokio::spawn(nats_publish(
+                client.clone(),
+                subject.clone(),
+                outgoing,
+                sends.clone(),
+            ));
             let outbox = NatsOutbox {
                 queue,
                 counts: inner.outbox.clone(),
+                sends,
             };
             *inner.publisher.lock() = Publisher::Nats(client, subject, outbox);
             tokio::spawn(nats_listen(
@@ -483,14 +682,16 @@ async fn nats_listen(
                 let Some(inner) = host.upgrade() else { return };
                 match serde_json::from_slice::<Ack>(&a.payload) {
                     Ok(ack) => {
-                        if ack.welcome {
-                            // The client hands each subscription its messages in the order
-                            // they came: the notices that came before the welcome are
-                            // mostly queued already, and applied first. Not guaranteed (a
-                            // poll may yield to the runtime's budget, a slow consumer loses
-                            // messages): the rejoin reads the log after the welcomes,
-                            // which is what the ordering argument relies on.
-                            while let Some(Some(m)) = subscription.next().now_or_never() {
+                        // The client hands each subscription its messages in the order
+                        // they came, but two subscriptions race here: the notices that
+                        // came before a welcome, or before a ping of this host's lease,
+                        // are applied first (the lease and the rejoin rely on it). Without
+                        // the runtime's budget: a ready notice must not read as pending.
+                        // (A slow consumer loses messages: it is fenced for it.)
+                        if ack.welcome || ack.ping != 0 {
+                            while let Some(Some(m)) =
+                                tokio::task::unconstrained(subscription.next()).now_or_never()
+                            {
                                 match serde_json::from_slice::<Notice>(&m.payload) {
                                     Ok(notice) => inner.apply_notice(notice),
                                     Err(e) => inner.bad_notice(&e),
@@ -519,9 +720,9 @@ async fn nats_listen(
 /// ([`HostBuilder::notify_interval`](crate::HostBuilder::notify_interval)). A notifying transaction takes
 /// PostgreSQL's notification lock through its commit (and its flush: the queue records
 /// its transaction id), so notifying transactions commit one at a time; one per command
-/// would cap commands at one flush each, one per batch costs a flush per batch. The
-/// commands do not wait for it (the log is the truth: a lost `NOTIFY` costs a poll).
-/// Ends when the host is dropped.
+/// would cap commands at one flush each, one per batch costs a flush per batch. A
+/// command's acknowledgement deadline starts once its notice is out ([`Sends`]); a
+/// `NOTIFY` that fails is sent again. Ends when the host is dropped.
 async fn pg_notify_batches(
     pool: deadpool_postgres::Pool,
     channel: String,
@@ -529,11 +730,16 @@ async fn pg_notify_batches(
     interval: Duration,
     mut outgoing: tokio::sync::mpsc::Receiver<Outgoing>,
     counts: std::sync::Arc<OutboxCounts>,
+    sends: std::sync::Arc<Sends>,
 ) {
     const BATCH: usize = 256;
     let mut batch = Vec::with_capacity(BATCH);
     let mut last: Option<std::time::Instant> = None;
-    while outgoing.recv_many(&mut batch, BATCH).await > 0 {
+    loop {
+        tokio::select! {
+            n = outgoing.recv_many(&mut batch, BATCH) => if n == 0 { return },
+            () = sends.kick.notified() => {}
+        }
         // At most one NOTIFY per interval: what queues meanwhile goes in the next one
         // (unless a full batch waits already).
         if let Some(next) = last.map(|l| l + interval) {
@@ -558,15 +764,26 @@ async fn pg_notify_batches(
         let mut controls: Vec<(String, String)> = Vec::new();
         // Items longer than a payload even alone (a host id of thousands of bytes).
         let (mut unsent_notices, mut unsent_acks) = (0, 0);
+        // The last notice of the batch: out once the batch is.
+        let mut out = 0;
         for item in batch.drain(..) {
             match item {
-                Outgoing::Notice(payload) => {
+                Outgoing::Notice { payload, seq } => {
+                    out = out.max(seq);
                     if !notices.push(&payload) {
                         unsent_notices += 1;
                     }
                 }
                 Outgoing::Ack { to, id } => acks.entry(to).or_default().push(id),
                 Outgoing::Control { to, payload } => controls.push((to, payload)),
+            }
+        }
+        // Checked after the queue was read: a notice queued after one that did not fit
+        // found the wake-up owed already, and is not out before it.
+        if let Some((seq, wake_up)) = sends.take_owed() {
+            out = out.max(seq);
+            if !notices.push(&String::from_utf8_lossy(&wake_up)) {
+                unsent_notices += 1;
             }
         }
         payloads.extend(notices.finish().into_iter().map(|p| (channel.clone(), p)));
@@ -589,20 +806,33 @@ async fn pg_notify_batches(
                 );
             }
         }
-        if payloads.is_empty() {
-            continue;
-        }
-        let result = async {
+        if !payloads.is_empty() {
             let pairs: Vec<(&str, &str)> = payloads
                 .iter()
                 .map(|(c, p)| (c.as_str(), p.as_str()))
                 .collect();
-            crate::db::pg_notify(&pool, &pairs).await
+            // A failed NOTIFY (a terminated connection, a failover) is sent again, on
+            // another connection: the commands of its notices wait for it (a host may
+            // receive a notice twice, and takes it once).
+            let started = std::time::Instant::now();
+            let mut failures = 0u32;
+            loop {
+                match crate::db::pg_notify(&pool, &pairs).await {
+                    Ok(()) => break,
+                    Err(e) if started.elapsed() < SEND_GIVE_UP && !outgoing.is_closed() => {
+                        failures = failures.saturating_add(1);
+                        tracing::debug!(%e, n = payloads.len(), "NOTIFY failed: sending it again");
+                        tokio::time::sleep(retry_wait(failures)).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%e, n = payloads.len(),
+                            "NOTIFY failed for too long: the other hosts read the log at their next poll");
+                        break;
+                    }
+                }
+            }
         }
-        .await;
-        if let Err(e) = result {
-            tracing::warn!(%e, n = payloads.len(), "NOTIFY failed: the other hosts read the log at their next poll");
-        }
+        sends.out(out);
     }
 }
 

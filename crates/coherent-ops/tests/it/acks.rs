@@ -101,6 +101,9 @@ async fn postgres_a_silent_host_is_waited_for_once() {
         a.run(SetValue { id: 1, value }).await.unwrap();
     }
     assert_eq!(a.stats().ack_timeouts, 1, "waited for once");
+    // But not forgotten while its row is fresh: each command answered a lease after its
+    // notice went out (were the ghost alive and slow, its cache has lapsed by then).
+    assert_eq!(a.stats().lease_waits, 4);
 
     // A live host is waited for once heard from (its acknowledgement of one of A's
     // commands, or its row). (Whether it then answers within A's short wait depends on
@@ -190,4 +193,85 @@ async fn postgres_a_stopped_host_is_not_waited_for_by_nats() {
         return;
     };
     a_stopped_host_is_not_waited_for(db, move |b| b.notifier(Notifier::Nats(url.clone()))).await;
+}
+
+/// A notice that waits in its host's queue longer than the acknowledgement deadline
+/// (here its `notify_interval`; under load, a `NOTIFY` behind others, or one that failed
+/// and is sent again): the deadline counts from when the notice went out, not from the
+/// commit. Counted from the commit, the command answered while B still had the notice to
+/// come, and B served its old value under a lease its own pings kept valid (the checker
+/// found it under load: issue 30).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_notice_held_in_its_queue_is_waited_for() {
+    let Some(db) = postgres_db("acks_late_notice").await else {
+        return;
+    };
+    // A's notices go out at most every 1.5 s; it waits 500 ms for acknowledgements.
+    let (a, _) = host(&db, |b| {
+        b.notify_interval(Duration::from_millis(1500))
+            .acknowledgements(Some(Duration::from_millis(500)))
+    })
+    .await;
+    // B reads the log only when woken: only A's notice tells it.
+    let (b, items_b) = host(&db, |b| b.poll_interval(Duration::from_secs(3600))).await;
+    wait_until(|| {
+        a.stats().peers >= 1
+            && a.notifier_connected()
+            && b.notifier_connected()
+            && !a.is_fenced()
+            && !b.is_fenced()
+    })
+    .await;
+    for value in 1..=3 {
+        assert_eq!(items_b.value(1).await, Ok(value - 1));
+        a.run(SetValue { id: 1, value }).await.unwrap();
+        assert_eq!(items_b.value(1).await, Ok(value), "B, write {value}");
+    }
+    assert_eq!(a.stats().ack_timeouts, 0);
+    a.stop().await;
+    b.stop().await;
+}
+
+/// A host whose heartbeats stall (its row locked here: a slow database, a lost
+/// connection) while its notifier works: the other hosts stop waiting for it once its row
+/// is older than the liveness window (5 s), so it must stop answering from its cache
+/// before that, though its pings still come back and renew its lease; and answer from it
+/// again once its heartbeats go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_host_whose_heartbeats_stall_stops_answering_from_its_cache() {
+    let Some(db) = postgres_db("acks_beat_stall").await else {
+        return;
+    };
+    let (a, _) = host(&db, |b| b).await;
+    let (b, items_b) = host(&db, |b| b).await;
+    let registry = items_b.handle.registry().clone();
+    wait_until(|| {
+        a.stats().peers >= 1 && b.notifier_connected() && !b.is_fenced() && !registry.is_fenced()
+    })
+    .await;
+    let pool = db.postgres_pool().unwrap().clone();
+    let mut locker = pool.get().await.unwrap();
+    let tx = locker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM coherent_hosts WHERE host = $1 FOR UPDATE",
+        &[&b.id()],
+    )
+    .await
+    .unwrap();
+    // A drops B once B's row is 5 s old (by the database's clock); B must be fenced by
+    // then (its lease stops at 3 s after its last heartbeat began).
+    wait_until(|| {
+        let dropped = a.stats().peers == 0;
+        assert!(
+            !dropped || registry.is_fenced(),
+            "A stopped waiting for B while B answers from its cache"
+        );
+        dropped
+    })
+    .await;
+    assert!(b.notifier_connected());
+    tx.rollback().await.unwrap();
+    wait_until(|| !registry.is_fenced()).await;
+    a.stop().await;
+    b.stop().await;
 }
