@@ -134,11 +134,11 @@ pub struct HostStats {
     /// Notices and acknowledgements waiting for this host's notifying task now
     /// (PostgreSQL; at most [`HostBuilder::notify_queue`]).
     pub notify_queued: u64,
-    /// Notices of this host's commands not sent: its notifying queue was full (the
-    /// database slow or out of reach), or one did not fit in a payload. The other hosts
-    /// apply those operations from the log, at their next poll, and acknowledge them then:
-    /// until they do, this host's command waits, at most [`HostBuilder::acknowledgements`]
-    /// (then counted in `ack_timeouts`).
+    /// Notices of this host's commands not sent with their operation: its notifying queue
+    /// was full (the database or NATS slow or out of reach: a wake-up telling the other
+    /// hosts to read the log went in their place), or one did not fit in a payload even
+    /// alone. The other hosts apply those operations from the log and acknowledge them
+    /// then; the command waits for them as for any other.
     pub notices_dropped: u64,
     /// Acknowledgements this host did not send, for the same reasons: the host whose
     /// command it was waits out its [`HostBuilder::acknowledgements`] (and counts it in
@@ -397,11 +397,15 @@ impl HostBuilder {
     /// of the notifier, from each other host back to this one. The hosts waited for are
     /// those seen in the hosts table in the last few seconds (each host writes its row
     /// every second, whatever its poll interval; the database's clock says when) or heard
-    /// from since. One that does not answer in time is not waited
-    /// for again until it is heard from (its acknowledgements come in again): a host that
-    /// died costs one command this wait, not every command until its row expires. Such
-    /// answers are counted in [`HostStats::ack_timeouts`]; on that host, reads may be
-    /// stale until it applies the operation (from the notifier or the log, as always).
+    /// from since. The wait counts from when the command's notice went out (a busy or
+    /// failed `NOTIFY` holds it in the queue; a failed one is sent again), not from the
+    /// commit. One that does not answer in time is not waited for again until it is heard
+    /// from (its acknowledgements come in again), and counted in
+    /// [`HostStats::ack_timeouts`]; meanwhile each command answers no sooner than a
+    /// [`lease`](Self::lease) after its notice went out, by when such a host, if it is
+    /// alive but slow, has stopped answering from its cache unless it applied the
+    /// operation. So a host that died costs one command this wait, and the next ones a
+    /// lease each until its row expires (or until it said goodbye, if it stopped).
     ///
     /// A host that joins is waited for from the first time the others hear of it: its
     /// first heartbeat, read by each host every second, or its first acknowledgement.
@@ -421,7 +425,10 @@ impl HostBuilder {
     /// whose pings stall, answers nothing from its cache (its registries are fenced by the
     /// lease, checked on every hit with a coarse clock read) until it has rejoined. Keep it
     /// well under [`acknowledgements`](Self::acknowledgements): the other hosts stop
-    /// waiting for this one after that deadline. Default: half the acknowledgement
+    /// waiting for this one after that deadline. Use the same on every host: a host that
+    /// stopped waiting for another waits this host's lease instead. The lease also ends
+    /// 3 s after the last heartbeat that wrote the host's row began (the others stop
+    /// waiting for a host whose row is 5 s old). Default: half the acknowledgement
     /// deadline (250 ms). `None`, or without acknowledgements or a notifier: no lease.
     pub fn lease(mut self, lease: Option<Duration>) -> Self {
         self.lease = Some(lease);
@@ -1625,6 +1632,11 @@ impl Inner {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         }
+        // The lease runs from before the read: every operation committed before then is
+        // applied by it; one committed later goes out as a notice after, and its command
+        // answers no sooner than a lease after that (or with this host's acknowledgement),
+        // by when this lease is over unless a ping sent after that notice came back.
+        let read_from = lease_clock();
         self.round().await?;
         let _fence = self.fence_lock.lock();
         if !self.notifier_down.load(Ordering::Acquire)
@@ -1632,7 +1644,12 @@ impl Inner {
             && !*self.stop.borrow()
         {
             if let Some(lease) = self.lease {
-                self.renew_lease(lease_clock().saturating_add(lease.as_nanos() as u64));
+                let lease = lease.as_nanos() as u64;
+                // The first ping has a lease's time to come back (a read longer than the
+                // lease is no sign of a lost notifier).
+                self.lease_until
+                    .fetch_max(lease_clock().saturating_add(lease), Ordering::AcqRel);
+                self.renew_lease(read_from.saturating_add(lease));
             }
             self.unfence_locked();
             tracing::debug!(host = %self.id, "rejoined: serving from the cache");
