@@ -140,7 +140,17 @@ impl From<StoreError> for ApiError {
             StoreError::Invalid(i) => Self::Invalid(i),
             StoreError::Unknown(i) => Self::Unknown(i),
             StoreError::Db(m) => Self::internal(format_args!("database: {m}")),
+            StoreError::Unavailable(m) => Self::unavailable(format_args!("database: {m}")),
         }
+    }
+}
+
+/// A failure that says nothing about the data (the backend or the database out of reach,
+/// an internal error) is cached as a transient error (1 s by default, against 10 s for an
+/// answer about the data, such as a 404): a blip is not served for seconds after it.
+impl coherent::TransientError for ApiError {
+    fn is_transient(&self) -> bool {
+        matches!(self, Self::Unavailable(_) | Self::Internal(_))
     }
 }
 

@@ -333,6 +333,9 @@ fn store_status(e: StoreError) -> tonic::Status {
         StoreError::Db(m) => {
             tonic::Status::internal(ApiError::internal(format_args!("database: {m}")).to_string())
         }
+        StoreError::Unavailable(m) => tonic::Status::unavailable(
+            ApiError::unavailable(format_args!("database: {m}")).to_string(),
+        ),
     }
 }
 

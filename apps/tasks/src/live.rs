@@ -202,6 +202,7 @@ fn command_error(e: StoreError) -> CommandError {
             CommandError::not_found(serde_json::to_string(&i).unwrap_or_default())
         }
         StoreError::Db(m) => CommandError::new(ErrorKind::Database, m),
+        StoreError::Unavailable(m) => CommandError::new(ErrorKind::Unavailable, m),
     }
 }
 

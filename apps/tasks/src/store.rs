@@ -20,9 +20,36 @@ pub enum StoreError {
     /// A field names something that does not exist (a task's project).
     #[error("{}: {}", .0.field, .0.message)]
     Unknown(Invalid),
-    /// The database failed (or a connection could not be had).
+    /// The database failed.
     #[error("database: {0}")]
     Db(String),
+    /// The connection was lost, or none could be had (the server restarting, a failover,
+    /// a terminated connection): nothing about the data. Reads are tried again on a fresh
+    /// connection before they answer it ([`READ_TRIES`]).
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// How many times a PostgreSQL read runs before it answers a lost connection
+/// ([`StoreError::Unavailable`]): a connection terminated under it, or a pooled one that
+/// died while idle, costs the caller nothing.
+pub const READ_TRIES: u32 = 3;
+
+/// Whether an error of PostgreSQL's client says the connection is gone (or was refused),
+/// rather than anything about the query or the data.
+fn connection_lost(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    if let Some(code) = e.code() {
+        let code = code.code();
+        // Class 08, connection exception; 57P01-57P03: admin_shutdown, crash_shutdown,
+        // cannot_connect_now (a terminated backend, a restart, a server starting).
+        return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03");
+    }
+    // No server error: the socket failed (reset, refused, timed out).
+    e.as_db_error().is_none()
+        && std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
 }
 
 /// The most projects a database holds: every page lists them all (`projects()`), and an
@@ -47,6 +74,12 @@ impl From<tokio_postgres::Error> for StoreError {
         if e.code() == Some(&tokio_postgres::error::SqlState::FOREIGN_KEY_VIOLATION) {
             return Self::Unknown(Invalid::new("project", "no such project"));
         }
+        if connection_lost(&e) {
+            return Self::Unavailable(match e.as_db_error() {
+                Some(db) => format!("{} ({})", db.message(), db.code().code()),
+                None => e.to_string(),
+            });
+        }
         // The server's own message: `Display` of a server error says only "db error".
         match e.as_db_error() {
             Some(db) => Self::Db(format!("{} ({})", db.message(), db.code().code())),
@@ -68,7 +101,10 @@ impl From<rusqlite::Error> for StoreError {
 
 impl From<deadpool_postgres::PoolError> for StoreError {
     fn from(e: deadpool_postgres::PoolError) -> Self {
-        Self::Db(e.to_string())
+        match e {
+            deadpool_postgres::PoolError::Backend(e) => e.into(),
+            e => Self::Unavailable(e.to_string()),
+        }
     }
 }
 
@@ -202,6 +238,42 @@ fn bad_code(what: &str, code: i16) -> StoreError {
     StoreError::Db(format!("a stored {what} code {code} is unknown"))
 }
 
+/// Runs a read (`$body`, with `$c` a pooled `&ClientWrapper`); when the connection turns
+/// out lost (terminated under it, or dead while idle in the pool), drops it and runs the
+/// read again on another, [`READ_TRIES`] times in all, 20 ms then 100 ms apart. A read may
+/// run twice; a write must not go through here. (A macro: the compute services need the
+/// read's future to be `Send` and `'static`-bounded, which an async closure borrowing its
+/// arguments is not.)
+macro_rules! pg_read {
+    ($p:expr, $c:ident, $body:expr) => {{
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let result = async {
+                let object = $p.pool.get().await?;
+                let result = {
+                    let $c: &deadpool_postgres::ClientWrapper = &object;
+                    async { $body }.await
+                };
+                if matches!(result, Err(StoreError::Unavailable(_))) {
+                    // Not back into the pool.
+                    drop(deadpool_postgres::Object::take(object));
+                }
+                result
+            }
+            .await;
+            match result {
+                Err(StoreError::Unavailable(e)) if tries < READ_TRIES => {
+                    tracing::debug!(%e, tries, "a read lost its connection: trying again");
+                    let wait = if tries == 1 { 20 } else { 100 };
+                    tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
+                }
+                result => break result,
+            }
+        }
+    }};
+}
+
 impl Store {
     /// A SQLite file, created (with its tables) if missing.
     pub fn sqlite(path: impl AsRef<Path>) -> Result<Self> {
@@ -285,8 +357,8 @@ impl Store {
         q.validate()?;
         match self {
             Self::Postgres(p) => {
-                let c = p.pool.get().await?;
-                Ok(page_of(pg::list(&c, &q, TASK_COLUMNS).await?, q.limit))
+                let tasks = pg_read!(p, c, pg::list(c, &q, TASK_COLUMNS).await)?;
+                Ok(page_of(tasks, q.limit))
             }
             Self::Sqlite(l) => {
                 l.run(move |c| Ok(page_of(lite::list(c, &q)?, q.limit)))
@@ -299,7 +371,7 @@ impl Store {
     pub async fn list_ids(&self, q: ListQuery) -> Result<(Vec<Uuid>, Option<Uuid>)> {
         q.validate()?;
         let ids = match self {
-            Self::Postgres(p) => pg::list_ids(&*p.pool.get().await?, &q).await?,
+            Self::Postgres(p) => pg_read!(p, c, pg::list_ids(c, &q).await)?,
             Self::Sqlite(l) => l.run(move |c| lite::list_ids(c, &q)).await?,
         };
         let mut ids = ids;
@@ -316,7 +388,7 @@ impl Store {
     /// One task.
     pub async fn get(&self, id: Uuid) -> Result<Option<Task>> {
         match self {
-            Self::Postgres(p) => pg::get(&*p.pool.get().await?, id).await,
+            Self::Postgres(p) => pg_read!(p, c, pg::get(c, id).await),
             Self::Sqlite(l) => l.run(move |c| lite::get(c, id)).await,
         }
     }
@@ -325,15 +397,16 @@ impl Store {
     pub async fn project(&self, id: Uuid) -> Result<Option<Project>> {
         match self {
             Self::Postgres(p) => {
-                let c = p.pool.get().await?;
-                let s = c
-                    .prepare_cached("SELECT id, name, created_at FROM projects WHERE id = $1")
-                    .await?;
-                Ok(c.query_opt(&s, &[&id]).await?.map(|r| Project {
-                    id: r.get(0),
-                    name: r.get(1),
-                    created_at: r.get(2),
-                }))
+                pg_read!(p, c, {
+                    let s = c
+                        .prepare_cached("SELECT id, name, created_at FROM projects WHERE id = $1")
+                        .await?;
+                    Ok(c.query_opt(&s, &[&id]).await?.map(|r| Project {
+                        id: r.get(0),
+                        name: r.get(1),
+                        created_at: r.get(2),
+                    }))
+                })
             }
             Self::Sqlite(l) => {
                 l.run(move |c| {
@@ -353,17 +426,18 @@ impl Store {
         const SQL: &str = "SELECT id, name, created_at FROM projects ORDER BY id";
         match self {
             Self::Postgres(p) => {
-                let c = p.pool.get().await?;
-                let s = c.prepare_cached(SQL).await?;
-                Ok(c.query(&s, &[])
-                    .await?
-                    .iter()
-                    .map(|r| Project {
-                        id: r.get(0),
-                        name: r.get(1),
-                        created_at: r.get(2),
-                    })
-                    .collect())
+                pg_read!(p, c, {
+                    let s = c.prepare_cached(SQL).await?;
+                    Ok(c.query(&s, &[])
+                        .await?
+                        .iter()
+                        .map(|r| Project {
+                            id: r.get(0),
+                            name: r.get(1),
+                            created_at: r.get(2),
+                        })
+                        .collect())
+                })
             }
             Self::Sqlite(l) => {
                 l.run(|c| {
@@ -382,10 +456,11 @@ impl Store {
         const LITE: &str = "SELECT count(*) FROM tasks WHERE project = ?1 AND status = ?2";
         match self {
             Self::Postgres(p) => {
-                let c = p.pool.get().await?;
-                let s = c.prepare_cached(PG).await?;
-                let n: i64 = c.query_one(&s, &[&project, &status.code()]).await?.get(0);
-                Ok(n.unsigned_abs())
+                pg_read!(p, c, {
+                    let s = c.prepare_cached(PG).await?;
+                    let n: i64 = c.query_one(&s, &[&project, &status.code()]).await?.get(0);
+                    Ok(n.unsigned_abs())
+                })
             }
             Self::Sqlite(l) => {
                 l.run(move |c| {
@@ -407,15 +482,14 @@ impl Store {
         const PG: &str = "SELECT status, count(*) FROM tasks WHERE project = $1 GROUP BY status";
         const LITE: &str = "SELECT status, count(*) FROM tasks WHERE project = ?1 GROUP BY status";
         let rows: Vec<(i16, i64)> = match self {
-            Self::Postgres(p) => {
-                let c = p.pool.get().await?;
+            Self::Postgres(p) => pg_read!(p, c, {
                 let s = c.prepare_cached(PG).await?;
-                c.query(&s, &[&project])
+                Ok(c.query(&s, &[&project])
                     .await?
                     .iter()
                     .map(|r| (r.get(0), r.get(1)))
-                    .collect()
-            }
+                    .collect())
+            })?,
             Self::Sqlite(l) => {
                 l.run(move |c| {
                     let mut s = c.prepare_cached(LITE)?;
