@@ -256,8 +256,10 @@ macro_rules! pg_read {
                     async { $body }.await
                 };
                 if matches!(result, Err(StoreError::Unavailable(_))) {
-                    // Not back into the pool.
+                    // Not back into the pool; and the idle ones most likely went the same
+                    // way (a failover, a restart, every backend terminated).
                     drop(deadpool_postgres::Object::take(object));
+                    $p.pool.retain(|_, _| false);
                 }
                 result
             }

@@ -17,6 +17,7 @@ mod remote;
 mod report;
 mod rpc;
 mod tasks;
+mod tasks_faults;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -65,6 +65,14 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
         ));
     }
     dbs.push(("tasks.sqlite", &sqlite));
+    // `--only faults` (or `tasks.faults`) runs these rows alone.
+    let faults_only = only.contains("faults");
+    if reachable && (only.is_empty() || faults_only) {
+        faults(&runtime, &url, timing, &mut report)?;
+        if faults_only {
+            return Ok(report);
+        }
+    }
     for (prefix, db) in dbs {
         let wanted = |name: &str| only.is_empty() || name.contains(only);
         let any = ["get_list", "get_one", "summary", "post", "mixed"]
@@ -103,7 +111,7 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
     Ok(report)
 }
 
-async fn drop_schema(url: &str, schema: &str) {
+pub(crate) async fn drop_schema(url: &str, schema: &str) {
     if let Ok((client, conn)) = tokio_postgres::connect(url, tokio_postgres::NoTls).await {
         tokio::spawn(conn);
         let _ = client
@@ -223,7 +231,7 @@ async fn serve_static(body: bytes::Bytes) -> anyhow::Result<SocketAddr> {
     serve(router).await
 }
 
-async fn serve(router: axum::Router) -> anyhow::Result<SocketAddr> {
+pub(crate) async fn serve(router: axum::Router) -> anyhow::Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
@@ -235,7 +243,7 @@ async fn serve(router: axum::Router) -> anyhow::Result<SocketAddr> {
 }
 
 /// Every task's id, newest first.
-async fn all_tasks(store: &Store) -> anyhow::Result<Vec<uuid::Uuid>> {
+pub(crate) async fn all_tasks(store: &Store) -> anyhow::Result<Vec<uuid::Uuid>> {
     let mut ids = Vec::new();
     let mut after = None;
     loop {
@@ -253,6 +261,54 @@ async fn all_tasks(store: &Store) -> anyhow::Result<Vec<uuid::Uuid>> {
             None => return Ok(ids),
         }
     }
+}
+
+/// The `tasks.faults` rows (see [`crate::tasks_faults`]): 60 s, 15 s in a quick run.
+fn faults(
+    runtime: &tokio::runtime::Runtime,
+    url: &str,
+    timing: Timing,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let length = if timing.runs == 1 && timing.run < Duration::from_secs(1) {
+        Duration::from_secs(15)
+    } else {
+        Duration::from_secs(60)
+    };
+    let progress = crate::report::progress(1);
+    progress.set_message("tasks.faults");
+    let o = runtime.block_on(crate::tasks_faults::run(url, length))?;
+    progress.finish_and_clear();
+    report.push(
+        Row::new("tasks.faults.stale_reads", o.stale_reads as f64, "reads")
+            .with("line", 0)
+            .with("reads_checked", o.reads_checked)
+            .with("writes", o.writes)
+            .with("kills", o.kills)
+            .in_group("tasks.faults"),
+    );
+    report.push(
+        Row::new(
+            "tasks.faults.errors_5xx_outside_kills",
+            o.errors_5xx_outside_kills as f64,
+            "answers",
+        )
+        .with("line", 0)
+        .with("errors_5xx_at_kills", o.errors_5xx_at_kills)
+        .with("transport_errors", o.transport_errors)
+        .with("other_failures", o.other_failures)
+        .with("summary_and_list_reads", o.reads)
+        .in_group("tasks.faults"),
+    );
+    for line in o.first_outside.iter().chain(&o.first_stale) {
+        report.note(format!("tasks.faults: {line}"));
+    }
+    report.note(format!(
+        "tasks.faults: {length:?}; two Coherent backends on PostgreSQL, an HTTP tier on each; {} writers PATCH a task of their own through tier A and read it through tier B once the write returned; {} readers ask both tiers for summaries and the project list; every client connection of the database terminated every 5 s; a 5xx is 'at a kill' when its request was in flight while the termination ran",
+        crate::tasks_faults::WRITERS,
+        crate::tasks_faults::READERS,
+    ));
+    Ok(())
 }
 
 fn measure(
@@ -638,7 +694,7 @@ impl Mixed {
 }
 
 /// The status a task's JSON shows.
-fn status_of(body: &[u8]) -> Option<Status> {
+pub(crate) fn status_of(body: &[u8]) -> Option<Status> {
     const KEY: &[u8] = b"\"status\":\"";
     let at = body.windows(KEY.len()).position(|w| w == KEY)? + KEY.len();
     let end = body[at..].iter().position(|b| *b == b'"')? + at;

@@ -13,6 +13,9 @@ pub struct CommandError {
     /// PostgreSQL's code for the error (SQLSTATE), when the server refused a statement.
     #[serde(default)]
     code: Option<String>,
+    /// The connection was lost under the statement (not sent to remote callers).
+    #[serde(skip)]
+    lost: bool,
 }
 
 /// The kinds of [`CommandError`].
@@ -47,6 +50,7 @@ impl CommandError {
             kind,
             message: message.into(),
             code: None,
+            lost: false,
         }
     }
 
@@ -83,6 +87,23 @@ impl CommandError {
     pub fn sql_state(&self) -> Option<&str> {
         self.code.as_deref()
     }
+
+    /// Whether PostgreSQL ended the session under the statement (SQLSTATE class 08, a
+    /// connection exception, or 57P01-57P03: a terminated backend, a crash, a server
+    /// starting): the server said so, and ran nothing after it. It says nothing about the
+    /// command.
+    pub fn is_connection_lost(&self) -> bool {
+        self.code
+            .as_deref()
+            .is_some_and(|c| c.starts_with("08") || matches!(c, "57P01" | "57P02" | "57P03"))
+    }
+
+    /// [`is_connection_lost`](Self::is_connection_lost), or the connection closed with no
+    /// word from the server (a reset socket, a dropped session): whether the statement ran
+    /// is then unknown.
+    pub(crate) fn is_connection_gone(&self) -> bool {
+        self.lost || self.is_connection_lost()
+    }
 }
 
 impl fmt::Display for CommandError {
@@ -101,14 +122,25 @@ impl From<rusqlite::Error> for CommandError {
 
 impl From<tokio_postgres::Error> for CommandError {
     fn from(e: tokio_postgres::Error) -> Self {
+        Self::from(&e)
+    }
+}
+
+impl From<&tokio_postgres::Error> for CommandError {
+    fn from(e: &tokio_postgres::Error) -> Self {
         // The server's own message: `Display` of a server error says only "db error".
         match e.as_db_error() {
             Some(db) => Self {
                 kind: ErrorKind::Database,
                 message: format!("postgres: {} ({})", db.message(), db.code().code()),
                 code: Some(db.code().code().to_owned()),
+                lost: false,
             },
-            None => Self::new(ErrorKind::Database, format!("postgres: {e}")),
+            None => Self {
+                lost: e.is_closed()
+                    || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>()),
+                ..Self::new(ErrorKind::Database, format!("postgres: {e}"))
+            },
         }
     }
 }

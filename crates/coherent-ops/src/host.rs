@@ -122,6 +122,9 @@ pub struct HostStats {
     /// Times this host's lease ran out ([`HostBuilder::lease`]): it was paused, or its
     /// pings stalled; each fenced it until it rejoined.
     pub leases_lost: u64,
+    /// Transactions that lost their connection before anything ran (a terminated
+    /// backend) and ran again on another: their callers did not hear of it.
+    pub commits_retried: u64,
     /// Commands that waited out a lease after their notice went out, for a host they did
     /// not wait for (it missed a deadline before): see [`HostBuilder::lease`].
     pub lease_waits: u64,
@@ -171,6 +174,7 @@ struct Counters {
     rejoins_incomplete: AtomicU64,
     leases_lost: AtomicU64,
     lease_waits: AtomicU64,
+    commits_retried: AtomicU64,
 }
 
 /// An acknowledgement: `from` applied these operations of the host it is sent to.
@@ -707,6 +711,10 @@ pub(crate) struct Inner {
     beat: tokio::sync::Mutex<()>,
 }
 
+/// How many times a batch's transaction runs when it loses its connection before anything
+/// ran (see `Inner::transact`).
+const COMMIT_TRIES: u32 = 3;
+
 /// The default of [`HostBuilder::notify_queue`].
 const NOTIFY_QUEUE: usize = 65_536;
 
@@ -884,6 +892,7 @@ impl Host {
             ack_timeouts: r(&c.ack_timeouts),
             peers_left: r(&c.peers_left),
             lease_waits: r(&c.lease_waits),
+            commits_retried: r(&c.commits_retried),
             fences: r(&c.fences),
             rejoins_incomplete: r(&c.rejoins_incomplete),
             leases_lost: r(&c.leases_lost),
@@ -953,8 +962,7 @@ impl Inner {
     /// Commits a batch of commands in one transaction and finishes each; if the batch
     /// fails before its commit, runs its commands again one at a time.
     async fn commit(&self, mut batch: Vec<Box<dyn Job>>) {
-        let result = self.db.transact(&mut batch, &self.counters.fused).await;
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        let result = self.transact(&mut batch).await;
         match result {
             Ok(ids) => {
                 for (job, id) in batch.into_iter().zip(ids) {
@@ -967,8 +975,7 @@ impl Inner {
                     "a batch failed: its commands run one at a time");
                 for job in batch {
                     let mut one = [job];
-                    let result = self.db.transact(&mut one, &self.counters.fused).await;
-                    self.counters.batches.fetch_add(1, Ordering::Relaxed);
+                    let result = self.transact(&mut one).await;
                     let [job] = one;
                     self.finish(job, result.map(|ids| ids[0]));
                 }
@@ -977,6 +984,41 @@ impl Inner {
                 for job in batch {
                     self.finish(job, Err((e.clone(), commit_attempted)));
                 }
+            }
+        }
+    }
+
+    /// Runs a batch's transaction; one that lost its connection before anything ran
+    /// (PostgreSQL ended the session: a terminated backend, a failover) runs again on
+    /// another, [`COMMIT_TRIES`] times in all: the caller never hears of it (issue 30,
+    /// hole 6). One whose commit may have happened is never run again.
+    async fn transact(
+        &self,
+        batch: &mut [Box<dyn Job>],
+    ) -> Result<Vec<(i64, u64)>, (CommandError, bool)> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let result = self.db.transact(batch, &self.counters.fused).await;
+            self.counters.batches.fetch_add(1, Ordering::Relaxed);
+            if let Err((e, _)) = &result {
+                if e.is_connection_gone() {
+                    // The pool's idle connections went the same way, most likely (a
+                    // failover, a restart, every backend terminated): none is handed out.
+                    self.db.drop_idle_connections();
+                }
+            }
+            match result {
+                // `false`: nothing committed (the server refused, or nothing was sent).
+                Err((e, false)) if e.is_connection_gone() && tries < COMMIT_TRIES => {
+                    self.counters
+                        .commits_retried
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(host = %self.id, %e, tries, "a transaction lost its connection before it ran: again");
+                    tokio::time::sleep(Duration::from_millis(if tries == 1 { 5 } else { 50 }))
+                        .await;
+                }
+                result => return result,
             }
         }
     }

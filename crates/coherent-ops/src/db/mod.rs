@@ -137,6 +137,10 @@ impl Postgres {
         };
         let statement = match client.prepare_cached(&text).await {
             Ok(statement) => statement,
+            // The session ended (a terminated backend): it says nothing of the statement.
+            Err(e) if CommandError::from(&e).is_connection_lost() => {
+                return Some(Err((e.into(), false)));
+            }
             Err(e) if e.as_db_error().is_some() => {
                 tracing::debug!(%e, sql, "a deferred statement cannot stand in a WITH");
                 unfusable();
@@ -160,7 +164,15 @@ impl Postgres {
             &row.command,
             &row.output,
         ]);
-        Some(match client.query(&statement, &params).await {
+        let mut query = std::pin::pin!(client.query(&statement, &params));
+        let result = match futures::FutureExt::now_or_never(query.as_mut()) {
+            // Handed to a connection whose task had ended (its backend terminated while it
+            // sat in the pool): nothing was sent, and the command can run on another.
+            Some(Err(e)) if e.is_closed() => return Some(Err((e.into(), false))),
+            Some(result) => result,
+            None => query.await,
+        };
+        Some(match result {
             Ok(rows) => match rows.first() {
                 Some(r) => (|| {
                     let id: i64 = r.try_get(0)?;
@@ -359,6 +371,14 @@ impl Database {
             .collect()
     }
 
+    /// Closes the pool's idle connections (PostgreSQL): after one was found lost, the
+    /// others most likely are too.
+    pub(crate) fn drop_idle_connections(&self) {
+        if let Engine::Postgres(pg) = &*self.inner {
+            pg.pool.retain(|_, _| false);
+        }
+    }
+
     /// Runs the handlers of `jobs` one after the other in one transaction, appends their
     /// operations in the same transaction, then commits: the commands of a batch commit
     /// together or not at all. On PostgreSQL, `BEGIN` goes out with the first handler's
@@ -387,6 +407,7 @@ impl Database {
                             deferred: Vec::new(),
                             queued: Vec::new(),
                             unsent: None,
+                            dead: false,
                             caller: None,
                         };
                         let row = run_handler(job.execute(&mut tx)).await?;
@@ -443,6 +464,7 @@ impl Database {
                     deferred: Vec::new(),
                     queued: Vec::new(),
                     unsent: None,
+                    dead: false,
                     caller: None,
                 };
                 let before_commit = async {
@@ -499,6 +521,7 @@ impl Database {
                     rows_append = Err(e.into());
                 }
                 let begin = tx.begin.take().expect("BEGIN is made above");
+                let dead = tx.dead;
                 let deferred = std::mem::take(&mut tx.deferred);
                 let begun = answer(begin);
                 let (rows, append) = match rows_append {
@@ -547,11 +570,15 @@ impl Database {
                 if let Err(e) = begun {
                     // Only a broken connection fails `BEGIN` (a pooled one is never inside
                     // a transaction), and the statements behind it then fail too; should
-                    // they have run anyway, each on its own, the outcome is unknown.
+                    // they have run anyway, each on its own, the outcome is unknown. But
+                    // a server that answered `BEGIN` by ending the session (a backend
+                    // terminated while the connection sat in the pool) ran nothing after.
                     if committed.is_ok() {
                         guard.open = false;
                     }
-                    return Err((e.into(), true));
+                    let e = CommandError::from(e);
+                    let ran_nothing = (e.is_connection_lost() && committed.is_err()) || dead;
+                    return Err((e, !ran_nothing));
                 }
                 // The operations' INSERT decides: a deferred statement that failed made it fail
                 // too (unless the handler recovered with a savepoint, and then the
@@ -945,6 +972,9 @@ pub struct Tx<'a> {
     queued: Vec<Queued>,
     /// A deferred statement that failed as it was sent: the commit rolls back with it.
     unsent: Option<tokio_postgres::Error>,
+    /// `BEGIN` failed as it was handed to the connection's task, which had ended: nothing
+    /// went to the server on this connection, then or after.
+    dead: bool,
     /// Who sent the command whose handler runs now (set per command of a batch).
     pub(crate) caller: Option<coherent_rpc::Identity>,
 }
@@ -1043,8 +1073,15 @@ impl<'a> Tx<'a> {
         let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
         if let Some(begin) = &mut self.begin {
             // tokio-postgres writes a request to the connection when its future is first
-            // polled: this poll sends it. It is answered at the commit.
-            let _ = std::pin::Pin::new(begin).poll(&mut cx);
+            // polled: this poll sends it. It is answered at the commit. A connection whose
+            // task already ended (its backend terminated while it sat in the pool, the
+            // server's goodbye read after the pool checked it) fails it right here.
+            let mut begin = std::pin::Pin::new(begin);
+            if begin.as_mut().poll(&mut cx).is_ready() {
+                if let Some(Err(e)) = begin.output_mut() {
+                    self.dead = e.is_closed();
+                }
+            }
         }
         let TxInner::Postgres(client) = self.inner else {
             return;

@@ -535,3 +535,61 @@ async fn a_host_fences_while_its_notifier_is_down_and_rejoins() {
     assert_eq!(value_b.state(), coherent::ConsistencyState::Invalidated);
     assert_eq!(items_b.value(1).await, Ok(3));
 }
+
+/// Hole 6: a database blip. Every connection of the host's pool is terminated (what a
+/// failover or a restarted pooler does), again and again, between commands: a command that
+/// draws a connection whose backend is gone runs again on another, and its caller hears
+/// nothing of it. (Whether a given round meets a dead connection depends on when the
+/// client reads the server's goodbye; across 30 rounds some do, and `commits_retried`
+/// counts them. Each command must succeed and its write be there.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_commands_survive_terminated_pool_connections() {
+    let Some(url) = crate::support::database_url() else {
+        return;
+    };
+    let name = format!("blip_{}", std::process::id());
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let db = Database::postgres_in_schema(
+        &format!("{url}{sep}application_name={name}"),
+        &crate::support::fresh_schema("blip"),
+    )
+    .await
+    .unwrap();
+    crate::support::create_items(&db, 10).await;
+    let (a, _) = host(&db, |b| b).await;
+    let check = sql(&db).await;
+    for round in 1..=30i64 {
+        // Several connections in the pool, idle.
+        let runs: Vec<_> = (1..=4)
+            .map(|id| {
+                let a = a.clone();
+                tokio::spawn(async move { a.run(SetValue { id, value: -round }).await })
+            })
+            .collect();
+        for run in runs {
+            run.await.unwrap().unwrap();
+        }
+        check
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE application_name = $1",
+                &[&name],
+            )
+            .await
+            .unwrap();
+        a.run(SetValue {
+            id: 1,
+            value: round,
+        })
+        .await
+        .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let value: i64 = check
+            .query_one("SELECT value FROM items WHERE id = 1", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(value, round);
+    }
+    eprintln!("commits retried: {}", a.stats().commits_retried);
+    a.stop().await;
+}
