@@ -133,6 +133,13 @@ impl Timing {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // `RUST_LOG=warn` (say) prints what the servers under test log, on stderr.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     if cli.only.is_some() && !matches!(cli.suite, Suite::Rpc | Suite::Tasks { .. } | Suite::Cluster)
     {
         anyhow::bail!("--only applies to the rpc, tasks and cluster suites");

@@ -304,7 +304,7 @@ fn faults(
         report.note(format!("tasks.faults: {line}"));
     }
     report.note(format!(
-        "tasks.faults: {length:?}; two Coherent backends on PostgreSQL, an HTTP tier on each; {} writers PATCH a task of their own through tier A and read it through tier B once the write returned; {} readers ask both tiers for summaries and the project list; every client connection of the database terminated every 5 s; a 5xx is 'at a kill' when its request was in flight while the termination ran",
+        "tasks.faults: {length:?}; two Coherent backends on PostgreSQL, an HTTP tier on each; {} writers PATCH a task of their own through tier A and read it through tier B once the write returned; {} readers ask both tiers for summaries and the project list; every client connection of the database terminated every 5 s; a 5xx is 'at a kill' when its request was in flight while the termination ran (from the terminating statement's start until every terminated backend had exited)",
         crate::tasks_faults::WRITERS,
         crate::tasks_faults::READERS,
     ));

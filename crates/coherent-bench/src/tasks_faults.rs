@@ -239,7 +239,9 @@ async fn run_in(db: &DbConfig, url: &str, length: Duration) -> anyhow::Result<Ou
         let start = Instant::now();
         killer
             .execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                // With a timeout, each call returns once its backend has exited (or after
+                // 5 s): the kill lasts until the last backend is gone.
+                "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity \
                  WHERE datname = current_database() AND pid <> pg_backend_pid() \
                    AND backend_type = 'client backend'",
                 &[],
