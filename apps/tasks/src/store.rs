@@ -43,9 +43,10 @@ fn connection_lost(e: &tokio_postgres::Error) -> bool {
     }
     if let Some(code) = e.code() {
         let code = code.code();
-        // Class 08, connection exception; 57P01-57P03: admin_shutdown, crash_shutdown,
-        // cannot_connect_now (a terminated backend, a restart, a server starting).
-        return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03");
+        // Class 08, connection exception; 57P01-57P03, 57P05: admin_shutdown,
+        // crash_shutdown, cannot_connect_now, idle_session_timeout (a terminated backend,
+        // a restart, a server starting, an idle connection closed by the server).
+        return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "57P05");
     }
     // No server error: the socket failed (reset, refused, timed out).
     e.as_db_error().is_none()

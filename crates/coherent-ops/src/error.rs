@@ -89,13 +89,13 @@ impl CommandError {
     }
 
     /// Whether PostgreSQL ended the session under the statement (SQLSTATE class 08, a
-    /// connection exception, or 57P01-57P03: a terminated backend, a crash, a server
-    /// starting): the server said so, and ran nothing after it. It says nothing about the
-    /// command.
+    /// connection exception, or 57P01-57P03 and 57P05: a terminated backend, a crash, a
+    /// server starting, an idle session timed out): the server said so, and ran nothing
+    /// after it. It says nothing about the command.
     pub fn is_connection_lost(&self) -> bool {
-        self.code
-            .as_deref()
-            .is_some_and(|c| c.starts_with("08") || matches!(c, "57P01" | "57P02" | "57P03"))
+        self.code.as_deref().is_some_and(|c| {
+            c.starts_with("08") || matches!(c, "57P01" | "57P02" | "57P03" | "57P05")
+        })
     }
 
     /// [`is_connection_lost`](Self::is_connection_lost), or the connection closed with no

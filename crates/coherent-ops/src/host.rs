@@ -260,6 +260,11 @@ pub(crate) struct Notice {
     pub(crate) committed_at: i64,
     /// Absent when the operation is too large for the notifier: read the log.
     pub(crate) op: Option<NoticeOp>,
+    /// Its number among its host's notices (NATS): the host counts it out when it hears it
+    /// back from the server ([`notify::Sends`]). 0: not numbered (another release, or
+    /// PostgreSQL, where the `NOTIFY`'s commit says it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) seq: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -558,12 +563,22 @@ impl HostBuilder {
             acknowledgements: self.acknowledgements,
             lease: match (self.acknowledgements, &notifier) {
                 (None, _) | (_, Notifier::Poll) => None,
-                (Some(deadline), _) => self.lease.unwrap_or(Some(deadline / 2)),
+                (Some(deadline), _) => match self.lease.unwrap_or(Some(deadline / 2)) {
+                    // The deadline must outlast the lease: a host that missed it is past
+                    // its lease by then (the ordering argument, 9).
+                    Some(lease) if lease >= deadline => {
+                        tracing::warn!(?lease, ?deadline,
+                            "a lease as long as the acknowledgement deadline: half the deadline is used");
+                        Some(deadline / 2)
+                    }
+                    lease => lease,
+                },
             },
             lease_until: AtomicU64::new(0),
             beat_ok: AtomicU64::new(0),
             reads_owed: AtomicU64::new(0),
             reads_done: AtomicU64::new(0),
+            ping_pending: AtomicU64::new(0),
             notify_interval: self.notify_interval,
             notify_queue: self.notify_queue,
             outbox: Arc::default(),
@@ -679,6 +694,9 @@ pub(crate) struct Inner {
     /// that began after it is done (`reads_done` counts those covered).
     reads_owed: AtomicU64,
     reads_done: AtomicU64,
+    /// The latest ping (its `sent`) that came back while a read of the log was owed: it
+    /// renews the lease once that read is done.
+    ping_pending: AtomicU64,
     /// The least time between two `NOTIFY` transactions.
     pub(crate) notify_interval: Duration,
     /// How many entries the notifying task's queue holds at most (PostgreSQL).
@@ -1260,7 +1278,9 @@ impl Inner {
         if wait.skipped {
             if let Some(lease) = self.lease {
                 self.counters.lease_waits.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep_until((out_at + lease + LEASE_SLACK).into()).await;
+                if let Some(until) = out_at.checked_add(lease.saturating_add(LEASE_SLACK)) {
+                    tokio::time::sleep_until(until.into()).await;
+                }
             }
         }
     }
@@ -1451,6 +1471,12 @@ impl Inner {
         state.cursor = to;
         drop(state);
         self.reads_done.fetch_max(owed, Ordering::AcqRel);
+        if !self.read_owed() {
+            let sent = self.ping_pending.swap(0, Ordering::AcqRel);
+            if sent != 0 {
+                self.ping_back(sent);
+            }
+        }
         Ok(())
     }
 
@@ -1541,15 +1567,25 @@ impl Inner {
     /// its pings still come back.
     fn renew_lease(&self, until: u64) {
         self.lease_until.fetch_max(until, Ordering::AcqRel);
-        let alive = PEER_ALIVE.min(self.host_expiry) * 3 / 5;
-        let until = until.min(
-            self.beat_ok
-                .load(Ordering::Acquire)
-                .saturating_add(alive.as_nanos() as u64),
-        );
+        let until = until.min(self.beat_until());
         for r in &self.registries {
             r.set_lease(until);
         }
+    }
+
+    /// Until when (on [`lease_clock`]) the last heartbeat that went through lets this host
+    /// answer from its cache: three fifths of the liveness window after it began.
+    fn beat_until(&self) -> u64 {
+        let alive = PEER_ALIVE.min(self.host_expiry) * 3 / 5;
+        self.beat_ok
+            .load(Ordering::Acquire)
+            .saturating_add(alive.as_nanos() as u64)
+    }
+
+    /// Whether the last heartbeat that went through still lets this host answer from its
+    /// cache at `now`.
+    fn beat_fresh(&self, now: u64) -> bool {
+        self.beat_until() > now
     }
 
     /// Whether a read of the log is owed (see `reads_owed`).
@@ -1570,7 +1606,19 @@ impl Inner {
     /// lease it would give ran out means the host was paused or its notifier stalled.
     fn ping_back(&self, sent: u64) {
         let Some(lease) = self.lease else { return };
-        if self.fenced.load(Ordering::Acquire) || self.read_owed() {
+        if self.fenced.load(Ordering::Acquire) {
+            return;
+        }
+        if self.read_owed() {
+            // Renews once the read is done (`round`), from when it was sent.
+            self.ping_pending.fetch_max(sent, Ordering::AcqRel);
+            if !self.read_owed() {
+                // The read ended meanwhile, and may have missed this ping.
+                let sent = self.ping_pending.swap(0, Ordering::AcqRel);
+                if sent != 0 {
+                    self.ping_back(sent);
+                }
+            }
             return;
         }
         let until = sent.saturating_add(lease.as_nanos() as u64);
@@ -1599,10 +1647,16 @@ impl Inner {
         }
         let now = lease_clock();
         let until = self.lease_until.load(Ordering::Acquire);
-        // While a read of the log is owed, pings do not renew the lease: its running out
-        // then says nothing of the notifier.
-        if until != 0 && until < now && !self.read_owed() {
-            self.lease_lost("no ping came back within the lease");
+        if until != 0 && until < now {
+            self.lease_lost(
+                "no ping came back within the lease (or a read of the log owed took longer)",
+            );
+            return;
+        }
+        if !self.beat_fresh(now) {
+            // The others may stop waiting for this host: it must greet them again (the
+            // rejoin waits for a heartbeat to go through first).
+            self.lease_lost("no heartbeat went through for three fifths of the liveness window");
             return;
         }
         self.publisher.lock().send_control(
@@ -1680,6 +1734,13 @@ impl Inner {
         // by when this lease is over unless a ping sent after that notice came back.
         let read_from = lease_clock();
         self.round().await?;
+        if self.lease.is_some() && !self.beat_fresh(lease_clock()) {
+            // Its peers may have stopped waiting for it: fenced until a heartbeat goes
+            // through, then greeted again.
+            tracing::debug!(host = %self.id, "rejoin waits for a heartbeat to go through");
+            self.rejoin.store(true, Ordering::Release);
+            return Ok(());
+        }
         let _fence = self.fence_lock.lock();
         if !self.notifier_down.load(Ordering::Acquire)
             && self.losses.load(Ordering::Acquire) == losses
@@ -1794,6 +1855,7 @@ impl<C: Command> Job for TypedJob<C> {
                         command: job.command_json,
                         output: output_json,
                     }),
+                    seq: 0,
                 });
                 if let Some(wait) = &mut acks {
                     wait.seq = seq;

@@ -56,6 +56,9 @@ pub(crate) struct NatsOutbox {
     queue: tokio::sync::mpsc::Sender<(String, bytes::Bytes, u64)>,
     counts: std::sync::Arc<OutboxCounts>,
     sends: std::sync::Arc<Sends>,
+    /// The longest notice the server takes (its `max_payload`, less room for the rest of
+    /// the message): a longer one goes without its operation.
+    notice_max: usize,
 }
 
 #[cfg(feature = "nats")]
@@ -89,11 +92,12 @@ impl NatsOutbox {
     }
 }
 
-/// Publishes what the host queues, in order, in batches: each batch is published, then
-/// flushed (the server answered a ping sent after it, so every subscriber's queue holds
-/// it), and only then are its notices out ([`Sends`]). A batch whose flush fails is
-/// published again on the reconnected client (the hosts take a notice twice as one).
-/// Ends when the host's publisher is dropped.
+/// Publishes what the host queues, in order, in batches: each batch is published and
+/// flushed, and its notices are out ([`Sends`]) when this host hears the last of them back
+/// from the server (`nats_listen`): the server has then queued it for every subscriber,
+/// before anything it receives later. A batch that fails, or whose last notice does not
+/// come back within [`ECHO_WAIT`], is published again (the hosts take a notice twice as
+/// one). Ends when the host's publisher is dropped.
 #[cfg(feature = "nats")]
 async fn nats_publish(
     client: async_nats::Client,
@@ -102,6 +106,7 @@ async fn nats_publish(
     sends: std::sync::Arc<Sends>,
 ) {
     const BATCH: usize = 256;
+    let _all_out = AllOut(sends.clone());
     let mut batch = Vec::with_capacity(BATCH);
     loop {
         tokio::select! {
@@ -129,6 +134,16 @@ async fn nats_publish(
                     Ok(Err(e)) => Err(e.to_string()),
                     Err(_) => Err("the flush timed out".to_owned()),
                 };
+            }
+            // A flush only empties the client's buffer. The batch is out when the server
+            // has handed its last notice to every subscriber: when this host hears it back.
+            if result.is_ok() && last != 0 {
+                if tokio::time::timeout(ECHO_WAIT, sends.wait_out(last))
+                    .await
+                    .is_err()
+                {
+                    result = Err("its last notice did not come back".to_owned());
+                }
             }
             match result {
                 Ok(()) => break,
@@ -242,6 +257,21 @@ impl Sends {
         let _ = out.wait_for(|&o| o >= seq).await;
     }
 }
+
+/// Counts every notice out when a sending task ends (the host stopped, or the task
+/// panicked): no command waits for notices that will never go.
+struct AllOut(std::sync::Arc<Sends>);
+
+impl Drop for AllOut {
+    fn drop(&mut self) {
+        self.0.out(u64::MAX);
+    }
+}
+
+/// How long a NATS publisher waits to hear a batch's last notice back before it publishes
+/// the batch again.
+#[cfg(feature = "nats")]
+const ECHO_WAIT: Duration = Duration::from_secs(2);
 
 /// How long a host tries to send a batch of notifications before it gives up on them
 /// (the other hosts read the log at their next poll): a command waits this long at most
@@ -483,7 +513,12 @@ impl Publisher {
             #[cfg(feature = "nats")]
             Publisher::Nats(_, subject, queue) => {
                 let seq = queue.sends.next();
-                let payload = serde_json::to_vec(&notice).unwrap_or_default();
+                notice.seq = seq;
+                let mut payload = serde_json::to_vec(&notice).unwrap_or_default();
+                if payload.len() > queue.notice_max {
+                    notice.op = None;
+                    payload = serde_json::to_vec(&notice).unwrap_or_default();
+                }
                 queue.push_notice(subject.clone(), payload, seq, || {
                     notice.op = None;
                     serde_json::to_vec(&notice).unwrap_or_default()
@@ -631,10 +666,15 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                 outgoing,
                 sends.clone(),
             ));
+            let max_payload = match client.server_info().max_payload {
+                0 => 1 << 20,
+                n => n,
+            };
             let outbox = NatsOutbox {
                 queue,
                 counts: inner.outbox.clone(),
-                sends,
+                sends: sends.clone(),
+                notice_max: max_payload.saturating_sub(4096).max(1024),
             };
             *inner.publisher.lock() = Publisher::Nats(client, subject, outbox);
             tokio::spawn(nats_listen(
@@ -642,6 +682,7 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                 inner.stop.subscribe(),
                 subscription,
                 acks,
+                sends,
             ));
         }
     }
@@ -673,7 +714,21 @@ async fn nats_listen(
     mut stop: watch::Receiver<bool>,
     mut subscription: async_nats::Subscriber,
     mut acks: async_nats::Subscriber,
+    sends: std::sync::Arc<Sends>,
 ) {
+    // A notice: another host's is applied; this host's own, come back, is out ([`Sends`]).
+    let take = |inner: &Inner, payload: &[u8]| match serde_json::from_slice::<Notice>(payload) {
+        Ok(notice) => {
+            if notice.host == inner.id {
+                if notice.seq != 0 {
+                    sends.out(notice.seq);
+                }
+            } else {
+                inner.apply_notice(notice);
+            }
+        }
+        Err(e) => inner.bad_notice(&e),
+    };
     loop {
         let message = tokio::select! {
             m = subscription.next() => m,
@@ -692,10 +747,7 @@ async fn nats_listen(
                             while let Some(Some(m)) =
                                 tokio::task::unconstrained(subscription.next()).now_or_never()
                             {
-                                match serde_json::from_slice::<Notice>(&m.payload) {
-                                    Ok(notice) => inner.apply_notice(notice),
-                                    Err(e) => inner.bad_notice(&e),
-                                }
+                                take(&inner, &m.payload);
                             }
                         }
                         inner.ack_received(ack)
@@ -708,10 +760,7 @@ async fn nats_listen(
         };
         let Some(message) = message else { return };
         let Some(inner) = host.upgrade() else { return };
-        match serde_json::from_slice::<Notice>(&message.payload) {
-            Ok(notice) => inner.apply_notice(notice),
-            Err(e) => inner.bad_notice(&e),
-        }
+        take(&inner, &message.payload);
     }
 }
 
@@ -733,6 +782,7 @@ async fn pg_notify_batches(
     sends: std::sync::Arc<Sends>,
 ) {
     const BATCH: usize = 256;
+    let _all_out = AllOut(sends.clone());
     let mut batch = Vec::with_capacity(BATCH);
     let mut last: Option<std::time::Instant> = None;
     loop {
@@ -1075,6 +1125,7 @@ mod tests {
                         command: "x".repeat(len as usize),
                         output: String::new(),
                     }),
+                    seq: 0,
                 };
                 let json = serde_json::to_string(&notice).unwrap();
                 let fits = json.len() <= packer.item_max();

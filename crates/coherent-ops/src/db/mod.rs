@@ -588,11 +588,13 @@ impl Database {
                     Err(e) => {
                         // The first error is the cause (a deferred statement's, before the
                         // INSERT failed for the aborted transaction).
-                        let cause = deferred.into_iter().find_map(Result::err).unwrap_or(e);
-                        // The server refused a statement, or answered the COMMIT (with a
+                        // The server refused the INSERT, or answered the COMMIT (with a
                         // rollback): nothing committed. A connection that failed instead
-                        // may have committed before it did: the outcome is unknown.
-                        let rolled_back = committed.is_ok() || cause.as_db_error().is_some();
+                        // may have committed before it did: the outcome is unknown. (Told
+                        // by the INSERT's own error: a deferred statement's may be one the
+                        // handler recovered from with a savepoint.)
+                        let rolled_back = committed.is_ok() || e.as_db_error().is_some();
+                        let cause = deferred.into_iter().find_map(Result::err).unwrap_or(e);
                         if committed.is_ok() {
                             guard.open = false;
                         }

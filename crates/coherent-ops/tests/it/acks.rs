@@ -236,7 +236,8 @@ async fn postgres_a_notice_held_in_its_queue_is_waited_for() {
 /// connection) while its notifier works: the other hosts stop waiting for it once its row
 /// is older than the liveness window (5 s), so it must stop answering from its cache
 /// before that, though its pings still come back and renew its lease; and answer from it
-/// again once its heartbeats go through.
+/// again once its heartbeats go through and it has greeted the others again (a review
+/// found it served again while A did not yet wait for it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_host_whose_heartbeats_stall_stops_answering_from_its_cache() {
     let Some(db) = postgres_db("acks_beat_stall").await else {
@@ -271,7 +272,17 @@ async fn postgres_a_host_whose_heartbeats_stall_stops_answering_from_its_cache()
     .await;
     assert!(b.notifier_connected());
     tx.rollback().await.unwrap();
-    wait_until(|| !registry.is_fenced()).await;
+    // B answers from its cache again only after it greeted A again: A waits for it by
+    // then (it heard B's hello), not only from its next read of the hosts table.
+    wait_until(|| {
+        let serving = !registry.is_fenced();
+        assert!(
+            !serving || a.stats().peers >= 1,
+            "B answers from its cache while A does not wait for it"
+        );
+        serving
+    })
+    .await;
     a.stop().await;
     b.stop().await;
 }
