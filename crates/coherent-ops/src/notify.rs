@@ -137,13 +137,13 @@ async fn nats_publish(
             }
             // A flush only empties the client's buffer. The batch is out when the server
             // has handed its last notice to every subscriber: when this host hears it back.
-            if result.is_ok() && last != 0 {
-                if tokio::time::timeout(ECHO_WAIT, sends.wait_out(last))
+            if result.is_ok()
+                && last != 0
+                && tokio::time::timeout(ECHO_WAIT, sends.wait_out(last))
                     .await
                     .is_err()
-                {
-                    result = Err("its last notice did not come back".to_owned());
-                }
+            {
+                result = Err("its last notice did not come back".to_owned());
             }
             match result {
                 Ok(()) => break,
