@@ -35,24 +35,6 @@ pub enum StoreError {
 /// died while idle, costs the caller nothing.
 pub const READ_TRIES: u32 = 3;
 
-/// Whether an error of PostgreSQL's client says the connection is gone (or was refused),
-/// rather than anything about the query or the data.
-fn connection_lost(e: &tokio_postgres::Error) -> bool {
-    if e.is_closed() {
-        return true;
-    }
-    if let Some(code) = e.code() {
-        let code = code.code();
-        // Class 08, connection exception; 57P01-57P03, 57P05: admin_shutdown,
-        // crash_shutdown, cannot_connect_now, idle_session_timeout (a terminated backend,
-        // a restart, a server starting, an idle connection closed by the server).
-        return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "57P05");
-    }
-    // No server error: the socket failed (reset, refused, timed out).
-    e.as_db_error().is_none()
-        && std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
-}
-
 /// The most projects a database holds: every page lists them all (`projects()`), and an
 /// answer has a size limit, so their number is bounded where they are made.
 pub const MAX_PROJECTS: i64 = 1_000;
@@ -75,7 +57,7 @@ impl From<tokio_postgres::Error> for StoreError {
         if e.code() == Some(&tokio_postgres::error::SqlState::FOREIGN_KEY_VIOLATION) {
             return Self::Unknown(Invalid::new("project", "no such project"));
         }
-        if connection_lost(&e) {
+        if coherent_ops::connection_lost(&e) {
             return Self::Unavailable(match e.as_db_error() {
                 Some(db) => format!("{} ({})", db.message(), db.code().code()),
                 None => e.to_string(),

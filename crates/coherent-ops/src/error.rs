@@ -93,9 +93,7 @@ impl CommandError {
     /// server starting, an idle session timed out): the server said so, and ran nothing
     /// after it. It says nothing about the command.
     pub fn is_connection_lost(&self) -> bool {
-        self.code.as_deref().is_some_and(|c| {
-            c.starts_with("08") || matches!(c, "57P01" | "57P02" | "57P03" | "57P05")
-        })
+        self.code.as_deref().is_some_and(session_ended)
     }
 
     /// [`is_connection_lost`](Self::is_connection_lost), or the connection closed with no
@@ -137,8 +135,7 @@ impl From<&tokio_postgres::Error> for CommandError {
                 lost: false,
             },
             None => Self {
-                lost: e.is_closed()
-                    || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>()),
+                lost: connection_lost(e),
                 ..Self::new(ErrorKind::Database, format!("postgres: {e}"))
             },
         }
@@ -160,5 +157,27 @@ impl From<coherent_rpc::RpcError> for CommandError {
 impl From<serde_json::Error> for CommandError {
     fn from(e: serde_json::Error) -> Self {
         Self::new(ErrorKind::BadCommand, e.to_string())
+    }
+}
+
+/// Whether an SQLSTATE says the server ended the session: class 08 (a connection
+/// exception), or 57P01-57P03 and 57P05 (a terminated backend, a crash, a server starting,
+/// an idle session timed out).
+fn session_ended(code: &str) -> bool {
+    code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "57P05")
+}
+
+/// Whether an error of PostgreSQL's client says the connection is gone (the server ended
+/// the session, the connection closed, the socket failed) rather than anything about the
+/// statement or the data: what a caller may retry on a fresh connection when the statement
+/// is a read, or when nothing was sent.
+pub fn connection_lost(e: &tokio_postgres::Error) -> bool {
+    match e.code() {
+        Some(code) => session_ended(code.code()),
+        None => {
+            e.is_closed()
+                || (e.as_db_error().is_none()
+                    && std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>()))
+        }
     }
 }

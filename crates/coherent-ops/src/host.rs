@@ -234,7 +234,7 @@ struct AckWait {
     /// The notice's sequence number, and how far the host's notices have gone out: the
     /// deadline counts from when it is out.
     seq: u64,
-    sends: Option<Arc<notify::Sends>>,
+    sends: Arc<notify::Sends>,
     /// Some live host was not waited for (it missed a deadline before): the command
     /// answers no sooner than that host's lease from before the notice ran out.
     skipped: bool,
@@ -598,9 +598,7 @@ impl HostBuilder {
             // its cache (the rejoin handshake lifts the fence).
             inner.fence();
         }
-        let began = lease_clock();
-        inner.db.heartbeat(&id, horizon).await?;
-        inner.beat_ok.fetch_max(began, Ordering::AcqRel);
+        inner.heartbeat(horizon).await?;
         let host = Host { inner };
         notify::start(&host, notifier).await?;
         host.inner.refresh_peers().await?;
@@ -1187,15 +1185,15 @@ impl Inner {
     fn expect_acks(&self, id: i64, publisher: &Publisher) -> Option<AckWait> {
         self.acknowledgements?;
         let sends = publisher.sends()?.clone();
-        let (pending, skipped) = {
-            let peers = self.peers.lock();
-            let pending: HashSet<String> = peers
-                .iter()
-                .filter(|(_, p)| !p.suspect)
-                .map(|(host, _)| host.clone())
-                .collect();
-            (pending, peers.values().any(|p| p.suspect))
-        };
+        let mut pending = HashSet::new();
+        let mut skipped = false;
+        for (host, peer) in self.peers.lock().iter() {
+            if peer.suspect {
+                skipped = true;
+            } else {
+                pending.insert(host.clone());
+            }
+        }
         if pending.is_empty() && !skipped {
             return None;
         }
@@ -1217,7 +1215,7 @@ impl Inner {
             done: rx,
             waiting: Arc::downgrade(&self.waiting),
             seq: 0,
-            sends: Some(sends),
+            sends,
             skipped,
             waits,
         })
@@ -1237,23 +1235,22 @@ impl Inner {
         // However this ends (the caller may drop `run`'s future), `wait` drops, and with
         // it the entry.
         let waits = wait.waits;
-        if let Some(sends) = wait.sends.clone() {
-            let out = async {
-                let sent = tokio::time::timeout(notify::SEND_GIVE_UP, sends.wait_out(wait.seq));
-                if sent.await.is_err() {
-                    tracing::warn!(host = %self.id, op = wait.id,
-                        "a notice did not go out in time: the other hosts read it from the log");
-                }
-            };
-            if waits && !wait.skipped {
-                // Every host waited for may answer first (having read the log).
-                tokio::select! {
-                    _ = &mut wait.done => return,
-                    () = out => {}
-                }
-            } else {
-                out.await;
+        let sends = wait.sends.clone();
+        let out = async {
+            let sent = tokio::time::timeout(notify::SEND_GIVE_UP, sends.wait_out(wait.seq));
+            if sent.await.is_err() {
+                tracing::warn!(host = %self.id, op = wait.id,
+                    "a notice did not go out in time: the other hosts read it from the log");
             }
+        };
+        if waits && !wait.skipped {
+            // Every host waited for may answer first (having read the log).
+            tokio::select! {
+                _ = &mut wait.done => return,
+                () = out => {}
+            }
+        } else {
+            out.await;
         }
         let out_at = Instant::now();
         if waits {
@@ -1471,12 +1468,7 @@ impl Inner {
         state.cursor = to;
         drop(state);
         self.reads_done.fetch_max(owed, Ordering::AcqRel);
-        if !self.read_owed() {
-            let sent = self.ping_pending.swap(0, Ordering::AcqRel);
-            if sent != 0 {
-                self.ping_back(sent);
-            }
-        }
+        self.ping_back_pending();
         Ok(())
     }
 
@@ -1612,13 +1604,8 @@ impl Inner {
         if self.read_owed() {
             // Renews once the read is done (`round`), from when it was sent.
             self.ping_pending.fetch_max(sent, Ordering::AcqRel);
-            if !self.read_owed() {
-                // The read ended meanwhile, and may have missed this ping.
-                let sent = self.ping_pending.swap(0, Ordering::AcqRel);
-                if sent != 0 {
-                    self.ping_back(sent);
-                }
-            }
+            // The read may have ended meanwhile, and missed this ping.
+            self.ping_back_pending();
             return;
         }
         let until = sent.saturating_add(lease.as_nanos() as u64);
@@ -1626,6 +1613,25 @@ impl Inner {
             self.renew_lease(until);
         } else {
             self.lease_lost("a ping came back after its lease ran out");
+        }
+    }
+
+    /// Writes this host's row (alive, and its horizon), and notes when it began for the
+    /// lease ([`Inner::beat_until`]).
+    async fn heartbeat(&self, horizon: u64) -> Result<(), CommandError> {
+        let began = lease_clock();
+        self.db.heartbeat(&self.id, horizon).await?;
+        self.beat_ok.fetch_max(began, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Takes the ping held while a read of the log was owed, once none is owed.
+    fn ping_back_pending(&self) {
+        if !self.read_owed() {
+            let sent = self.ping_pending.swap(0, Ordering::AcqRel);
+            if sent != 0 {
+                self.ping_back(sent);
+            }
         }
     }
 
@@ -2114,12 +2120,8 @@ async fn heartbeat_loop(host: Weak<Inner>, mut stop: watch::Receiver<bool>) {
                 return;
             }
             let horizon = inner.state.lock().cursor.horizon;
-            let began = lease_clock();
-            match inner.db.heartbeat(&inner.id, horizon).await {
-                Ok(()) => {
-                    inner.beat_ok.fetch_max(began, Ordering::AcqRel);
-                }
-                Err(e) => tracing::warn!(host = %inner.id, %e, "heartbeat failed"),
+            if let Err(e) = inner.heartbeat(horizon).await {
+                tracing::warn!(host = %inner.id, %e, "heartbeat failed");
             }
         }
         if let Err(e) = inner.refresh_peers().await {

@@ -48,7 +48,7 @@ mod rpc;
 
 pub use command::{Command, Handler};
 pub use db::{Database, DeferredParam, Tx};
-pub use error::{CommandError, ErrorKind};
+pub use error::{connection_lost, CommandError, ErrorKind};
 pub use host::{Applied, Host, HostBuilder, HostStats, Via};
 pub use notify::Notifier;
 pub use rpc::{authenticated_or_trusted, CommandClient, Commands, CommandsServer, Guarded};
