@@ -12,7 +12,7 @@ use crate::node::{
     self, AnyComputed, CallbackKey, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT,
 };
 use crate::options::{ComputeOptions, OutputKind};
-use crate::sync::Arc;
+use crate::sync::{Arc, Weak};
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -90,22 +90,38 @@ impl<T: Clone + Send + Sync + 'static> ComputedInner<T> {
         }
     }
 
+    /// Schedules the expiry of a result with a time-to-live: a timer task on the current
+    /// runtime, which an earlier invalidation cancels (so that a computed invalidated sooner
+    /// leaves no task sleeping out its TTL). The computed is invalidated however the timer
+    /// ends: it fires, or its runtime shuts down first (nothing would expire it after that,
+    /// and an early invalidation is always safe).
     fn invalidate_after(self: &Arc<Self>, delay: Duration) {
-        let weak = Arc::downgrade(self);
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    tokio::time::sleep(delay).await;
-                    if let Some(this) = weak.upgrade() {
-                        node::invalidate(&*this);
-                    }
-                });
-            }
-            Err(_) => tracing::warn!(
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
                 target: "coherent::compute",
                 method = self.node.name(),
                 "no Tokio runtime: the result's time-to-live is not enforced"
-            ),
+            );
+            return;
+        };
+        let expiry = ExpireOnDrop(Arc::downgrade(self) as Weak<dyn AnyComputed>);
+        let timer = runtime.spawn(async move {
+            let _expiry = expiry;
+            tokio::time::sleep(delay).await;
+        });
+        let timer = timer.abort_handle();
+        self.node.add_callback(Box::new(move || timer.abort()));
+    }
+}
+
+/// Invalidates its computed when dropped: when the time-to-live timer that owns it fires, is
+/// cancelled, or is dropped by a runtime shutting down.
+struct ExpireOnDrop(Weak<dyn AnyComputed>);
+
+impl Drop for ExpireOnDrop {
+    fn drop(&mut self) {
+        if let Some(computed) = self.0.upgrade() {
+            node::invalidate(&*computed);
         }
     }
 }
@@ -201,7 +217,9 @@ impl<T: Clone + Send + Sync + 'static> Computed<T> {
     }
 
     /// Invalidates this computed and, transitively, everything that depends on it. Returns
-    /// `false` if it was invalidated already.
+    /// `false` if it was invalidated already. Either way, when it returns, everything that
+    /// depends on it is invalidated, even if another thread's invalidation of it is still
+    /// under way (this call then finishes that cascade's walk itself).
     pub fn invalidate(&self) -> bool {
         node::invalidate(&*self.inner)
     }
@@ -216,7 +234,8 @@ impl<T: Clone + Send + Sync + 'static> Computed<T> {
 
     /// Runs `callback` once when this computed is invalidated (at once if it already is). The
     /// callback runs on the invalidating thread, inside the cascade: keep it short and
-    /// non-blocking. It is kept until then; to take it back earlier, register it with
+    /// non-blocking. If it panics, the cascade goes on and the panic reaches the invalidating
+    /// caller when the cascade is done. It is kept until then; to take it back earlier, register it with
     /// [`add_invalidation_callback`](Self::add_invalidation_callback).
     pub fn on_invalidated(&self, callback: impl FnOnce() + Send + 'static) {
         self.add_invalidation_callback(callback);

@@ -5,10 +5,22 @@
 //! States: `COMPUTING` → `CONSISTENT` → `INVALIDATED`, with a detour for the race rule: a
 //! computed invalidated while its body still runs becomes `COMPUTING_INVALIDATED`, and is born
 //! `INVALIDATED` when the body completes. Every transition into an invalidated state is a
-//! compare-and-swap, so the cascade runs exactly once per computed.
+//! compare-and-swap, so each computed is invalidated, and its callbacks run, exactly once.
+//!
+//! The cascade is complete when any invalidating call returns, not only the one that won a
+//! computed's compare-and-swap: a caller that finds a computed invalidated but not yet
+//! *settled* (its cascade may still be running on another thread) walks its dependants itself
+//! rather than wait for that thread (waiting could deadlock: a callback may invalidate again,
+//! and two cascades may each hold what the other reaches). A computed's dependant list is
+//! frozen once it is invalidated (`add_dependant` refuses), so a walk that has reached every
+//! computed its walked computeds list has invalidated the closure of each, and settles them:
+//! later callers stop there, and the lists are released.
 
 use crate::metrics::Counters;
-use crate::sync::{Arc, AtomicU32, AtomicU8, Mutex, Ordering, Weak};
+use std::collections::HashSet;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+
+use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU8, Mutex, Ordering, Weak};
 
 pub(crate) const COMPUTING: u8 = 0;
 pub(crate) const COMPUTING_INVALIDATED: u8 = 1;
@@ -43,6 +55,10 @@ fn next_callback_key() -> CallbackKey {
 #[repr(C)]
 pub(crate) struct Node {
     state: AtomicU8,
+    /// Invalidated, and every computed that depends on it, transitively, is invalidated too
+    /// (see [`invalidate`]). Written under the edge lock; read without it by callers that
+    /// may stop their walk here. It fills padding: `Node` keeps its size.
+    settled: AtomicBool,
     /// Coarse clock tick of the last use, written only when the tick changes.
     last_used: AtomicU32,
     version: u64,
@@ -72,10 +88,21 @@ struct Edges {
     callbacks: Vec<(CallbackKey, Option<InvalidationCallback>)>,
 }
 
+impl Edges {
+    /// Queues the live dependants (kept: another caller may need to walk them until the node
+    /// settles). `true` when there is none.
+    fn queue_dependants(&self, pending: &mut Vec<Arc<dyn AnyComputed>>) -> bool {
+        let before = pending.len();
+        pending.extend(self.dependants.iter().filter_map(Weak::upgrade));
+        pending.len() == before
+    }
+}
+
 impl Node {
     pub(crate) fn new(name: &'static str, version: u64, counters: Arc<Counters>, now: u32) -> Self {
         Self {
             state: AtomicU8::new(COMPUTING),
+            settled: AtomicBool::new(false),
             last_used: AtomicU32::new(now),
             version,
             name,
@@ -174,9 +201,18 @@ impl Node {
         }
     }
 
-    /// The second half of an invalidation: detach the edges under the lock, then notify outside it.
-    fn finish_invalidation(&self, pending: &mut Vec<Arc<dyn AnyComputed>>) {
-        let (dependants, callbacks, dependencies) = {
+    /// The second half of an invalidation won by this caller: take the callbacks (and the
+    /// dependencies, unless the body still runs) under the lock, queue the dependants for the
+    /// walk, then wake waiters and run the callbacks outside the lock. A callback that panics
+    /// does not stop the cascade: its panic is kept for the caller (the first one), and
+    /// raised when the walk is done. Returns `true` if the node settled at once (no
+    /// dependants: nothing left to walk).
+    fn finish_invalidation(
+        &self,
+        pending: &mut Vec<Arc<dyn AnyComputed>>,
+        panic: &mut Option<Box<dyn std::any::Any + Send>>,
+    ) -> bool {
+        let (callbacks, dependencies, settled) = {
             let mut edges = self.edges.lock();
             let dependencies = if self.state.load(Ordering::Acquire) == INVALIDATED {
                 std::mem::take(&mut edges.dependencies)
@@ -184,23 +220,60 @@ impl Node {
                 // The body still runs and may add more; `complete` releases them.
                 Vec::new()
             };
-            edges.compacted_len = 0;
-            (
-                std::mem::take(&mut edges.dependants),
-                std::mem::take(&mut edges.callbacks),
-                dependencies,
-            )
+            let settled = edges.queue_dependants(pending);
+            if settled {
+                self.settled.store(true, Ordering::Release);
+            }
+            (std::mem::take(&mut edges.callbacks), dependencies, settled)
         };
         self.counters.record_invalidation();
         tracing::debug!(target: "coherent::invalidate", method = self.name, version = self.version, "invalidated");
         self.wake();
         for (_, callback) in callbacks {
             if let Some(callback) = callback {
-                callback();
+                if let Err(payload) = catch_unwind(AssertUnwindSafe(callback)) {
+                    panic.get_or_insert(payload);
+                }
             }
         }
-        pending.extend(dependants.iter().filter_map(Weak::upgrade));
         drop(dependencies);
+        settled
+    }
+
+    /// Queues the dependants of a node another caller invalidated and may still be walking:
+    /// this caller walks them too. Nothing if it has settled meanwhile.
+    fn help_invalidation(&self, pending: &mut Vec<Arc<dyn AnyComputed>>) {
+        let edges = self.edges.lock();
+        if !self.is_settled() {
+            edges.queue_dependants(pending);
+        }
+    }
+
+    /// Marks an invalidated node whose closure is invalidated as settled, and releases its
+    /// dependant list: no walk needs it any more.
+    fn settle(&self) {
+        let dependants = {
+            let mut edges = self.edges.lock();
+            self.settled.store(true, Ordering::Release);
+            edges.compacted_len = 0;
+            std::mem::take(&mut edges.dependants)
+        };
+        drop(dependants);
+    }
+
+    /// Invalidated, with its whole cascade done.
+    #[inline]
+    pub(crate) fn is_settled(&self) -> bool {
+        self.settled.load(Ordering::Acquire)
+    }
+
+    /// Makes `previous`, the version of the same key or state this node replaces, a dependant
+    /// of this one until `previous` settles: an invalidation of this version that returns
+    /// while the cascade of `previous` still runs on another thread would leave what was
+    /// computed from `previous` consistent after the later write returned. The invalidation
+    /// of this one then walks `previous` too (a settled one stops the walk at once).
+    pub(crate) fn inherit(&self, previous: Weak<dyn AnyComputed>) {
+        self.edges.lock().dependants.push(previous);
     }
 
     /// Records `dependant` as a user of this node. Returns `false` when this node is already
@@ -215,11 +288,11 @@ impl Node {
         edges.dependants.push(dependant);
         let len = edges.dependants.len();
         if len >= 16 && len >= 2 * edges.compacted_len {
-            // Dependants that were dropped or already invalidated need no notification; without
+            // Dependants that were dropped or already settled need no notification; without
             // this, a long-lived input read by churning dependants would grow without bound.
             edges
                 .dependants
-                .retain(|w| w.upgrade().is_some_and(|d| d.node().state() != INVALIDATED));
+                .retain(|w| w.upgrade().is_some_and(|d| !d.node().is_settled()));
             edges.compacted_len = edges.dependants.len();
         }
         true
@@ -328,18 +401,79 @@ impl Node {
 
 /// Invalidates `start` and, transitively, everything that depends on it. Iterative, so that a
 /// long chain of dependants cannot overflow the stack. Returns `false` if it was already invalid.
+///
+/// When it returns, every computed that depends on `start` is invalidated, whether this call
+/// invalidated `start` or found it invalidated by another whose cascade still runs: it then
+/// walks what is not settled itself (see the module's documentation). Callbacks run once, on
+/// the thread that invalidated their computed: a callback of a computed another thread
+/// invalidated may still be running when this returns.
 pub(crate) fn invalidate(start: &dyn AnyComputed) -> bool {
-    if !start.node().begin_invalidation() {
+    let node = start.node();
+    let won = node.begin_invalidation();
+    if !won && node.is_settled() {
         return false;
     }
     let mut pending = Vec::new();
-    start.node().finish_invalidation(&mut pending);
-    while let Some(next) = pending.pop() {
-        if next.node().begin_invalidation() {
-            next.node().finish_invalidation(&mut pending);
+    let mut panic = None;
+    let settled = if won {
+        node.finish_invalidation(&mut pending, &mut panic)
+    } else {
+        node.help_invalidation(&mut pending);
+        false
+    };
+    if !settled {
+        let walked = walk(start, pending, &mut panic);
+        node.settle();
+        for next in walked {
+            next.node().settle();
         }
     }
-    true
+    if let Some(payload) = panic {
+        resume_unwind(payload);
+    }
+    won
+}
+
+/// Invalidates what `pending` reaches, returning the nodes it walked (each still to settle).
+/// A node invalidated by another caller and not settled is walked too; the set of walked
+/// addresses, needed only then (or when this walk meets itself again through a diamond), is
+/// built on first need.
+fn walk(
+    start: &dyn AnyComputed,
+    mut pending: Vec<Arc<dyn AnyComputed>>,
+    panic: &mut Option<Box<dyn std::any::Any + Send>>,
+) -> Vec<Arc<dyn AnyComputed>> {
+    fn address(c: &dyn AnyComputed) -> usize {
+        c as *const dyn AnyComputed as *const () as usize
+    }
+    let mut walked: Vec<Arc<dyn AnyComputed>> = Vec::new();
+    let mut seen: Option<HashSet<usize>> = None;
+    while let Some(next) = pending.pop() {
+        let node = next.node();
+        if node.begin_invalidation() {
+            if let Some(seen) = &mut seen {
+                seen.insert(address(&*next));
+            }
+            if node.finish_invalidation(&mut pending, panic) {
+                continue;
+            }
+        } else {
+            if node.is_settled() {
+                continue;
+            }
+            let seen = seen.get_or_insert_with(|| {
+                std::iter::once(address(start))
+                    .chain(walked.iter().map(|c| address(&**c)))
+                    .collect()
+            });
+            if !seen.insert(address(&*next)) {
+                continue;
+            }
+            node.help_invalidation(&mut pending);
+        }
+        walked.push(next);
+    }
+    walked
 }
 
 /// Records that `dependant` (a computed whose body is running) used `dependency`.
@@ -438,6 +572,66 @@ mod loom_tests {
             );
             assert_eq!(top.node().state(), INVALIDATED);
             assert_eq!(calls.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    /// `dependant` computed from `dependency`, both consistent.
+    fn consistent_pair() -> (Arc<dyn AnyComputed>, Arc<dyn AnyComputed>) {
+        let dependency = consistent("dependency");
+        let dependant = computing("dependant");
+        record_use(&dependant, dependency.clone());
+        assert_eq!(dependant.node().complete(), CONSISTENT);
+        (dependency, dependant)
+    }
+
+    #[test]
+    fn a_caller_that_loses_the_race_returns_only_after_the_cascade() {
+        loom::model(|| {
+            let (dependency, dependant) = consistent_pair();
+            let other = {
+                let (dependency, dependant) = (dependency.clone(), dependant.clone());
+                thread::spawn(move || {
+                    invalidate(&*dependency);
+                    assert_eq!(dependant.node().state(), INVALIDATED);
+                })
+            };
+            invalidate(&*dependency);
+            assert_eq!(dependant.node().state(), INVALIDATED);
+            other.join().unwrap();
+            assert!(dependency.node().is_settled() && dependant.node().is_settled());
+        });
+    }
+
+    #[test]
+    fn a_chain_is_invalidated_to_its_end_before_either_racing_caller_returns() {
+        loom::model(|| {
+            let (dependency, middle) = consistent_pair();
+            let top = computing("top");
+            record_use(&top, middle.clone());
+            assert_eq!(top.node().complete(), CONSISTENT);
+            let other = {
+                let (dependency, top) = (dependency.clone(), top.clone());
+                thread::spawn(move || {
+                    invalidate(&*dependency);
+                    assert_eq!(top.node().state(), INVALIDATED);
+                })
+            };
+            invalidate(&*middle);
+            assert_eq!(top.node().state(), INVALIDATED);
+            other.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn invalidating_a_new_version_walks_the_previous_one_until_it_settles() {
+        loom::model(|| {
+            let (previous, dependant) = consistent_pair();
+            let next = consistent("next");
+            next.node().inherit(Arc::downgrade(&previous));
+            let other = thread::spawn(move || invalidate(&*previous));
+            invalidate(&*next);
+            assert_eq!(dependant.node().state(), INVALIDATED);
+            other.join().unwrap();
         });
     }
 

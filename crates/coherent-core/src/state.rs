@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 use crate::clock;
 use crate::computed::{BoxFuture, Computed, ComputedInner, Recompute};
-use crate::node::{self, Node};
+use crate::node::{self, AnyComputed, Node};
 use crate::options::{ComputeOptions, OutputKind};
 use crate::registry::{next_version, Registry};
 use crate::sync::{Arc, Weak};
@@ -122,6 +122,10 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
                 inner.input.clone(),
                 value,
             );
+            // Until the previous version settles, invalidating this one walks it too: a
+            // later update must not return while this one's cascade still runs.
+            let weak: Weak<dyn AnyComputed> = Arc::downgrade(&*current) as _;
+            next.node.inherit(weak);
             std::mem::replace(&mut *current, next)
         };
         node::invalidate(&*previous);

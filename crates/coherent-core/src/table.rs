@@ -12,7 +12,9 @@ use hashbrown::HashTable;
 
 use crate::clock;
 use crate::computed::{Computed, ComputedInner, Recompute};
-use crate::node::{self, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVALIDATED};
+use crate::node::{
+    self, AnyComputed, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVALIDATED,
+};
 use crate::options::OutputKind;
 use crate::registry::{next_version, Prunable, Registry};
 use crate::service::MethodDescriptor;
@@ -176,6 +178,12 @@ where
                         COMPUTING | COMPUTING_INVALIDATED => Found::Wait(entry.computed.clone()),
                         _ => {
                             let computed = new_computed();
+                            if !entry.computed.node.is_settled() {
+                                // Its cascade may still run on another thread: an
+                                // invalidation of the new version must not return first.
+                                let previous: Arc<dyn AnyComputed> = entry.computed.clone();
+                                computed.node.inherit(Arc::downgrade(&previous));
+                            }
                             entry.computed = computed.clone();
                             Found::Own(computed)
                         }
@@ -291,7 +299,9 @@ where
     fn prune_expired(&self, now: u32) -> usize {
         let keep_alive = self.keep_alive_ticks;
         self.remove_where(|e| {
-            e.computed.node.state() == INVALIDATED
+            // An invalidated entry whose cascade still runs stays: a new version of its key
+            // must inherit it (see `resolve`).
+            (e.computed.node.state() == INVALIDATED && e.computed.node.is_settled())
                 || (Self::is_evictable(e)
                     && now.saturating_sub(e.computed.node.last_used()) >= keep_alive)
         })

@@ -2,6 +2,7 @@
 //! module per concern; the names of the tests say what they prove.
 
 mod alloc;
+mod cascade;
 mod churn;
 mod graph;
 mod handles;
