@@ -130,12 +130,18 @@ impl ReplicaSink for Sink {
 /// hits, and the server's invalidation reaches it (and whatever depends on it) as soon as
 /// the server's result changes. [`call`](Self::call) is a plain round trip.
 ///
-/// The client reconnects after a disconnect (with the builder's backoff; to another host,
-/// if it was given several: [`connect_tcp_any`](Self::connect_tcp_any)) and then
-/// revalidates every replica it holds: it sends the hash of each value, the server answers
-/// which ones changed meanwhile, and those are invalidated. Until then the replicas answer
-/// with the values they have. When reconnecting fails for good, or after
-/// [`close`](Self::close), every replica is invalidated: nothing stale is served after that.
+/// A disconnect invalidates every replica as soon as the client knows of it, so that reads
+/// made while it is away go to the server (they wait for the reconnection, or fail with its
+/// error): the server has stopped waiting for this client, so a write may return meanwhile.
+/// A connection that dies without a word is found by liveness pings
+/// ([`RemoteClientBuilder::liveness`], 2 s), before the server's delivery timeout (5 s).
+/// The client reconnects (with the builder's backoff; to another host, if it was given
+/// several: [`connect_tcp_any`](Self::connect_tcp_any)). With
+/// [`keep_replicas_through_disconnects`](RemoteClientBuilder::keep_replicas_through_disconnects)
+/// it keeps them instead, answering from them while away, and revalidates them after the
+/// reconnect: it sends the hash of each value, the server answers which ones changed
+/// meanwhile, and those are invalidated. When reconnecting fails for good, or after
+/// [`close`](Self::close), every replica is invalidated either way.
 #[derive(Clone)]
 pub struct RemoteClient {
     inner: Arc<Inner>,
@@ -149,6 +155,7 @@ struct Inner {
     tokens: Tokens,
     next_replica: AtomicU64,
     closed: AtomicBool,
+    policy: Policy,
     /// Bumped after each reconnect's revalidation.
     revalidated: watch::Sender<u64>,
     /// The keys the file held when the client started, until each is first read: the
@@ -157,14 +164,36 @@ struct Inner {
     from_disk: Mutex<std::collections::HashSet<(u32, Blob)>>,
 }
 
+/// How long a client goes without an answer from its server (default of
+/// [`RemoteClientBuilder::liveness`]) before it takes the connection for dead: closes it,
+/// invalidates its replicas and reconnects. Well below the server's
+/// [`DELIVERY_TIMEOUT`](crate::DELIVERY_TIMEOUT) (5 s), after which a write stops waiting
+/// for a client that does not answer its push.
+pub const LIVENESS: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Options of a [`RemoteClient`] connection.
-#[derive(Default)]
 pub struct RemoteClientBuilder {
     config: Config,
     registry: Option<Registry>,
     backoff: Option<Backoff>,
+    liveness: Option<std::time::Duration>,
+    keep_through_disconnects: bool,
     #[cfg(feature = "persistent")]
     persist_to: Option<std::path::PathBuf>,
+}
+
+impl Default for RemoteClientBuilder {
+    fn default() -> Self {
+        Self {
+            config: Config::default(),
+            registry: None,
+            backoff: None,
+            liveness: Some(LIVENESS),
+            keep_through_disconnects: false,
+            #[cfg(feature = "persistent")]
+            persist_to: None,
+        }
+    }
 }
 
 impl RemoteClientBuilder {
@@ -184,6 +213,30 @@ impl RemoteClientBuilder {
     /// How reconnection attempts are spaced (`Backoff::default()` if not set).
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = Some(backoff);
+        self
+    }
+
+    /// How long the client waits for its server's answer to a liveness ping before it takes
+    /// the connection for dead (default [`LIVENESS`], 2 s; `None`: never). It pings every quarter of it. A connection can die without a word
+    /// (a half-open TCP connection: a NAT or a firewall forgot it, a host vanished): the
+    /// server then stops waiting for this client's acknowledgements after its delivery
+    /// timeout (5 s by default), and a write returns; this client must have stopped
+    /// answering from its replicas by then. Keep it below the server's delivery timeout,
+    /// with a second or more to spare for scheduling.
+    pub fn liveness(mut self, timeout: Option<std::time::Duration>) -> Self {
+        self.liveness = timeout.map(|t| t.max(std::time::Duration::from_millis(4)));
+        self
+    }
+
+    /// Keeps the replicas through a disconnect, answering from them until the reconnect's
+    /// revalidation invalidates those that changed (default: `false`, every replica is
+    /// invalidated as soon as the client knows it is disconnected, so that reads go to the
+    /// server). With `true`, a read made while disconnected may return a value that a
+    /// write which has already returned changed; it trades that for answers while the
+    /// server is away. A client whose connection cannot be made again invalidates them
+    /// anyway.
+    pub fn keep_replicas_through_disconnects(mut self, keep: bool) -> Self {
+        self.keep_through_disconnects = keep;
         self
     }
 
@@ -263,6 +316,10 @@ impl RemoteClientBuilder {
         Fut: Future<Output = Result<Peer, RpcError>> + Send + 'static,
     {
         let backoff = self.backoff.unwrap_or_default();
+        let policy = Policy {
+            liveness: self.liveness,
+            keep_through_disconnects: self.keep_through_disconnects,
+        };
         #[cfg(feature = "persistent")]
         let disk = match &self.persist_to {
             Some(path) => Some(crate::disk::Disk::open(path)?),
@@ -282,6 +339,7 @@ impl RemoteClientBuilder {
             connection,
             hosts,
             tokens,
+            policy,
             #[cfg(feature = "persistent")]
             from_disk,
         )
@@ -363,6 +421,7 @@ impl RemoteClient {
         connection: Reconnecting,
         hosts: Option<Arc<Hosts>>,
         tokens: Tokens,
+        policy: Policy,
         #[cfg(feature = "persistent")] from_disk: std::collections::HashSet<(u32, Blob)>,
     ) -> Result<Self, RpcError> {
         let first = connection.peer().await?;
@@ -374,6 +433,7 @@ impl RemoteClient {
                 tokens,
                 next_replica: AtomicU64::new(1),
                 closed: AtomicBool::new(false),
+                policy,
                 revalidated: watch::Sender::new(0),
                 #[cfg(feature = "persistent")]
                 from_disk: Mutex::new(from_disk),
@@ -383,6 +443,9 @@ impl RemoteClient {
             Arc::downgrade(&client.inner),
             first.when_closed(),
         ));
+        if let Some(timeout) = policy.liveness {
+            tokio::spawn(watch_liveness(Arc::downgrade(&client.inner), timeout));
+        }
         tokio::spawn(release(
             Arc::downgrade(&client.inner),
             client.inner.tokens.live.clone(),
@@ -608,6 +671,42 @@ impl Drop for Inner {
     }
 }
 
+/// What the client does when its connection dies.
+#[derive(Clone, Copy)]
+struct Policy {
+    liveness: Option<std::time::Duration>,
+    keep_through_disconnects: bool,
+}
+
+/// Pings the server every quarter of `timeout`, and closes a connection whose answer takes
+/// longer than `timeout` (the supervisor then invalidates and reconnects). Holds the
+/// connection only while a ping is out, so that dropping the client still closes it.
+async fn watch_liveness(client: std::sync::Weak<Inner>, timeout: std::time::Duration) {
+    loop {
+        tokio::time::sleep(timeout / 4).await;
+        let Some(inner) = client.upgrade() else {
+            return;
+        };
+        if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(peer) = inner.connection.current() else {
+            continue;
+        };
+        drop(inner);
+        if tokio::time::timeout(timeout, peer.ping()).await.is_err() {
+            tracing::warn!(
+                ?timeout,
+                "no answer from the server to a liveness ping: closing the connection, \
+                 invalidating the replicas, reconnecting"
+            );
+            peer.close_because(format!(
+                "no answer to a liveness ping within {timeout:?}: the server looks gone"
+            ));
+        }
+    }
+}
+
 /// The addresses of a client connected over TCP, and the one it was last connected to.
 struct Hosts {
     addrs: Vec<SocketAddr>,
@@ -692,7 +791,16 @@ async fn supervise(
     let mut closed: std::pin::Pin<Box<dyn Future<Output = RpcError> + Send>> = Box::pin(closed);
     let mut reconnects = 0u64;
     loop {
-        closed.as_mut().await;
+        let why = closed.as_mut().await;
+        match client.upgrade() {
+            // Reads go to the server until it is back: a write may return meanwhile
+            // without waiting for this client (it is gone, as far as the server knows).
+            Some(inner) if !inner.policy.keep_through_disconnects => {
+                invalidate_all(&inner, &format!("disconnected: {why}"));
+            }
+            Some(_) => {}
+            None => return,
+        }
         let next = loop {
             let Some(inner) = client.upgrade() else {
                 return;

@@ -23,8 +23,11 @@
 //! to clients without the SDK: JSON `GET` endpoints with ETags and Server-Sent Events that
 //! report invalidations.
 //!
-//! After a reconnect (or a server restart) the client revalidates every replica it holds by
-//! the hash of its value: unchanged ones stay, changed ones are invalidated.
+//! A client invalidates its replicas as soon as it knows it is disconnected (liveness pings
+//! find a connection that died without a word within 2 s), so that reads go to the server
+//! while it is away. One built with `keep_replicas_through_disconnects` keeps answering from
+//! them instead, and after the reconnect (or a server restart) revalidates every replica it
+//! holds by the hash of its value: unchanged ones stay, changed ones are invalidated.
 //!
 //! With the `persistent` feature, [`RemoteClientBuilder::persist_to`] keeps the last value
 //! of every replica in a SQLite file: a restarted client answers from it at once and has the
@@ -44,7 +47,7 @@ mod gateway;
 mod server;
 mod wire;
 
-pub use client::{RemoteClient, RemoteClientBuilder};
+pub use client::{RemoteClient, RemoteClientBuilder, LIVENESS};
 #[cfg(feature = "http")]
 pub use gateway::{MAX_GATEWAY_ARGS_LEN, MAX_SSE_FEEDS};
 pub use server::{

@@ -121,7 +121,9 @@ async fn failover_to_the_next_host_revalidates_the_replicas_there() {
     let on_b = on_a.sharing_data();
     let mut a = Host::start(&on_a).await;
     let b = Host::start(&on_b).await;
-    let remote = RemoteClient::connect_tcp_any([a.addr, b.addr])
+    let remote = RemoteClient::builder()
+        .keep_replicas_through_disconnects(true)
+        .connect_tcp_any([a.addr, b.addr])
         .await
         .unwrap();
     assert_eq!(remote.connected_to(), Some(a.addr));
@@ -174,7 +176,9 @@ async fn failover_starts_with_the_host_last_connected_to_and_goes_round_the_list
     let a = Host::start(&on_a).await;
     let b = Host::start(&on_b).await;
     let a_addr = a.addr;
-    let remote = RemoteClient::connect_tcp_any([a.addr, b.addr])
+    let remote = RemoteClient::builder()
+        .keep_replicas_through_disconnects(true)
+        .connect_tcp_any([a.addr, b.addr])
         .await
         .unwrap();
     let names = Names::new(remote.clone());

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use coherent::{compute_service, ComputeService, ComputedState, ServiceHandle};
 use coherent_remote::RemoteClient;
-use coherent_rpc::{ErrorCode, RpcError};
+use coherent_rpc::{Endpoint, ErrorCode, RpcError};
 use parking_lot::Mutex;
 
 use crate::support::*;
@@ -185,13 +185,17 @@ struct Switch {
 }
 
 impl Switch {
-    async fn client(addr: SocketAddr) -> (Arc<Switch>, RemoteClient) {
+    /// `keep`: [`keep_replicas_through_disconnects`], to see the revalidation.
+    ///
+    /// [`keep_replicas_through_disconnects`]: coherent_remote::RemoteClientBuilder::keep_replicas_through_disconnects
+    async fn client(addr: SocketAddr, keep: bool) -> (Arc<Switch>, RemoteClient) {
         let switch = Arc::new(Switch {
             addr: Mutex::new(addr),
             gate: tokio::sync::Semaphore::new(1),
         });
         let s = switch.clone();
         let remote = RemoteClient::builder()
+            .keep_replicas_through_disconnects(keep)
             .connect_with(move |endpoint| {
                 let s = s.clone();
                 async move {
@@ -218,7 +222,7 @@ impl Switch {
 #[tokio::test]
 async fn after_a_reconnect_only_the_replicas_that_changed_meanwhile_are_invalidated() {
     let users = Users::new();
-    let (switch, remote) = Switch::client(serve(&users).await).await;
+    let (switch, remote) = Switch::client(serve(&users).await, true).await;
     let view = View::new(remote.clone());
     assert_eq!(view.greeting(1).await, "hello, ann");
     assert_eq!(view.greeting(2).await, "hello, bob");
@@ -252,7 +256,7 @@ async fn after_a_reconnect_only_the_replicas_that_changed_meanwhile_are_invalida
 #[tokio::test]
 async fn a_server_restart_is_survived_and_what_it_answers_differently_is_invalidated() {
     let before = Users::new();
-    let (switch, remote) = Switch::client(serve(&before).await).await;
+    let (switch, remote) = Switch::client(serve(&before).await, true).await;
     let view = View::new(remote.clone());
     assert_eq!(view.greeting(1).await, "hello, ann");
     assert_eq!(view.greeting(2).await, "hello, bob");
@@ -274,6 +278,120 @@ async fn a_server_restart_is_survived_and_what_it_answers_differently_is_invalid
     assert_eq!(view.greeting(2).await, "hello, robert");
     assert_eq!(view.greeting(1).await, "hello, ann");
     assert_eq!(view.take_log(), ["greeting(2)", "name(2)"]);
+}
+
+#[tokio::test]
+async fn a_disconnect_invalidates_the_replicas_at_once_so_that_reads_go_to_the_server() {
+    let users = Users::new();
+    let (switch, remote) = Switch::client(serve(&users).await, false).await;
+    let view = View::new(remote.clone());
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    let greeting = view.greeting_computed(1).await;
+
+    switch.cut(&remote);
+    within(
+        "the invalidation on disconnect",
+        greeting.when_invalidated(),
+    )
+    .await;
+    assert_eq!(remote.replica_count(), 0);
+    // Written while the client is away; the server does not wait for it.
+    users.rename(1, "anna");
+    let read = tokio::spawn({
+        let view = view.clone();
+        async move { view.greeting(1).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!read.is_finished(), "the read waits for the server");
+    switch.open();
+    assert_eq!(within("the read", read).await.unwrap(), "hello, anna");
+}
+
+/// A TCP proxy that can turn the connections it carries into black holes: they stay open
+/// at both ends and carry nothing (a NAT or a firewall that forgot them, a host gone
+/// without a word). Connections made afterwards go through.
+struct Proxy {
+    addr: SocketAddr,
+    holed: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Proxy {
+    async fn to(upstream: SocketAddr) -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let holed = Arc::new(AtomicU64::new(0));
+        let generation = holed.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let born = generation.load(Ordering::SeqCst);
+                let (holed_in, holed_out) = (generation.clone(), generation.clone());
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                let pipe = |mut from: tokio::net::tcp::OwnedReadHalf,
+                            mut to: tokio::net::tcp::OwnedWriteHalf,
+                            holed: Arc<AtomicU64>| async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        match from.read(&mut buf).await {
+                            // Nor does a black hole pass an end on: the other side's
+                            // connection stays open until it gives up on its own.
+                            Ok(0) | Err(_) if holed.load(Ordering::SeqCst) != born => {
+                                return std::future::pending::<()>().await;
+                            }
+                            Ok(0) | Err(_) => return,
+                            Ok(n) if holed.load(Ordering::SeqCst) == born => {
+                                if to.write_all(&buf[..n]).await.is_err() {
+                                    return;
+                                }
+                            }
+                            // A black hole: read and dropped, nothing closed.
+                            Ok(_) => {}
+                        }
+                    }
+                };
+                tokio::spawn(pipe(cr, sw, holed_in));
+                tokio::spawn(pipe(sr, cw, holed_out));
+            }
+        });
+        Self { addr, holed }
+    }
+
+    /// Every connection open now carries nothing from here on.
+    fn black_hole(&self) {
+        self.holed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test]
+async fn a_connection_dead_without_a_word_is_dropped_before_a_write_stops_waiting_for_it() {
+    let users = Users::new();
+    let server = remote_server(&users);
+    let endpoint = Endpoint::builder().service(server.service()).build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    let proxy = Proxy::to(upstream).await;
+    let remote = RemoteClient::connect_tcp(proxy.addr).await.unwrap();
+    let view = View::new(remote.clone());
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    let greeting = view.greeting_computed(1).await;
+
+    proxy.black_hole();
+    users.rename(1, "anna");
+    // The push cannot be answered: the write waits the server's delivery timeout (5 s),
+    // then returns without this client.
+    within("the write's delivery", server.invalidations_delivered()).await;
+    assert!(
+        !greeting.is_consistent(),
+        "the write returned while the client still answered from the old name"
+    );
+    assert_eq!(within("a read", view.greeting(1)).await, "hello, anna");
+    assert!(remote.connections() >= 2, "it reconnected");
 }
 
 #[tokio::test]

@@ -224,6 +224,11 @@ pub(crate) struct Shared {
     queued: AtomicUsize,
     queued_peak: AtomicUsize,
     drained: Notify,
+    /// The last liveness ping sent ([`Peer::ping`]) and the highest one answered: pongs
+    /// come back in order, so each ping waits for the answered number to reach its own.
+    pings_sent: AtomicU64,
+    pings_answered: AtomicU64,
+    pong: Notify,
     /// An accepted connection's place under the endpoint's `max_connections`, given back
     /// when it closes.
     slot: Mutex<Option<Slot>>,
@@ -676,6 +681,45 @@ impl Peer {
             .shutdown(RpcError::disconnected("closed by this side"), true);
     }
 
+    /// Closes the connection, telling the other side (if it still listens) and this side's
+    /// callers `reason`.
+    pub fn close_because(&self, reason: impl Into<String>) {
+        self.shared
+            .shutdown(RpcError::disconnected(reason.into()), true);
+    }
+
+    /// A round trip through the other side's reader: completes when the other side has
+    /// answered a ping sent now. The other side answers in order, after everything it
+    /// received before, and this side processes what it receives in order: so when this
+    /// completes, every frame the other side sent before it read the ping has been read
+    /// here (and a call it made, handled inline, has run). Every version of the protocol
+    /// answers pings. Fails when the connection closes first; it has no deadline of its
+    /// own (wrap it in `tokio::time::timeout`).
+    pub async fn ping(&self) -> Result<(), RpcError> {
+        let s = &*self.shared;
+        let seq = s.pings_sent.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut closed = s.closed.subscribe();
+        let pong = s.pong.notified();
+        let mut pong = std::pin::pin!(pong);
+        pong.as_mut().enable();
+        s.send(Kind::Ping, 0, 0, Bytes::copy_from_slice(&seq.to_le_bytes()))?;
+        loop {
+            if s.pings_answered.load(Ordering::Acquire) >= seq {
+                return Ok(());
+            }
+            if closed.borrow_and_update().is_some() {
+                return Err(s.closed_error());
+            }
+            tokio::select! {
+                _ = pong.as_mut() => {
+                    pong.set(s.pong.notified());
+                    pong.as_mut().enable();
+                }
+                _ = closed.changed() => {}
+            }
+        }
+    }
+
     /// Why the connection closed, or `None` while it is open.
     pub fn close_reason(&self) -> Option<RpcError> {
         self.shared.closed_reason()
@@ -799,6 +843,9 @@ impl Peer {
             queued: AtomicUsize::new(0),
             queued_peak: AtomicUsize::new(0),
             drained: Notify::new(),
+            pings_sent: AtomicU64::new(0),
+            pings_answered: AtomicU64::new(0),
+            pong: Notify::new(),
             slot: Mutex::new(slot),
             counters: Counters::default(),
             stream_batch: AtomicUsize::new(MIN_BATCH),

@@ -413,7 +413,17 @@ pub(super) async fn route(
             wait_for_room(s).await;
             s.send(Kind::Pong, 0, 0, payload)?;
         }
-        Kind::Pong => {}
+        Kind::Pong => {
+            // An answer to `Peer::ping` carries its number; keep-alive pongs are empty.
+            if let Ok(seq) = <[u8; 8]>::try_from(&payload[..]) {
+                let seq = u64::from_le_bytes(seq);
+                // Never past what was sent: a peer cannot answer pings ahead of time.
+                if seq <= s.pings_sent.load(Ordering::Relaxed) {
+                    s.pings_answered.fetch_max(seq, Ordering::Release);
+                    s.pong.notify_waiters();
+                }
+            }
+        }
         Kind::Close => {
             let reason = RpcError::from_payload(&payload);
             let e = RpcError::new(

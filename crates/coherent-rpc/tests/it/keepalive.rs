@@ -136,3 +136,46 @@ async fn a_large_message_trickling_in_over_tcp_keeps_the_connection_alive() {
     assert!(back == blob, "the echo differs");
     assert!(peer.close_reason().is_none());
 }
+
+#[tokio::test]
+async fn a_ping_completes_once_the_other_side_answers_and_fails_when_the_connection_closes() {
+    let (server, _) = calc_server(Config::default());
+    let client = Endpoint::builder().build();
+    let (c, s) = pair(&server, &client).await.unwrap();
+    for _ in 0..3 {
+        c.ping().await.unwrap();
+        s.ping().await.unwrap();
+    }
+    // Many at once: each waits for its own answer.
+    let pings: Vec<_> = (0..50).map(|_| c.ping()).collect();
+    for r in futures::future::join_all(pings).await {
+        r.unwrap();
+    }
+    c.close_because("done with it");
+    let err = c.ping().await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Disconnected);
+    assert!(s.closed().await.message().contains("done with it"));
+}
+
+#[tokio::test]
+async fn a_ping_to_a_peer_that_went_silent_never_completes() {
+    let (a, mut b) = tokio::io::duplex(64 * 1024);
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        let n = b.read(&mut buf).await.unwrap();
+        assert!(Header::decode(&buf[..n], 4096).unwrap().is_some());
+        b.write_all(&frame_bytes(Kind::HelloAck, 0, 0, &hello().encode()))
+            .await
+            .unwrap();
+        // A pong for a ping not sent yet, then silence: it answers nothing ahead of time.
+        b.write_all(&frame_bytes(Kind::Pong, 0, 0, &1000u64.to_le_bytes()))
+            .await
+            .unwrap();
+        while b.read(&mut buf).await.unwrap_or(0) > 0 {}
+    });
+    let peer = Endpoint::builder().build().connect(a).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let ping = tokio::time::timeout(Duration::from_millis(300), peer.ping()).await;
+    assert!(ping.is_err(), "answered by nobody: {ping:?}");
+    assert!(peer.close_reason().is_none());
+}
