@@ -86,6 +86,11 @@ struct Edges {
     /// pairs, not a map, keeps `Node` its size and a computed with one callback one small
     /// allocation.
     callbacks: Vec<(CallbackKey, Option<InvalidationCallback>)>,
+    /// The version this one replaced while its cascade still ran ([`Node::inherit`]):
+    /// walked with the dependants, held (strongly: it can be checked without an upgrade, so
+    /// under a table lock) until this one is invalidated or dropped, or let go of by
+    /// [`Node::release_inherited`].
+    inherited: Option<Arc<dyn AnyComputed>>,
 }
 
 impl Edges {
@@ -94,6 +99,12 @@ impl Edges {
     fn queue_dependants(&self, pending: &mut Vec<Arc<dyn AnyComputed>>) -> bool {
         let before = pending.len();
         pending.extend(self.dependants.iter().filter_map(Weak::upgrade));
+        pending.extend(
+            self.inherited
+                .iter()
+                .filter(|p| !p.node().is_settled())
+                .cloned(),
+        );
         pending.len() == before
     }
 }
@@ -221,10 +232,22 @@ impl Node {
                 Vec::new()
             };
             let settled = edges.queue_dependants(pending);
-            if settled {
+            let released = if settled {
                 self.settled.store(true, Ordering::Release);
-            }
-            (std::mem::take(&mut edges.callbacks), dependencies, settled)
+                // Only dropped dependants left: their memory goes now.
+                edges.compacted_len = 0;
+                (
+                    std::mem::take(&mut edges.dependants),
+                    edges.inherited.take(),
+                )
+            } else {
+                (Vec::new(), None)
+            };
+            (
+                std::mem::take(&mut edges.callbacks),
+                (dependencies, released),
+                settled,
+            )
         };
         self.counters.record_invalidation();
         tracing::debug!(target: "coherent::invalidate", method = self.name, version = self.version, "invalidated");
@@ -252,13 +275,16 @@ impl Node {
     /// Marks an invalidated node whose closure is invalidated as settled, and releases its
     /// dependant list: no walk needs it any more.
     fn settle(&self) {
-        let dependants = {
+        let released = {
             let mut edges = self.edges.lock();
             self.settled.store(true, Ordering::Release);
             edges.compacted_len = 0;
-            std::mem::take(&mut edges.dependants)
+            (
+                std::mem::take(&mut edges.dependants),
+                edges.inherited.take(),
+            )
         };
-        drop(dependants);
+        drop(released);
     }
 
     /// Invalidated, with its whole cascade done.
@@ -267,13 +293,31 @@ impl Node {
         self.settled.load(Ordering::Acquire)
     }
 
-    /// Makes `previous`, the version of the same key or state this node replaces, a dependant
-    /// of this one until `previous` settles: an invalidation of this version that returns
-    /// while the cascade of `previous` still runs on another thread would leave what was
-    /// computed from `previous` consistent after the later write returned. The invalidation
-    /// of this one then walks `previous` too (a settled one stops the walk at once).
-    pub(crate) fn inherit(&self, previous: Weak<dyn AnyComputed>) {
-        self.edges.lock().dependants.push(previous);
+    /// Makes `previous`, the version of the same key or state this node replaces, walked
+    /// with this one's dependants: an invalidation of this version that returns while the
+    /// cascade of `previous` still runs on another thread would leave what was computed
+    /// from `previous` consistent after the later write returned. A settled `previous`
+    /// stops the walk at once. Called on a node nobody else can see yet (so not
+    /// invalidated).
+    pub(crate) fn inherit(&self, previous: Arc<dyn AnyComputed>) {
+        self.edges.lock().inherited = Some(previous);
+    }
+
+    /// Lets go of the inherited version once the caller saw it settle.
+    pub(crate) fn release_inherited(&self) {
+        let inherited = self.edges.lock().inherited.take();
+        drop(inherited);
+    }
+
+    /// Holds an inherited version whose cascade still runs: dropping this node now (an
+    /// eviction) would lose the link. Takes the edge lock; drops nothing, so a table may
+    /// ask under its own lock.
+    pub(crate) fn inherits_unsettled(&self) -> bool {
+        let edges = self.edges.lock();
+        edges
+            .inherited
+            .as_ref()
+            .is_some_and(|p| !p.node().is_settled())
     }
 
     /// Records `dependant` as a user of this node. Returns `false` when this node is already
@@ -429,7 +473,14 @@ pub(crate) fn invalidate(start: &dyn AnyComputed) -> bool {
         }
     }
     if let Some(payload) = panic {
-        resume_unwind(payload);
+        if std::thread::panicking() {
+            // Run from a destructor while a panic unwinds (a body that panicked is
+            // abandoned): raising another would abort the process.
+            tracing::error!(target: "coherent::invalidate", "an invalidation callback panicked while another panic unwound; the cascade completed");
+            drop(payload);
+        } else {
+            resume_unwind(payload);
+        }
     }
     won
 }
@@ -451,11 +502,13 @@ fn walk(
     while let Some(next) = pending.pop() {
         let node = next.node();
         if node.begin_invalidation() {
+            if node.finish_invalidation(&mut pending, panic) {
+                // Settled, and let go of at the end of this iteration: its address is not
+                // recorded (the allocator may give it to a new node this walk reaches).
+                continue;
+            }
             if let Some(seen) = &mut seen {
                 seen.insert(address(&*next));
-            }
-            if node.finish_invalidation(&mut pending, panic) {
-                continue;
             }
         } else {
             if node.is_settled() {
@@ -627,7 +680,7 @@ mod loom_tests {
         loom::model(|| {
             let (previous, dependant) = consistent_pair();
             let next = consistent("next");
-            next.node().inherit(Arc::downgrade(&previous));
+            next.node().inherit(previous.clone());
             let other = thread::spawn(move || invalidate(&*previous));
             invalidate(&*next);
             assert_eq!(dependant.node().state(), INVALIDATED);
@@ -721,6 +774,35 @@ mod tests {
             let _dropped = dropped;
             runs.fetch_add(1, Ordering::SeqCst);
         })
+    }
+
+    #[test]
+    fn a_body_abandoned_while_it_panics_survives_a_panicking_callback_in_the_cascade() {
+        let previous = consistent();
+        let dependant: Arc<dyn AnyComputed> =
+            Arc::new(TestComputed(Node::new("test", 1, Arc::default(), 0)));
+        record_use(&dependant, previous.clone());
+        assert_eq!(dependant.node().complete(), CONSISTENT);
+        dependant
+            .node()
+            .add_callback(Box::new(|| panic!("a callback failed")));
+        // Another caller won `previous` and has not walked it yet.
+        assert!(previous.node().begin_invalidation());
+        let this: Arc<dyn AnyComputed> =
+            Arc::new(TestComputed(Node::new("test", 1, Arc::default(), 0)));
+        this.node().inherit(previous.clone());
+        struct AbandonOnDrop(Arc<dyn AnyComputed>);
+        impl Drop for AbandonOnDrop {
+            fn drop(&mut self) {
+                Node::abandon(&*self.0);
+            }
+        }
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _abandon = AbandonOnDrop(this.clone());
+            panic!("the body failed");
+        }));
+        assert!(outcome.is_err(), "the body's panic, not an abort");
+        assert_eq!(dependant.node().state(), INVALIDATED);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 use crate::clock;
 use crate::computed::{BoxFuture, Computed, ComputedInner, Recompute};
-use crate::node::{self, AnyComputed, Node};
+use crate::node::{self, Node};
 use crate::options::{ComputeOptions, OutputKind};
 use crate::registry::{next_version, Registry};
 use crate::sync::{Arc, Weak};
@@ -114,7 +114,7 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
     /// Sets the value to `f(previous)` atomically with respect to other updates.
     pub fn update(&self, f: impl FnOnce(&T) -> T) {
         let inner = &*self.inner;
-        let previous = {
+        let (previous, next) = {
             let mut current = inner.current.lock();
             let value = f(current.value.get().expect("a state always holds a value"));
             let next = ComputedInner::consistent(
@@ -124,11 +124,12 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
             );
             // Until the previous version settles, invalidating this one walks it too: a
             // later update must not return while this one's cascade still runs.
-            let weak: Weak<dyn AnyComputed> = Arc::downgrade(&*current) as _;
-            next.node.inherit(weak);
-            std::mem::replace(&mut *current, next)
+            next.node.inherit(current.clone());
+            (std::mem::replace(&mut *current, next.clone()), next)
         };
         node::invalidate(&*previous);
+        // Settled now: the new version need not hold the old one any longer.
+        next.node.release_inherited();
     }
 }
 

@@ -12,9 +12,7 @@ use hashbrown::HashTable;
 
 use crate::clock;
 use crate::computed::{Computed, ComputedInner, Recompute};
-use crate::node::{
-    self, AnyComputed, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVALIDATED,
-};
+use crate::node::{self, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVALIDATED};
 use crate::options::OutputKind;
 use crate::registry::{next_version, Prunable, Registry};
 use crate::service::MethodDescriptor;
@@ -181,8 +179,7 @@ where
                             if !entry.computed.node.is_settled() {
                                 // Its cascade may still run on another thread: an
                                 // invalidation of the new version must not return first.
-                                let previous: Arc<dyn AnyComputed> = entry.computed.clone();
-                                computed.node.inherit(Arc::downgrade(&previous));
+                                computed.node.inherit(entry.computed.clone());
                             }
                             entry.computed = computed.clone();
                             Found::Own(computed)
@@ -275,7 +272,11 @@ where
 
     fn is_evictable(entry: &Entry<K, T>) -> bool {
         // Only the table holds it: no dependant, no caller, no running body.
-        entry.computed.node.state() == CONSISTENT && Arc::strong_count(&entry.computed) == 1
+        entry.computed.node.state() == CONSISTENT
+            && Arc::strong_count(&entry.computed) == 1
+            // Evicting it would drop its link to a previous version whose cascade still
+            // runs, and a later write to the key could then return before that cascade.
+            && !entry.computed.node.inherits_unsettled()
     }
 
     fn remove_where(&self, mut remove: impl FnMut(&Entry<K, T>) -> bool) -> usize {
@@ -340,7 +341,25 @@ where
             let map = self.map.read();
             map.iter().map(|e| e.computed.clone()).collect()
         };
-        all.iter().filter(|c| node::invalidate(&***c)).count()
+        // Every entry, even if a callback panics on the way: the first panic is raised
+        // once all are invalidated.
+        let mut panic = None;
+        let mut n = 0;
+        for c in &all {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| node::invalidate(&**c)))
+            {
+                Ok(invalidated) => n += usize::from(invalidated),
+                Err(payload) => {
+                    n += 1;
+                    panic.get_or_insert(payload);
+                }
+            }
+        }
+        drop(all);
+        if let Some(payload) = panic {
+            std::panic::resume_unwind(payload);
+        }
+        n
     }
 }
 

@@ -142,6 +142,11 @@ impl ReplicaSink for Sink {
 /// reconnect: it sends the hash of each value, the server answers which ones changed
 /// meanwhile, and those are invalidated. When reconnecting fails for good, or after
 /// [`close`](Self::close), every replica is invalidated either way.
+///
+/// What this does not cover: a client process that is paused (SIGSTOP, a frozen VM) for
+/// longer than the server's delivery timeout may answer a read from a replica in the moment
+/// after it resumes, before its tasks have read the closed connection. (A cluster host's
+/// registry lease closes that window for its own cache; replicas have no lease yet.)
 #[derive(Clone)]
 pub struct RemoteClient {
     inner: Arc<Inner>,

@@ -243,3 +243,39 @@ fn the_timer_of_a_time_to_live_ends_when_its_computed_is_invalidated_earlier() {
     );
     drop(tickets);
 }
+
+#[test]
+fn a_new_version_that_inherits_a_running_cascade_is_not_evicted_before_it_settles() {
+    let rt = runtime();
+    let log = Log::default();
+    let registry = Registry::builder().capacity(1).build();
+    let store = Store::new(&registry, &log);
+    store.set("a", 1);
+    let (get, sum) = rt.block_on(async {
+        let sum = store.sum_computed(s("a"), s("b")).await;
+        (store.get_computed(s("a")).await, sum)
+    });
+    let (entered_tx, entered) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel();
+    get.on_invalidated(held(entered_tx, release_rx));
+    drop(get);
+    let first = thread::spawn({
+        let store = store.clone();
+        move || store.set("a", 2)
+    });
+    entered.recv().unwrap();
+    // get(a) recomputed (its new version inherits the old one, whose cascade is held),
+    // then pruned under capacity pressure: only the table holds the new version.
+    assert_eq!(rt.block_on(store.get(s("a"))), 2);
+    registry.prune();
+    store.data.lock().insert(s("a"), 3);
+    store.invalidate_get(s("a"));
+    let state = sum.state();
+    release.send(()).unwrap();
+    first.join().unwrap();
+    assert_eq!(
+        state,
+        ConsistencyState::Invalidated,
+        "returned while sum(a, b), computed from the first a, was still consistent"
+    );
+}
