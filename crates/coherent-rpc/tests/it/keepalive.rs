@@ -24,10 +24,10 @@ async fn pings_keep_a_quiet_connection_open() {
     assert_eq!(CalcClient::new(c).sum(1, 2).await.unwrap(), 3);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_call_to_a_peer_that_went_silent_fails_with_disconnected_at_the_idle_timeout() {
+/// The far end of a connection whose other side answers the handshake, sends `then`, and
+/// from there on reads (so writes never stall) and says nothing.
+fn silent_peer(then: Vec<u8>) -> tokio::io::DuplexStream {
     let (a, mut b) = tokio::io::duplex(64 * 1024);
-    // The "server" answers the handshake, then reads (so writes never stall) and says nothing.
     tokio::spawn(async move {
         let mut buf = vec![0u8; 4096];
         let n = b.read(&mut buf).await.unwrap();
@@ -35,8 +35,15 @@ async fn a_call_to_a_peer_that_went_silent_fails_with_disconnected_at_the_idle_t
         b.write_all(&frame_bytes(Kind::HelloAck, 0, 0, &hello().encode()))
             .await
             .unwrap();
+        b.write_all(&then).await.unwrap();
         while b.read(&mut buf).await.unwrap_or(0) > 0 {}
     });
+    a
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_to_a_peer_that_went_silent_fails_with_disconnected_at_the_idle_timeout() {
+    let a = silent_peer(Vec::new());
     let peer = Endpoint::builder()
         .config(keepalive())
         .build()
@@ -159,20 +166,8 @@ async fn a_ping_completes_once_the_other_side_answers_and_fails_when_the_connect
 
 #[tokio::test]
 async fn a_ping_to_a_peer_that_went_silent_never_completes() {
-    let (a, mut b) = tokio::io::duplex(64 * 1024);
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 4096];
-        let n = b.read(&mut buf).await.unwrap();
-        assert!(Header::decode(&buf[..n], 4096).unwrap().is_some());
-        b.write_all(&frame_bytes(Kind::HelloAck, 0, 0, &hello().encode()))
-            .await
-            .unwrap();
-        // A pong for a ping not sent yet, then silence: it answers nothing ahead of time.
-        b.write_all(&frame_bytes(Kind::Pong, 0, 0, &1000u64.to_le_bytes()))
-            .await
-            .unwrap();
-        while b.read(&mut buf).await.unwrap_or(0) > 0 {}
-    });
+    // A pong for a ping not sent yet, then silence: it answers nothing ahead of time.
+    let a = silent_peer(frame_bytes(Kind::Pong, 0, 0, &1000u64.to_le_bytes()));
     let peer = Endpoint::builder().build().connect(a).await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     let ping = tokio::time::timeout(Duration::from_millis(300), peer.ping()).await;

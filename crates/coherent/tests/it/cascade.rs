@@ -46,19 +46,29 @@ fn store_with_a_sum(
     (store, get, sum, log)
 }
 
-#[test]
-fn a_call_that_loses_the_race_to_invalidate_returns_after_the_cascade() {
-    let rt = runtime();
-    let (store, get, sum, _) = store_with_a_sum(&rt);
+/// `store.set("a", 2)` on a thread of its own, held inside its cascade (by a callback on
+/// `get`, the computed of `get(a)`) until the returned sender is told to let it go.
+fn a_held_write_of_a(
+    store: &Store,
+    get: coherent::Computed<i64>,
+) -> (thread::JoinHandle<()>, mpsc::Sender<()>) {
     let (entered_tx, entered) = mpsc::channel();
     let (release, release_rx) = mpsc::channel();
     get.on_invalidated(held(entered_tx, release_rx));
-
+    drop(get);
     let first = thread::spawn({
         let store = store.clone();
         move || store.set("a", 2)
     });
     entered.recv().unwrap(); // the first cascade has begun and is held
+    (first, release)
+}
+
+#[test]
+fn a_call_that_loses_the_race_to_invalidate_returns_after_the_cascade() {
+    let rt = runtime();
+    let (store, get, sum, _) = store_with_a_sum(&rt);
+    let (first, release) = a_held_write_of_a(&store, get);
     assert!(
         !store.invalidate_get(s("a")),
         "the first call invalidated get(a)"
@@ -124,15 +134,7 @@ fn a_set_that_overtakes_another_returns_after_the_earlier_cascade() {
 fn an_invalidation_of_a_key_recomputed_meanwhile_returns_after_the_earlier_cascade() {
     let rt = runtime();
     let (store, get, sum, log) = store_with_a_sum(&rt);
-    let (entered_tx, entered) = mpsc::channel();
-    let (release, release_rx) = mpsc::channel();
-    get.on_invalidated(held(entered_tx, release_rx));
-
-    let first = thread::spawn({
-        let store = store.clone();
-        move || store.set("a", 2)
-    });
-    entered.recv().unwrap();
+    let (first, release) = a_held_write_of_a(&store, get);
     log.take();
     // get(a) is invalidated, so this computes a new version of it; the old one's cascade
     // is still held.
@@ -255,15 +257,7 @@ fn a_new_version_that_inherits_a_running_cascade_is_not_evicted_before_it_settle
         let sum = store.sum_computed(s("a"), s("b")).await;
         (store.get_computed(s("a")).await, sum)
     });
-    let (entered_tx, entered) = mpsc::channel();
-    let (release, release_rx) = mpsc::channel();
-    get.on_invalidated(held(entered_tx, release_rx));
-    drop(get);
-    let first = thread::spawn({
-        let store = store.clone();
-        move || store.set("a", 2)
-    });
-    entered.recv().unwrap();
+    let (first, release) = a_held_write_of_a(&store, get);
     // get(a) recomputed (its new version inherits the old one, whose cascade is held),
     // then pruned under capacity pressure: only the table holds the new version.
     assert_eq!(rt.block_on(store.get(s("a"))), 2);
