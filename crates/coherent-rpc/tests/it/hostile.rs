@@ -618,11 +618,10 @@ async fn a_hello_announcing_a_huge_limit_cannot_raise_the_servers_queue_mark() {
     for _ in 0..64 {
         raw.send(&ping).await;
     }
-    // Read whole (the reader then routes the pings in order, unless it waits for room).
-    eventually("the server read every ping", || {
-        server.stats().totals.bytes_in >= 64 * ping.len() as u64
-    })
-    .await;
+    // The reader answers pings until the queue holds its mark, then waits for room and
+    // reads no further: how many pings it read before that depends on how the bytes
+    // arrived, so only the mark is waited for (waiting for every ping to be read made
+    // this test fail when the pings came in more than one read).
     eventually("the server queued pongs up to its mark", || {
         server.stats().queued_bytes >= MARK as u64
     })
