@@ -12,6 +12,10 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, oneshot, watch, Notify};
 
+use crate::changes::{
+    check_identifier, run_postgres_feed, ApplyChanges, ChangeFeed, ChangesHandler, DbChanges,
+    FeedCounters, FeedStats, PgFeed, TableWatch, Watches,
+};
 use crate::command::{BoxFuture, Command, DynHandler, Handler, Handlers};
 use crate::db::{now_micros, Append, Cursor, Database, Engine, Execute, Logged, Reading, Tx};
 use crate::error::{CommandError, ErrorKind};
@@ -293,6 +297,8 @@ pub struct HostBuilder {
     notify_interval: Duration,
     notify_queue: usize,
     clock_skew: i64,
+    watches: Watches,
+    feed: Option<ChangeFeed>,
 }
 
 /// What [`Host::run`] awaits after a command's local invalidation (see
@@ -494,6 +500,26 @@ impl HostBuilder {
         self
     }
 
+    /// Declares what the database's changes to a table invalidate on this host (see
+    /// [`watch_table`](crate::watch_table) and the [`changes`](crate::changes) module).
+    /// Register the same watches on every host, as command handlers are: the changes
+    /// reach every host as operations of the built-in command `coherent.db_changes`, and a
+    /// host with no watches cannot apply them (it flushes its cache for each, as for any
+    /// command it does not know).
+    pub fn watch(mut self, table: TableWatch) -> Self {
+        self.watches.tables.push(table);
+        self
+    }
+
+    /// Reads the database's changes to the watched tables and logs them for every host
+    /// (see [`ChangeFeed`]). Every host may run the feed: one at a time reads it, the
+    /// others stand by and take over when it stops. PostgreSQL only; on SQLite, track the
+    /// application's connections with [`changes::sqlite::track`](crate::changes::sqlite::track).
+    pub fn change_feed(mut self, feed: ChangeFeed) -> Self {
+        self.feed = Some(feed);
+        self
+    }
+
     /// Starts the host: its notifier, and the task that reads the log. Call in a tokio
     /// runtime. Returns once the notifier listens, or after 2 s (a notifier that cannot
     /// connect yet keeps trying; meanwhile the host reads the log every 50 ms): a host
@@ -516,6 +542,45 @@ impl HostBuilder {
             vec![Registry::global().clone()]
         } else {
             self.registries
+        };
+        let mut handlers = self.handlers;
+        let changes = if self.watches.tables.is_empty() {
+            None
+        } else {
+            let apply = Arc::new(ApplyChanges {
+                host: id.clone(),
+                watches: self.watches,
+                registries: registries.clone(),
+            });
+            handlers.insert::<DbChanges, _>(ChangesHandler(apply.clone()));
+            Some(apply)
+        };
+        let feed = match (self.feed, &*self.db.inner, &changes) {
+            (None, _, _) => None,
+            (Some(_), _, None) => {
+                return Err(CommandError::new(
+                    ErrorKind::BadCommand,
+                    "a change feed with no watched table (HostBuilder::watch)",
+                ))
+            }
+            (Some(feed), Engine::Postgres(pg), Some(apply)) => {
+                check_identifier("slot", &feed.slot)?;
+                check_identifier("publication", &feed.publication)?;
+                Some(PgFeed {
+                    feed,
+                    watches: apply.watches.clone(),
+                    config: pg.config.clone(),
+                    schema: pg.schema.clone(),
+                    counters: Arc::default(),
+                })
+            }
+            (Some(_), Engine::Sqlite(_), _) => {
+                return Err(CommandError::new(
+                    ErrorKind::BadCommand,
+                    "a change feed reads PostgreSQL; on SQLite, track the application's \
+                     connections with coherent_ops::changes::sqlite::track",
+                ))
+            }
         };
         let cursor = self.db.start_cursor().await?;
         // What a registry holds now (warmed before the start, or by a host stopped before
@@ -540,7 +605,9 @@ impl HostBuilder {
         let inner = Arc::new(Inner {
             id: id.clone(),
             db: self.db,
-            handlers: self.handlers,
+            handlers,
+            changes,
+            feed_counters: feed.as_ref().map(|f| f.counters.clone()),
             state: Mutex::new(State {
                 cursor,
                 applied: HashMap::new(),
@@ -619,6 +686,13 @@ impl HostBuilder {
             Arc::downgrade(&host.inner),
             host.inner.stop.subscribe(),
         ));
+        if let Some(feed) = feed {
+            tokio::spawn(run_postgres_feed(
+                Arc::downgrade(&host.inner),
+                feed,
+                host.inner.stop.subscribe(),
+            ));
+        }
         tracing::info!(host = %id, horizon, "coherent-ops host started");
         Ok(host)
     }
@@ -654,6 +728,9 @@ pub(crate) struct Inner {
     pub(crate) id: String,
     pub(crate) db: Database,
     handlers: Handlers,
+    /// The watches of database changes (see [`HostBuilder::watch`]).
+    pub(crate) changes: Option<Arc<ApplyChanges>>,
+    feed_counters: Option<Arc<FeedCounters>>,
     state: Mutex<State>,
     /// One read of the log at a time.
     round: tokio::sync::Mutex<()>,
@@ -668,7 +745,7 @@ pub(crate) struct Inner {
     /// The commands waiting for a transaction, and the transactions free.
     batcher: Batcher,
     /// Where a commit goes on when the command that began it is dropped.
-    runtime: tokio::runtime::Handle,
+    pub(crate) runtime: tokio::runtime::Handle,
     counters: Counters,
     applied_tx: broadcast::Sender<Applied>,
     pub(crate) publisher: Mutex<Publisher>,
@@ -776,7 +853,15 @@ impl Host {
             notify_interval: Duration::from_millis(1),
             notify_queue: NOTIFY_QUEUE,
             clock_skew: 0,
+            watches: Watches::default(),
+            feed: None,
         }
+    }
+
+    /// The counters of this host's change feed ([`HostBuilder::change_feed`]); `None`
+    /// without one.
+    pub fn feed_stats(&self) -> Option<FeedStats> {
+        self.inner.feed_counters.as_ref().map(|c| c.snapshot())
     }
 
     /// This host's id.

@@ -39,6 +39,7 @@
 //! and PostgreSQL. Notifiers: PostgreSQL `LISTEN`/`NOTIFY`, NATS (feature `nats`), or
 //! polling.
 
+pub mod changes;
 mod command;
 mod db;
 mod error;
@@ -46,6 +47,7 @@ mod host;
 mod notify;
 mod rpc;
 
+pub use changes::{watch_table, Change, ChangeFeed, ChangeKind, FeedStats, Row, TableWatch};
 pub use command::{Command, Handler};
 pub use db::{Database, DeferredParam, Tx};
 pub use error::{connection_lost, CommandError, ErrorKind};

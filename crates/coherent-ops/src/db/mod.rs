@@ -89,8 +89,7 @@ pub(crate) struct Sqlite {
 pub(crate) struct Postgres {
     pub(crate) pool: deadpool_postgres::Pool,
     pub(crate) config: tokio_postgres::Config,
-    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
-    schema: String,
+    pub(crate) schema: String,
     /// The `LISTEN`/`NOTIFY` channel: one per schema, so that clusters in other schemas of
     /// the same database never hear each other.
     pub(crate) channel: String,

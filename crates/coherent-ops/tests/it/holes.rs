@@ -14,7 +14,7 @@ use crate::support::{host, open_sqlite, Items, Reader, SetValue};
 /// A guard for waits that must end (never a measurement).
 const GUARD: Duration = Duration::from_secs(60);
 
-async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
+pub(crate) async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
     tokio::time::timeout(GUARD, f)
         .await
         .unwrap_or_else(|_| panic!("{what} did not end within {GUARD:?}"))
@@ -22,7 +22,7 @@ async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
 
 /// A plain connection to the database of `db` (PostgreSQL), in its schema: what a
 /// `psql` session or another service would hold.
-async fn sql(db: &Database) -> tokio_postgres::Client {
+pub(crate) async fn sql(db: &Database) -> tokio_postgres::Client {
     let pool = db.postgres_pool().unwrap();
     let schema: String = pool
         .get()

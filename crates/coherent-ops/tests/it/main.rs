@@ -4,6 +4,7 @@
 
 mod acks;
 mod batches;
+mod changes;
 mod clocks;
 mod deferred;
 mod holes;

@@ -1,0 +1,509 @@
+//! Invalidation from the database itself: changes committed by anyone (a migration, an
+//! admin console, a cron job, another service, a `psql` session) invalidate the computeds
+//! that read the changed rows, on every host.
+//!
+//! A host declares what each watched table's changes invalidate ([`watch_table`],
+//! [`HostBuilder::watch`](crate::HostBuilder::watch)); a feed turns committed changes into
+//! an operation of the log (the built-in command `coherent.db_changes`), which every host
+//! applies as it applies any other host's command: the watches run there, the command's
+//! caller (the feed) waits for every live host's acknowledgement, and a host that may have
+//! missed operations flushes its cache as it does for commands. Feeds:
+//!
+//! - PostgreSQL logical decoding ([`ChangeFeed::postgres`]): a publication of the watched
+//!   tables and a logical replication slot (`pgoutput`), read by one host at a time (the
+//!   others stand by on an advisory lock). The slot moves past a transaction only after the
+//!   operation that carries its changes committed, so a feed that dies, loses its
+//!   connection, or finds the database restarted reads the same changes again (a change is
+//!   invalidated at least once, never lost).
+//! - SQLite ([`sqlite::track`]): the update, commit and write-ahead-log hooks of the
+//!   application's own connections: changes through those connections invalidate here
+//!   after their commit, and the other processes of the cluster hear of them through the
+//!   log. Changes by connections without the hooks (another process, the `sqlite3`
+//!   shell) are not seen.
+//!
+//! Changes that a command of the pipeline made are its handler's to invalidate: a
+//! transaction that also wrote an operation to the log is skipped by default
+//! ([`ChangeFeed::skip_commands`]).
+
+pub mod pgoutput;
+mod postgres;
+pub mod sqlite;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use coherent_core::Registry;
+use serde::{Deserialize, Serialize};
+
+use crate::command::{Command, Handler};
+use crate::db::Tx;
+use crate::error::CommandError;
+
+pub(crate) use postgres::{run_postgres_feed, FeedCounters, PgFeed};
+pub use postgres::{FeedStats, FEED_APPLICATION};
+
+/// What happened to a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChangeKind {
+    /// A row inserted.
+    Insert,
+    /// A row updated.
+    Update,
+    /// A row deleted.
+    Delete,
+}
+
+/// The columns of a row that a change carries: the table's key columns (its replica
+/// identity on PostgreSQL; `rowid` on SQLite) and the columns its watches asked for
+/// ([`TableWatch::columns`]), each in PostgreSQL's text format (`None`: SQL `NULL`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Row(pub Vec<(String, Option<String>)>);
+
+impl Row {
+    /// The text of `column`: `None` when the row does not carry it or it is `NULL`.
+    pub fn text(&self, column: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(name, _)| name == column)
+            .and_then(|(_, v)| v.as_deref())
+    }
+}
+
+/// A committed change to one row of a watched table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Change {
+    /// The table's schema (`main` on SQLite).
+    pub schema: String,
+    /// The table's name.
+    pub table: String,
+    /// What happened to the row.
+    pub kind: ChangeKind,
+    /// The row after the change (inserts and updates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new: Option<Row>,
+    /// The row before it: deletes, and updates that changed the key (on PostgreSQL, the
+    /// key columns only, unless the table has `REPLICA IDENTITY FULL`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old: Option<Row>,
+}
+
+impl Change {
+    /// The value of `column` after the change, or before it for a delete, parsed from its
+    /// text: e.g. `change.key::<i64>("id")`. `None` when the row does not carry the column,
+    /// it is `NULL`, or its text does not parse as `T`.
+    pub fn key<T: FromStr>(&self, column: &str) -> Option<T> {
+        self.new
+            .as_ref()
+            .or(self.old.as_ref())
+            .and_then(|row| row.text(column))
+            .and_then(|text| text.parse().ok())
+    }
+
+    /// The value of `column` before the change, when the change carries the old row (a
+    /// delete; an update that changed the key, or any update of a table with `REPLICA
+    /// IDENTITY FULL`): invalidate by it too when a key moved.
+    pub fn old_key<T: FromStr>(&self, column: &str) -> Option<T> {
+        self.old
+            .as_ref()
+            .and_then(|row| row.text(column))
+            .and_then(|text| text.parse().ok())
+    }
+}
+
+type OnChange = Arc<dyn Fn(&Change) + Send + Sync>;
+type OnTable = Arc<dyn Fn() + Send + Sync>;
+
+/// What the changes of one table invalidate; see [`watch_table`].
+#[derive(Clone)]
+pub struct TableWatch {
+    schema: Option<String>,
+    pub(crate) name: String,
+    columns: Vec<String>,
+    on_change: Vec<OnChange>,
+    on_any_change: Vec<OnTable>,
+    on_every_row: Option<OnTable>,
+}
+
+impl fmt::Debug for TableWatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TableWatch")
+            .field("schema", &self.schema)
+            .field("name", &self.name)
+            .field("columns", &self.columns)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Starts the declaration of what the changes of `table` (`"users"`, or
+/// `"schema.users"`) invalidate:
+///
+/// ```
+/// # use coherent_ops::watch_table;
+/// # fn invalidate_user(_: i64) {} fn invalidate_user_list() {}
+/// let users = watch_table("users")
+///     // Each changed row: the computeds keyed by it.
+///     .on_change(|change| {
+///         if let Some(id) = change.key::<i64>("id") {
+///             invalidate_user(id);
+///         }
+///     })
+///     // Any change to the table: the computeds whose rows are not known (lists, counts).
+///     .on_any_change(invalidate_user_list);
+/// ```
+///
+/// Register it on every host with [`HostBuilder::watch`](crate::HostBuilder::watch), like a
+/// command's handler: a host that does not know the built-in command flushes its cache for
+/// each such operation.
+pub fn watch_table(table: &str) -> TableWatch {
+    let (schema, name) = match table.split_once('.') {
+        Some((schema, name)) => (Some(schema.to_owned()), name.to_owned()),
+        None => (None, table.to_owned()),
+    };
+    TableWatch {
+        schema,
+        name,
+        columns: Vec::new(),
+        on_change: Vec::new(),
+        on_any_change: Vec::new(),
+        on_every_row: None,
+    }
+}
+
+impl TableWatch {
+    /// Runs `f` for each changed row (after its transaction committed, on every host).
+    pub fn on_change(mut self, f: impl Fn(&Change) + Send + Sync + 'static) -> Self {
+        self.on_change.push(Arc::new(f));
+        self
+    }
+
+    /// Runs `f` once per operation in which the table changed at all: the coarse fallback
+    /// for computeds whose rows are not known (lists, aggregates).
+    pub fn on_any_change(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_any_change.push(Arc::new(f));
+        self
+    }
+
+    /// Runs `f` when every row may have changed: a `TRUNCATE`, or more rows in one
+    /// operation than [`ChangeFeed::max_rows`] (their keys are not carried). It should
+    /// invalidate what [`on_change`](Self::on_change) invalidates for any row. Without it,
+    /// such a change flushes the host's registries when the table has `on_change`
+    /// handlers.
+    pub fn on_every_row(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_every_row = Some(Arc::new(f));
+        self
+    }
+
+    /// Columns beyond the key that changes of this table carry (PostgreSQL): e.g. a task's
+    /// `project_id`, to invalidate its project's list. The new row carries them; the old
+    /// one only with `REPLICA IDENTITY FULL` on the table.
+    pub fn columns<I, S>(mut self, columns: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.columns.extend(columns.into_iter().map(Into::into));
+        self
+    }
+
+    fn matches(&self, schema: &str, name: &str) -> bool {
+        self.name == name && self.schema.as_deref().is_none_or(|s| s == schema)
+    }
+
+    /// The name as the publication lists it.
+    pub(crate) fn qualified(&self, default_schema: &str) -> String {
+        format!(
+            "{}.{}",
+            self.schema.as_deref().unwrap_or(default_schema),
+            self.name
+        )
+    }
+}
+
+/// The watches of a host, applied to each `coherent.db_changes` operation.
+#[derive(Clone, Default)]
+pub(crate) struct Watches {
+    pub(crate) tables: Vec<TableWatch>,
+}
+
+impl Watches {
+    /// Whether changes of `schema.name` are watched here, and the columns they carry.
+    pub(crate) fn columns(&self, schema: &str, name: &str) -> Option<BTreeSet<String>> {
+        let mut found = false;
+        let mut columns = BTreeSet::new();
+        for w in self.tables.iter().filter(|w| w.matches(schema, name)) {
+            found = true;
+            columns.extend(w.columns.iter().cloned());
+        }
+        found.then_some(columns)
+    }
+}
+
+/// The operation a feed logs: the rows changed by committed transactions, tables that
+/// changed as a whole, or a flush (the feed may have missed changes).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DbChanges {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) rows: Vec<Change>,
+    /// `schema.name` of tables whose every row may have changed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) tables: Vec<String>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) flush: bool,
+    /// The host that applied the changes before it logged them (SQLite's tracked
+    /// connections): it does not run the watches again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) applied_by: Option<String>,
+}
+
+impl DbChanges {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.rows.is_empty() && self.tables.is_empty() && !self.flush
+    }
+}
+
+impl Command for DbChanges {
+    const NAME: &'static str = "coherent.db_changes";
+    type Output = ();
+}
+
+/// The handler of the built-in command: no writes; the invalidation runs the watches.
+pub(crate) struct ApplyChanges {
+    /// This host's id.
+    pub(crate) host: String,
+    pub(crate) watches: Watches,
+    pub(crate) registries: Vec<Registry>,
+}
+
+impl ApplyChanges {
+    fn flush(&self, why: &str) {
+        let n: usize = self.registries.iter().map(Registry::invalidate_all).sum();
+        tracing::info!(
+            invalidated = n,
+            "database changes: {why}: the cache was flushed"
+        );
+    }
+
+    pub(crate) fn apply(&self, changes: &DbChanges) {
+        if changes.applied_by.as_deref() == Some(&*self.host) {
+            return;
+        }
+        if changes.flush {
+            self.flush("the change feed may have missed changes");
+            return;
+        }
+        // Tables touched, in a stable order, each with whether it changed as a whole.
+        let mut touched: BTreeMap<(&str, &str), bool> = BTreeMap::new();
+        for change in &changes.rows {
+            touched
+                .entry((&change.schema, &change.table))
+                .or_insert(false);
+            for w in &self.watches.tables {
+                if w.matches(&change.schema, &change.table) {
+                    for f in &w.on_change {
+                        f(change);
+                    }
+                }
+            }
+        }
+        for table in &changes.tables {
+            let (schema, name) = table.split_once('.').unwrap_or(("", table));
+            touched.insert((schema, name), true);
+        }
+        let mut flush = false;
+        for ((schema, name), whole) in touched {
+            for w in self
+                .watches
+                .tables
+                .iter()
+                .filter(|w| w.matches(schema, name))
+            {
+                for f in &w.on_any_change {
+                    f();
+                }
+                if whole {
+                    match &w.on_every_row {
+                        Some(f) => f(),
+                        None if !w.on_change.is_empty() => flush = true,
+                        None => {}
+                    }
+                }
+            }
+        }
+        if flush {
+            self.flush(
+                "every row of a table with per-row watches and no on_every_row may have changed",
+            );
+        }
+    }
+}
+
+/// [`ApplyChanges`] as the host's handler of `coherent.db_changes`.
+pub(crate) struct ChangesHandler(pub(crate) Arc<ApplyChanges>);
+
+impl Handler<DbChanges> for ChangesHandler {
+    async fn execute(&self, _: &DbChanges, _: &mut Tx<'_>) -> Result<(), CommandError> {
+        Ok(())
+    }
+
+    fn invalidate(&self, changes: &DbChanges, _: &()) {
+        self.0.apply(changes);
+    }
+}
+
+/// How a host reads the database's changes; see [`HostBuilder::change_feed`](crate::HostBuilder::change_feed).
+#[derive(Debug, Clone)]
+pub struct ChangeFeed {
+    pub(crate) slot: String,
+    pub(crate) publication: String,
+    pub(crate) poll: Duration,
+    pub(crate) max_rows: usize,
+    pub(crate) max_messages: usize,
+    pub(crate) skip_commands: bool,
+    pub(crate) standby: Duration,
+}
+
+/// The default of [`ChangeFeed::max_rows`].
+pub const MAX_ROWS: usize = 1_000;
+
+impl ChangeFeed {
+    /// PostgreSQL logical decoding: the publication and the replication slot are both
+    /// named `coherent_changes` unless set, created at the feed's first start (the slot
+    /// starts at that moment: what committed before is not replayed, and the hosts flush
+    /// their caches once). Needs `wal_level = logical` and a role allowed to replicate (a
+    /// superuser or `REPLICATION`).
+    ///
+    /// A slot keeps the write-ahead log from its position on: while no host reads it (the
+    /// whole cluster stopped), it grows with every write to the database. Bound it with
+    /// PostgreSQL's `max_slot_wal_keep_size`; a slot that went past it is invalidated by
+    /// the server, and the feed then starts a new one and has every host flush its cache.
+    pub fn postgres() -> Self {
+        Self {
+            slot: "coherent_changes".to_owned(),
+            publication: "coherent_changes".to_owned(),
+            poll: Duration::from_millis(100),
+            max_rows: MAX_ROWS,
+            max_messages: 10_000,
+            skip_commands: true,
+            standby: Duration::from_secs(1),
+        }
+    }
+
+    /// The replication slot's name (letters, digits and `_`; one per cluster).
+    pub fn slot(mut self, name: impl Into<String>) -> Self {
+        self.slot = name.into();
+        self
+    }
+
+    /// The publication's name (letters, digits and `_`). The feed adds the watched tables
+    /// that it lacks, and the operation log's table; it removes none.
+    pub fn publication(mut self, name: impl Into<String>) -> Self {
+        self.publication = name.into();
+        self
+    }
+
+    /// How often the slot is read when it was found empty. Default: 100 ms.
+    pub fn poll_interval(mut self, every: Duration) -> Self {
+        self.poll = every;
+        self
+    }
+
+    /// At most this many rows of one table are carried by one operation; past it the
+    /// table counts as changed as a whole ([`TableWatch::on_every_row`]). Default: 1,000.
+    pub fn max_rows(mut self, rows: usize) -> Self {
+        self.max_rows = rows.max(1);
+        self
+    }
+
+    /// Whether a transaction that also wrote an operation to the log (a command of the
+    /// pipeline, whose handler invalidates what it wrote) is skipped. Default: `true`.
+    /// With `false`, the watches run for those changes too: harmless (an invalidation is
+    /// idempotent) but a second recompute of what the command's handler invalidated.
+    pub fn skip_commands(mut self, skip: bool) -> Self {
+        self.skip_commands = skip;
+        self
+    }
+
+    /// How often a host that does not hold the feed tries to take it over. Default: 1 s.
+    pub fn standby_interval(mut self, every: Duration) -> Self {
+        self.standby = every;
+        self
+    }
+}
+
+/// A name the feed puts in SQL text: letters, digits and `_` only.
+pub(crate) fn check_identifier(what: &str, name: &str) -> Result<(), CommandError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(CommandError::new(
+            crate::ErrorKind::BadCommand,
+            format!("{what} {name:?}: use lowercase letters, digits and '_' (at most 63)"),
+        ))
+    }
+}
+
+/// The rows of one operation a feed is building, table by table, with the cap per table.
+#[derive(Default)]
+pub(crate) struct Batch {
+    rows: BTreeMap<(String, String), Vec<Change>>,
+    whole: BTreeSet<(String, String)>,
+}
+
+impl Batch {
+    pub(crate) fn row(&mut self, change: Change, max_rows: usize) {
+        let key = (change.schema.clone(), change.table.clone());
+        if self.whole.contains(&key) {
+            return;
+        }
+        let rows = self.rows.entry(key.clone()).or_default();
+        if rows.len() >= max_rows {
+            self.rows.remove(&key);
+            self.whole.insert(key);
+        } else {
+            rows.push(change);
+        }
+    }
+
+    pub(crate) fn whole(&mut self, schema: &str, table: &str) {
+        let key = (schema.to_owned(), table.to_owned());
+        self.rows.remove(&key);
+        self.whole.insert(key);
+    }
+
+    pub(crate) fn merge(&mut self, other: Batch, max_rows: usize) {
+        for (schema, table) in other.whole {
+            self.whole(&schema, &table);
+        }
+        for (_, rows) in other.rows {
+            for row in rows {
+                self.row(row, max_rows);
+            }
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.rows.values().map(Vec::len).sum::<usize>() + self.whole.len()
+    }
+
+    pub(crate) fn into_changes(self) -> DbChanges {
+        DbChanges {
+            rows: self.rows.into_values().flatten().collect(),
+            tables: self
+                .whole
+                .into_iter()
+                .map(|(schema, table)| format!("{schema}.{table}"))
+                .collect(),
+            flush: false,
+            applied_by: None,
+        }
+    }
+}

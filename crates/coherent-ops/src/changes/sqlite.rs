@@ -1,0 +1,197 @@
+//! Changes made through the application's own SQLite connections ([`track`]): SQLite's
+//! update hook names each changed row (by its table and `rowid`), the commit hook hands
+//! the transaction's rows over, and the write-ahead-log hook, which SQLite runs after the
+//! commit took place and the write lock was released, applies them here and logs them for
+//! the other processes of the cluster.
+//!
+//! Limits, all SQLite's: only connections with the hooks are seen (not another process's,
+//! nor the `sqlite3` shell's); a change carries the row's `rowid` only, under that name and
+//! under the name of the table's `INTEGER PRIMARY KEY` column when it has one (that column
+//! is the rowid), so `change.key::<i64>("id")`; `WITHOUT ROWID`
+//! tables are not reported (their changes count as none); the database must be in WAL
+//! mode; a `DELETE` without a `WHERE` (SQLite's truncate) reports no rows, and counts as a
+//! change of the whole table only if it also reported none (see below).
+//!
+//! The write-ahead-log hook is the one SQLite uses for its automatic checkpoints: a tracked
+//! connection checkpoints itself past 1,000 pages of log, as SQLite's default does.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::os::raw::c_int;
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+use rusqlite::hooks::{Action, Wal};
+use rusqlite::Connection;
+
+use super::{ApplyChanges, Batch, Change, ChangeKind, Row};
+use crate::error::{CommandError, ErrorKind};
+use crate::host::{Host, Inner};
+
+/// SQLite's default automatic checkpoint, in pages of log.
+const AUTOCHECKPOINT: c_int = 1_000;
+
+/// A tracked connection's transaction in progress.
+#[derive(Default)]
+struct Pending {
+    batch: Batch,
+    /// It wrote an operation to the log: a command's, whose handler invalidates.
+    command: bool,
+}
+
+struct Tracker {
+    host: Weak<Inner>,
+    apply: Arc<ApplyChanges>,
+    max_rows: usize,
+    pending: Mutex<Pending>,
+}
+
+thread_local! {
+    /// Set by a commit hook, taken by the write-ahead-log hook that follows on this thread.
+    static COMMITTED: RefCell<Vec<(Arc<Tracker>, Batch)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Has the changes committed through `conn` invalidate here and on every host, as
+/// `host`'s watches ([`HostBuilder::watch`](crate::HostBuilder::watch)) say. Replaces the
+/// connection's update, commit, rollback and write-ahead-log hooks.
+///
+/// The changes are applied here before the statement that committed them returns (a read
+/// that starts after it sees them), and logged as a `coherent.db_changes` operation for the
+/// other hosts, in the background. A transaction that wrote an operation to the log (a
+/// command run through this connection) is skipped: its handler invalidates.
+///
+/// An error when the database is not in WAL mode (the hook that runs after a commit is the
+/// log's) or the host has no watches.
+pub fn track(conn: &Connection, host: &Host) -> Result<(), CommandError> {
+    let sqlite = |e: rusqlite::Error| CommandError::new(ErrorKind::Database, e.to_string());
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .map_err(sqlite)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(CommandError::new(
+            ErrorKind::Database,
+            format!("change tracking needs a database in WAL mode (journal_mode is {mode})"),
+        ));
+    }
+    let Some(apply) = host.inner.changes.clone() else {
+        return Err(CommandError::new(
+            ErrorKind::BadCommand,
+            "change tracking: the host watches no table (HostBuilder::watch)",
+        ));
+    };
+    // A watched table's `INTEGER PRIMARY KEY` is its rowid: changes carry it under both
+    // names (read now: the hooks cannot use the connection).
+    let mut aliases = HashMap::new();
+    for w in &apply.watches.tables {
+        let mut stmt = conn
+            .prepare("SELECT name, type, pk FROM pragma_table_info(?1)")
+            .map_err(sqlite)?;
+        let keys: Vec<(String, String)> = stmt
+            .query_map([&w.name], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                ))
+            })
+            .map_err(sqlite)?
+            .filter_map(Result::ok)
+            .filter(|(_, _, pk)| *pk > 0)
+            .map(|(name, ty, _)| (name, ty))
+            .collect();
+        if let [(name, ty)] = &keys[..] {
+            if ty.eq_ignore_ascii_case("integer") {
+                aliases.insert(w.name.clone(), name.clone());
+            }
+        }
+    }
+    let tracker = Arc::new(Tracker {
+        host: Arc::downgrade(&host.inner),
+        apply,
+        max_rows: super::MAX_ROWS,
+        pending: Mutex::new(Pending::default()),
+    });
+    let t = tracker.clone();
+    conn.update_hook(Some(
+        move |action: Action, db: &str, table: &str, rowid: i64| {
+            let mut pending = t.pending.lock();
+            if table == "coherent_operations" {
+                pending.command = true;
+                return;
+            }
+            if t.apply.watches.columns(db, table).is_none() {
+                return;
+            }
+            let kind = match action {
+                Action::SQLITE_INSERT => ChangeKind::Insert,
+                Action::SQLITE_UPDATE => ChangeKind::Update,
+                _ => ChangeKind::Delete,
+            };
+            let mut row = vec![("rowid".to_owned(), Some(rowid.to_string()))];
+            if let Some(alias) = aliases.get(table) {
+                row.push((alias.clone(), Some(rowid.to_string())));
+            }
+            let row = Row(row);
+            let (new, old) = match kind {
+                ChangeKind::Delete => (None, Some(row)),
+                _ => (Some(row), None),
+            };
+            let change = Change {
+                schema: db.to_owned(),
+                table: table.to_owned(),
+                kind,
+                new,
+                old,
+            };
+            pending.batch.row(change, t.max_rows);
+        },
+    ))
+    .map_err(sqlite)?;
+    let t = tracker.clone();
+    conn.commit_hook(Some(move || {
+        let pending = std::mem::take(&mut *t.pending.lock());
+        if !pending.command && pending.batch.len() > 0 {
+            COMMITTED.with(|c| c.borrow_mut().push((t.clone(), pending.batch)));
+        }
+        false
+    }))
+    .map_err(sqlite)?;
+    let t = tracker;
+    conn.rollback_hook(Some(move || {
+        *t.pending.lock() = Pending::default();
+    }))
+    .map_err(sqlite)?;
+    conn.wal_hook(Some(after_commit));
+    Ok(())
+}
+
+/// SQLite's write-ahead-log hook: the commit took place and its lock is released.
+fn after_commit(wal: &Wal, pages: c_int) -> rusqlite::Result<()> {
+    for (tracker, batch) in COMMITTED.with(|c| std::mem::take(&mut *c.borrow_mut())) {
+        let mut changes = batch.into_changes();
+        let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tracker.apply.apply(&changes)
+        }));
+        if applied.is_err() {
+            tracing::error!("a watch panicked on a change: the cache is flushed");
+            for r in &tracker.apply.registries {
+                r.invalidate_all();
+            }
+        }
+        if let Some(inner) = tracker.host.upgrade() {
+            changes.applied_by = Some(inner.id.clone());
+            let host = Host { inner };
+            let runtime = host.inner.runtime.clone();
+            runtime.spawn(async move {
+                if let Err(e) = host.run(changes).await {
+                    tracing::warn!(%e, "database changes could not be logged for the other hosts");
+                }
+            });
+        }
+    }
+    if pages >= AUTOCHECKPOINT {
+        // Busy (a reader holds the log): the next commit tries again, as SQLite's does.
+        let _ = wal.checkpoint();
+    }
+    Ok(())
+}

@@ -1,0 +1,462 @@
+//! Issue 34: changes made outside the application (a `psql`-style connection of its own,
+//! or a SQLite connection of the process) invalidate exactly the computeds that read the
+//! changed rows, on every host; a command's own writes are not invalidated twice; the
+//! feed's connection dropped, the slot lost, the leading host stopped: no change is lost.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use coherent::prelude::*;
+use coherent_ops::{watch_table, ChangeFeed, Database, Host, HostBuilder};
+use parking_lot::Mutex;
+
+use crate::holes::{sql, within};
+use crate::inproc::{postgres_db, sqlite_db};
+use crate::support::{host, open_sqlite, Items, SetValue};
+
+/// How often each host's watch saw each id, and how often the table-wide hooks ran.
+#[derive(Default)]
+struct Seen {
+    rows: Mutex<HashMap<i64, usize>>,
+    every_row: AtomicUsize,
+}
+
+impl Seen {
+    fn of(&self, id: i64) -> usize {
+        self.rows.lock().get(&id).copied().unwrap_or(0)
+    }
+}
+
+/// A slot and publication name that no other test (of this run or an earlier one) uses;
+/// slots that earlier runs of this binary left behind are dropped (a slot holds the log
+/// back for ever).
+async fn feed_for(db: &Database, test: &str) -> ChangeFeed {
+    let pid = std::process::id();
+    let c = sql(db).await;
+    let level: String = c.query_one("SHOW wal_level", &[]).await.unwrap().get(0);
+    assert_eq!(
+        level, "logical",
+        "the change feed's tests need wal_level = logical (.ci/run sets it: \
+         ALTER SYSTEM SET wal_level = logical, then restart PostgreSQL)"
+    );
+    c.execute(
+        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+         WHERE slot_name LIKE 't\\_feed\\_%' AND slot_name NOT LIKE $1 AND NOT active",
+        &[&format!("t\\_feed\\_{pid}\\_%")],
+    )
+    .await
+    .unwrap();
+    let name = format!("t_feed_{pid}_{test}");
+    ChangeFeed::postgres()
+        .slot(&name)
+        .publication(&name)
+        .poll_interval(Duration::from_millis(20))
+        .standby_interval(Duration::from_millis(100))
+}
+
+async fn drop_slot(db: &Database, feed_name: &str) {
+    let c = sql(db).await;
+    // A slot is active while the feed reads it: try between two reads.
+    within("the slot's drop", async {
+        loop {
+            let gone = c
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&feed_name],
+                )
+                .await
+                .unwrap()
+                .is_none();
+            if gone {
+                return;
+            }
+            let _ = c
+                .execute(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                     WHERE slot_name = $1 AND NOT active",
+                    &[&feed_name],
+                )
+                .await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+}
+
+/// Two hosts, each with its own cache, both running the feed (one reads it).
+async fn pair(db: &Database, feed: &ChangeFeed) -> [(Host, Items, Arc<Seen>); 2] {
+    let mut hosts = Vec::new();
+    for _ in 0..2 {
+        let seen = Arc::new(Seen::default());
+        let feed = feed.clone();
+        let (host, items) = {
+            let seen = seen.clone();
+            let slot = Arc::new(Mutex::new(None::<Items>));
+            let slot2 = slot.clone();
+            let (host, items) = host(db, move |b| {
+                // The watch needs the service the host builds: built with a stand-in
+                // that forwards to it.
+                let fwd = Forward(slot2);
+                fwd.install(b, &seen).change_feed(feed)
+            })
+            .await;
+            *slot.lock() = Some(items.clone());
+            (host, items)
+        };
+        hosts.push((host, items, seen));
+    }
+    let [a, b] = <[_; 2]>::try_from(hosts).ok().unwrap();
+    // The feed is read once one of them leads and the slot exists.
+    within("a host leads the feed", async {
+        while !(a.0.feed_stats().unwrap().leading || b.0.feed_stats().unwrap().leading)
+            || a.0.feed_stats().unwrap().reads + b.0.feed_stats().unwrap().reads == 0
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    [a, b]
+}
+
+/// The watches are declared before the host and its service exist: they reach the
+/// service through this.
+#[derive(Clone)]
+struct Forward(Arc<Mutex<Option<Items>>>);
+
+impl Forward {
+    fn install(self, builder: HostBuilder, seen: &Arc<Seen>) -> HostBuilder {
+        let (row, all) = (self.clone(), self);
+        let (seen_row, seen_all) = (seen.clone(), seen.clone());
+        builder.watch(
+            watch_table("items")
+                .on_change(move |change| {
+                    for id in [change.key::<i64>("id"), change.old_key::<i64>("id")]
+                        .into_iter()
+                        .flatten()
+                    {
+                        *seen_row.rows.lock().entry(id).or_default() += 1;
+                        if let Some(items) = &*row.0.lock() {
+                            items.invalidate_value(id);
+                        }
+                    }
+                })
+                .on_every_row(move || {
+                    seen_all.every_row.fetch_add(1, Ordering::Relaxed);
+                    if let Some(items) = &*all.0.lock() {
+                        for id in 1..=20 {
+                            items.invalidate_value(id);
+                        }
+                    }
+                }),
+        )
+    }
+}
+
+/// Waits until each of `computeds` is invalidated.
+async fn invalidated(computeds: &[Computed<Result<i64, String>>], what: &str) {
+    within(what, async {
+        for c in computeds {
+            c.when_invalidated().await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_writes_from_outside_invalidate_exactly_the_rows_they_change() {
+    let Some(db) = postgres_db("feed_exact").await else {
+        return;
+    };
+    let feed = feed_for(&db, "exact").await;
+    let hosts = pair(&db, &feed).await;
+    let psql = sql(&db).await;
+    let computed = |id: i64| {
+        let hosts = &hosts;
+        async move {
+            let mut v = Vec::new();
+            for (_, items, _) in hosts {
+                v.push(items.value_computed(id).await);
+            }
+            v
+        }
+    };
+
+    // UPDATE of one row: that row, on both hosts, and nothing else.
+    let (two, three) = (computed(2).await, computed(3).await);
+    psql.execute("UPDATE items SET value = 7 WHERE id = 2", &[])
+        .await
+        .unwrap();
+    invalidated(&two, "the UPDATE of item 2").await;
+    for (c, (_, items, _)) in three.iter().zip(&hosts) {
+        assert!(c.is_consistent(), "item 3 was not changed");
+        assert_eq!(items.value(2).await, Ok(7));
+    }
+
+    // INSERT: a key read before it existed.
+    let eleven = computed(11).await;
+    assert!(hosts[0].1.value(11).await.is_err());
+    psql.execute("INSERT INTO items VALUES (11, 5)", &[])
+        .await
+        .unwrap();
+    invalidated(&eleven, "the INSERT of item 11").await;
+    assert_eq!(hosts[1].1.value(11).await, Ok(5));
+
+    // DELETE.
+    let four = computed(4).await;
+    psql.execute("DELETE FROM items WHERE id = 4", &[])
+        .await
+        .unwrap();
+    invalidated(&four, "the DELETE of item 4").await;
+    assert!(hosts[0].1.value(4).await.is_err());
+
+    // One UPDATE of several rows.
+    let (five, six, seven) = (computed(5).await, computed(6).await, computed(7).await);
+    psql.execute("UPDATE items SET value = value + 1 WHERE id IN (5, 6)", &[])
+        .await
+        .unwrap();
+    invalidated(&[five, six].concat(), "the UPDATE of items 5 and 6").await;
+    assert!(
+        seven.iter().all(|c| c.is_consistent()),
+        "item 7 was not changed"
+    );
+
+    // An UPDATE that moves a key invalidates the old id and the new one.
+    let (eight, twelve) = (computed(8).await, computed(12).await);
+    psql.execute("UPDATE items SET id = 12 WHERE id = 8", &[])
+        .await
+        .unwrap();
+    invalidated(&[eight, twelve].concat(), "the key moved from 8 to 12").await;
+
+    // A transaction rolled back: no invalidation. Item 9's write after it is the
+    // barrier: once it is applied, the rolled-back one would have been too.
+    let (one, nine) = (computed(1).await, computed(9).await);
+    psql.batch_execute("BEGIN; UPDATE items SET value = 100 WHERE id = 1; ROLLBACK;")
+        .await
+        .unwrap();
+    psql.execute("UPDATE items SET value = 9 WHERE id = 9", &[])
+        .await
+        .unwrap();
+    invalidated(&nine, "the UPDATE of item 9 after a rollback").await;
+    assert!(
+        one.iter().all(|c| c.is_consistent()),
+        "a rollback invalidated item 1"
+    );
+    for (_, _, seen) in &hosts {
+        assert_eq!(seen.of(1), 0);
+        assert_eq!(seen.of(3), 0);
+        assert_eq!(seen.of(2), 1, "one change, one invalidation per host");
+    }
+
+    // A command through the pipeline: its handler invalidates; the feed skips its
+    // transaction (the barrier write after it shows the feed went past it).
+    let ten = computed(10).await;
+    let three = computed(3).await;
+    hosts[0].0.run(SetValue { id: 10, value: 4 }).await.unwrap();
+    invalidated(&ten, "the command on item 10").await;
+    psql.execute("UPDATE items SET value = 33 WHERE id = 3", &[])
+        .await
+        .unwrap();
+    invalidated(&three, "the UPDATE of item 3 after the command").await;
+    for (_, _, seen) in &hosts {
+        assert_eq!(seen.of(10), 0, "the command's write reached the watch too");
+    }
+    let stats = |h: &Host| h.feed_stats().unwrap();
+    let skipped: u64 = hosts.iter().map(|h| stats(&h.0).skipped_commands).sum();
+    assert!(skipped >= 1, "no command transaction was skipped");
+
+    // TRUNCATE: every row.
+    let one = computed(1).await;
+    psql.execute("TRUNCATE items", &[]).await.unwrap();
+    invalidated(&one, "the TRUNCATE").await;
+    for (_, items, seen) in &hosts {
+        assert_eq!(seen.every_row.load(Ordering::Relaxed), 1);
+        assert!(items.value(1).await.is_err());
+    }
+    let feed_stats: Vec<_> = hosts.iter().map(|h| stats(&h.0)).collect();
+    assert_eq!(
+        feed_stats.iter().filter(|s| s.leading).count(),
+        1,
+        "one host reads the feed: {feed_stats:?}"
+    );
+    for (host, _, _) in &hosts {
+        host.stop().await;
+    }
+    drop_slot(&db, &format!("t_feed_{}_exact", std::process::id())).await;
+}
+
+/// The feed's connection terminated (by an administrator, a failover, a restart): the
+/// changes committed while it was down are read from the slot when it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_feed_that_lost_its_connection_loses_no_change() {
+    let Some(db) = postgres_db("feed_conn").await else {
+        return;
+    };
+    let feed = feed_for(&db, "conn").await;
+    let hosts = pair(&db, &feed).await;
+    let psql = sql(&db).await;
+    for round in 0..3i64 {
+        let mut computeds = Vec::new();
+        for (_, items, _) in &hosts {
+            computeds.push(items.value_computed(round + 1).await);
+        }
+        // Every feed connection (this test's, and any other test's at this moment: each
+        // reconnects) is cut, then the write commits while they are down.
+        psql.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = $1",
+            &[&coherent_ops::changes::FEED_APPLICATION],
+        )
+        .await
+        .unwrap();
+        psql.execute(
+            "UPDATE items SET value = $1 WHERE id = $2",
+            &[&(100 + round), &(round + 1)],
+        )
+        .await
+        .unwrap();
+        invalidated(&computeds, "a write made while the feed was cut off").await;
+        for (_, items, _) in &hosts {
+            assert_eq!(items.value(round + 1).await, Ok(100 + round));
+        }
+    }
+    let errors: u64 = hosts.iter().map(|h| h.0.feed_stats().unwrap().errors).sum();
+    assert!(errors >= 1, "the feed never saw its connection go");
+
+    // The slot lost (dropped, as the server does past max_slot_wal_keep_size): a new one,
+    // and every host flushes (what happened in between is not in it).
+    let name = format!("t_feed_{}_conn", std::process::id());
+    let mut computeds = Vec::new();
+    for (_, items, _) in &hosts {
+        computeds.push(items.value_computed(7).await);
+    }
+    drop_slot(&db, &name).await;
+    invalidated(&computeds, "the flush after the slot was lost").await;
+    let created: u64 = hosts
+        .iter()
+        .map(|h| h.0.feed_stats().unwrap().slots_created)
+        .sum();
+    assert_eq!(created, 2, "the first slot and its replacement");
+    let mut computeds = Vec::new();
+    for (_, items, _) in &hosts {
+        computeds.push(items.value_computed(8).await);
+    }
+    psql.execute("UPDATE items SET value = 8 WHERE id = 8", &[])
+        .await
+        .unwrap();
+    invalidated(&computeds, "a write after the new slot").await;
+    for (host, _, _) in &hosts {
+        host.stop().await;
+    }
+    drop_slot(&db, &name).await;
+}
+
+/// The host reading the feed stops: another takes it over, and the changes committed in
+/// between reach the hosts left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_when_the_leading_host_stops_another_reads_the_feed() {
+    let Some(db) = postgres_db("feed_failover").await else {
+        return;
+    };
+    let feed = feed_for(&db, "failover").await;
+    let [a, b] = pair(&db, &feed).await;
+    let (leader, other) = if a.0.feed_stats().unwrap().leading {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    leader.0.stop().await;
+    drop(leader);
+    let psql = sql(&db).await;
+    let two = other.1.value_computed(2).await;
+    psql.execute("UPDATE items SET value = 2 WHERE id = 2", &[])
+        .await
+        .unwrap();
+    within("the other host's invalidation", two.when_invalidated()).await;
+    assert!(other.0.feed_stats().unwrap().leading);
+    assert_eq!(other.1.value(2).await, Ok(2));
+    other.0.stop().await;
+    drop_slot(&db, &format!("t_feed_{}_failover", std::process::id())).await;
+}
+
+/// A feed on a host with no watch, or on SQLite, is refused at the start with a reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feed_without_watches_or_on_sqlite_is_refused_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let err = Host::builder(db.clone())
+        .change_feed(ChangeFeed::postgres())
+        .start()
+        .await
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("no watched table"), "{err}");
+    let err = Host::builder(db)
+        .watch(watch_table("items").on_any_change(|| {}))
+        .change_feed(ChangeFeed::postgres())
+        .start()
+        .await
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("track the application's"), "{err}");
+}
+
+/// SQLite: a write through a tracked connection of the process invalidates here before
+/// the statement returns, and on the other host (its own cache over the same file)
+/// through the log; a rollback invalidates nothing; a command's own write is skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_writes_through_a_tracked_connection_invalidate_here_at_once_and_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let mut hosts = Vec::new();
+    for _ in 0..2 {
+        let seen = Arc::new(Seen::default());
+        let slot = Arc::new(Mutex::new(None::<Items>));
+        let fwd = Forward(slot.clone());
+        let s = seen.clone();
+        let (host, items) = host(&db, move |b| fwd.install(b, &s)).await;
+        *slot.lock() = Some(items.clone());
+        hosts.push((host, items, seen));
+    }
+    let conn = open_sqlite(db.sqlite_path().unwrap());
+    coherent_ops::changes::sqlite::track(&conn, &hosts[0].0).unwrap();
+
+    let here = hosts[0].1.value_computed(2).await;
+    let there = hosts[1].1.value_computed(2).await;
+    let untouched = hosts[0].1.value_computed(3).await;
+    conn.execute("UPDATE items SET value = 5 WHERE id = 2", [])
+        .unwrap();
+    // Before the statement returned: no wait.
+    assert!(
+        !here.is_consistent(),
+        "the write did not invalidate here at once"
+    );
+    assert!(untouched.is_consistent());
+    assert_eq!(hosts[0].1.value(2).await, Ok(5));
+    within("the other host's invalidation", there.when_invalidated()).await;
+    assert_eq!(hosts[1].1.value(2).await, Ok(5));
+
+    // A rollback: nothing.
+    let one = hosts[0].1.value_computed(1).await;
+    conn.execute_batch("BEGIN; UPDATE items SET value = 9 WHERE id = 1; ROLLBACK;")
+        .unwrap();
+    assert!(one.is_consistent(), "a rollback invalidated item 1");
+    assert_eq!(hosts[0].2.of(1), 0);
+
+    // A transaction of several rows, one commit.
+    let (four, five) = (
+        hosts[0].1.value_computed(4).await,
+        hosts[0].1.value_computed(5).await,
+    );
+    conn.execute_batch(
+        "BEGIN; UPDATE items SET value = 4 WHERE id = 4; DELETE FROM items WHERE id = 5; COMMIT;",
+    )
+    .unwrap();
+    assert!(!four.is_consistent() && !five.is_consistent());
+    assert!(hosts[0].1.value(5).await.is_err());
+    assert_eq!(hosts[0].2.of(2), 1, "one change, one invalidation");
+    for (host, _, _) in &hosts {
+        host.stop().await;
+    }
+}
