@@ -270,6 +270,14 @@ impl Read<'_> {
     }
 }
 
+/// An LSN as PostgreSQL writes it (`16/B374D848`).
+fn parse_lsn(text: &str) -> Option<u64> {
+    let (hi, lo) = text.split_once('/')?;
+    let hi = u32::from_str_radix(hi, 16).ok()?;
+    let lo = u32::from_str_radix(lo, 16).ok()?;
+    Some((u64::from(hi) << 32) | u64::from(lo))
+}
+
 fn lsn_text(lsn: u64) -> String {
     format!("{:X}/{:X}", lsn >> 32, lsn & 0xffff_ffff)
 }
@@ -370,6 +378,8 @@ async fn lead(
     if ensure_slot(&client, feed).await? && !log(host, flush()).await? {
         return Ok(());
     }
+    // Where this connection last moved the slot.
+    let mut advanced = 0;
     loop {
         if *stop.borrow() {
             return Ok(());
@@ -403,7 +413,8 @@ async fn lead(
             feed.counters.rows.fetch_add(rows, Ordering::Relaxed);
             feed.counters.tables.fetch_add(tables, Ordering::Relaxed);
         }
-        if let Some(lsn) = end_lsn {
+        if let Some(lsn) = end_lsn.filter(|&lsn| lsn > advanced) {
+            advanced = lsn;
             client
                 .execute(
                     "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)",
@@ -538,13 +549,24 @@ async fn read(
     feed: &PgFeed,
 ) -> Result<(DbChanges, Option<u64>, bool), ReadError> {
     feed.counters.reads.fetch_add(1, Ordering::Relaxed);
+    // The read goes up to what is flushed now: when it returns fewer messages than its
+    // limit, it read every transaction that committed before that point, and the slot may
+    // move there even if none had a change to carry (without it, a slot whose tables do not
+    // change would hold the log back, and each read would decode it all again).
+    let flushed: String = client
+        .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
+        .await
+        .map_err(|e| ReadError::Other(feed_error(e)))?
+        .get(0);
+    let upto = parse_lsn(&flushed)
+        .ok_or_else(|| ReadError::Other(feed_error(format!("an LSN of {flushed:?}"))))?;
     let max = i32::try_from(feed.feed.max_messages).unwrap_or(i32::MAX);
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-        [&feed.feed.slot, &max, &feed.feed.publication];
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+        [&feed.feed.slot, &flushed, &max, &feed.feed.publication];
     let rows = client
         .query_raw(
-            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, $2, \
-             'proto_version', '1', 'publication_names', $3)",
+            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, $2::text::pg_lsn, $3, \
+             'proto_version', '1', 'publication_names', $4)",
             params,
         )
         .await
@@ -565,7 +587,7 @@ async fn read(
         transactions: 0,
         skipped: 0,
     };
-    let mut any = false;
+    let mut messages = 0usize;
     while let Some(row) = rows.try_next().await.map_err(|e| {
         if slot_lost(&e) {
             ReadError::Lost(e)
@@ -573,7 +595,7 @@ async fn read(
             ReadError::Other(feed_error(e))
         }
     })? {
-        any = true;
+        messages += 1;
         let data: &[u8] = row.get(0);
         let message = pgoutput::decode(data).map_err(|e| {
             feed.counters.undecodable.fetch_add(1, Ordering::Relaxed);
@@ -588,5 +610,12 @@ async fn read(
     feed.counters
         .skipped_commands
         .fetch_add(read.skipped, Ordering::Relaxed);
-    Ok((read.batch.into_changes(), read.end_lsn, any))
+    // Fewer messages than the limit: the read stopped at `upto`, not at the limit (which
+    // the server checks only at a commit, so a read that reached it ends on one).
+    let end_lsn = if messages < feed.feed.max_messages {
+        Some(read.end_lsn.unwrap_or(0).max(upto))
+    } else {
+        read.end_lsn
+    };
+    Ok((read.batch.into_changes(), end_lsn, messages > 0))
 }

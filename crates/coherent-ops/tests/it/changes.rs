@@ -352,6 +352,61 @@ async fn postgres_a_feed_that_lost_its_connection_loses_no_change() {
     drop_slot(&db, &name).await;
 }
 
+/// Writes to tables the feed does not watch move the slot too: a slot whose tables do not
+/// change would otherwise hold the write-ahead log back for ever (and each read would decode
+/// all of it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_the_slot_moves_past_writes_to_tables_nobody_watches() {
+    let Some(db) = postgres_db("feed_moves").await else {
+        return;
+    };
+    let feed = feed_for(&db, "moves").await;
+    let name = format!("t_feed_{}_moves", std::process::id());
+    let hosts = pair(&db, &feed).await;
+    let psql = sql(&db).await;
+    psql.batch_execute("CREATE TABLE other (id BIGINT PRIMARY KEY, body TEXT)")
+        .await
+        .unwrap();
+    psql.execute(
+        "INSERT INTO other SELECT g, repeat('x', 100) FROM generate_series(1, 1000) g",
+        &[],
+    )
+    .await
+    .unwrap();
+    let written: String = psql
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    within("the slot's move past the write", async {
+        loop {
+            let past: bool = psql
+                .query_one(
+                    "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots \
+                     WHERE slot_name = $1",
+                    &[&name, &written],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if past {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let ops: u64 = hosts
+        .iter()
+        .map(|h| h.0.feed_stats().unwrap().operations)
+        .sum();
+    assert_eq!(ops, 0, "nothing watched changed");
+    for (host, _, _) in &hosts {
+        host.stop().await;
+    }
+    drop_slot(&db, &name).await;
+}
+
 /// The host reading the feed stops: another takes it over, and the changes committed in
 /// between reach the hosts left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
