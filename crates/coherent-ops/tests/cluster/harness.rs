@@ -138,6 +138,12 @@ impl HostConfig {
         self
     }
 
+    /// Runs the change feed (issue 34) on this slot and publication.
+    pub(crate) fn feed(mut self, slot: &str) -> Self {
+        self.env.push(("CL_FEED", slot.to_owned()));
+        self
+    }
+
     pub(crate) fn retention_ms(mut self, ms: u64) -> Self {
         self.env.push(("CL_RETENTION_MS", ms.to_string()));
         self

@@ -18,6 +18,7 @@
 //! the parent's guard (`harness::HostProc`) kills and reaps it on drop, on panic too.
 
 mod faults;
+mod feed;
 mod harness;
 mod netns;
 mod node;

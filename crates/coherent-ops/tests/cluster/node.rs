@@ -113,6 +113,34 @@ pub(crate) async fn host_main() -> i32 {
     if let Some(d) = env_ms("CL_EXPIRY_MS") {
         builder = builder.host_expiry(d);
     }
+    if let Some(slot) = env("CL_FEED") {
+        // Issue 34: changes from outside the application invalidate `value` by id.
+        let (row, all) = (items.clone(), items.clone());
+        builder = builder
+            .watch(
+                coherent_ops::watch_table("items")
+                    .on_change(move |change| {
+                        for id in [change.key::<i64>("id"), change.old_key::<i64>("id")]
+                            .into_iter()
+                            .flatten()
+                        {
+                            row.invalidate_value(id);
+                        }
+                    })
+                    .on_every_row(move || {
+                        for id in 1..=20 {
+                            all.invalidate_value(id);
+                        }
+                    }),
+            )
+            .change_feed(
+                coherent_ops::ChangeFeed::postgres()
+                    .slot(&slot)
+                    .publication(&slot)
+                    .poll_interval(Duration::from_millis(20))
+                    .standby_interval(Duration::from_millis(100)),
+            );
+    }
     let host = builder.start().await.unwrap();
 
     // Every operation of another host applied here, from now on.
@@ -133,7 +161,7 @@ pub(crate) async fn host_main() -> i32 {
                     }
                     Err(_) => return,
                 };
-                if applied.via == Via::Local {
+                if applied.via == Via::Local || &*applied.kind != "test.set_value" {
                     continue;
                 }
                 // The value the operation wrote: from here on no read may see an older
@@ -249,6 +277,16 @@ pub(crate) async fn host_main() -> i32 {
                     u8::from(host.notifier_connected())
                 )
             }
+            Some("feed") => match host.feed_stats() {
+                Some(f) => format!(
+                    "feed leading={} operations={} slots_created={} errors={}",
+                    u8::from(f.leading),
+                    f.operations,
+                    f.slots_created,
+                    f.errors
+                ),
+                None => "feed none".to_owned(),
+            },
             Some("catchup") => match host.catch_up().await {
                 Ok(()) => "ok".to_owned(),
                 Err(e) => format!("err {e}"),
