@@ -28,6 +28,7 @@
 pub mod pgoutput;
 mod postgres;
 pub mod sqlite;
+mod triggers;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -364,6 +365,8 @@ pub struct ChangeFeed {
     pub(crate) max_messages: usize,
     pub(crate) skip_commands: bool,
     pub(crate) standby: Duration,
+    /// Triggers and a change table instead of logical decoding.
+    pub(crate) triggers: bool,
 }
 
 /// The default of [`ChangeFeed::max_rows`].
@@ -389,6 +392,28 @@ impl ChangeFeed {
             max_messages: 10_000,
             skip_commands: true,
             standby: Duration::from_secs(1),
+            triggers: false,
+        }
+    }
+
+    /// PostgreSQL triggers, where logical decoding is not available (`wal_level` cannot
+    /// be changed, a managed database without replication rights): each watched table gets
+    /// a row trigger that writes the key columns (the primary key, and the watch's
+    /// [`columns`](TableWatch::columns)) of each changed row to the table
+    /// `coherent_changes` of the cluster's schema, and a `TRUNCATE` trigger, each
+    /// `NOTIFY`ing the feed. The change rows commit with the change, or roll back with
+    /// it; the feed logs them and then deletes them, so a notification lost (the feed's
+    /// connection dropped, no host running) costs latency, never a change: the table is
+    /// the truth, read again after every reconnect and every poll interval. The triggers
+    /// are made (or replaced) at each feed's start, and the hosts flush their caches when
+    /// a table had none before (its changes until then were not captured).
+    ///
+    /// Costs the writer: an `INSERT` per changed row of a watched table, in its
+    /// transaction. While no host runs the feed the change table grows with every write.
+    pub fn postgres_triggers() -> Self {
+        Self {
+            triggers: true,
+            ..Self::postgres()
         }
     }
 

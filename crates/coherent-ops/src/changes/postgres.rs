@@ -34,7 +34,7 @@ pub struct FeedStats {
     pub leading: bool,
     /// Reads of the slot.
     pub reads: u64,
-    /// Transactions read whose changes were logged.
+    /// Transactions read whose changes were logged (the trigger feed: change rows read).
     pub transactions: u64,
     /// Transactions skipped: they also wrote an operation (a command's).
     pub skipped_commands: u64,
@@ -44,8 +44,9 @@ pub struct FeedStats {
     pub tables: u64,
     /// `coherent.db_changes` operations this feed logged.
     pub operations: u64,
-    /// Times the slot was created (the first start, or after it was lost): each had every
-    /// host flush its cache.
+    /// Times the slot was created (the first start, or after it was lost), or the trigger
+    /// feed found a watched table without its triggers: each had every host flush its
+    /// cache.
     pub slots_created: u64,
     /// Reads or logs that failed (the same changes are read again).
     pub errors: u64,
@@ -56,15 +57,15 @@ pub struct FeedStats {
 #[derive(Default)]
 pub(crate) struct FeedCounters {
     leading: AtomicBool,
-    reads: AtomicU64,
-    transactions: AtomicU64,
-    skipped_commands: AtomicU64,
-    rows: AtomicU64,
-    tables: AtomicU64,
-    operations: AtomicU64,
-    slots_created: AtomicU64,
-    errors: AtomicU64,
-    undecodable: AtomicU64,
+    pub(super) reads: AtomicU64,
+    pub(super) transactions: AtomicU64,
+    pub(super) skipped_commands: AtomicU64,
+    pub(super) rows: AtomicU64,
+    pub(super) tables: AtomicU64,
+    pub(super) operations: AtomicU64,
+    pub(super) slots_created: AtomicU64,
+    pub(super) errors: AtomicU64,
+    pub(super) undecodable: AtomicU64,
 }
 
 impl FeedCounters {
@@ -282,7 +283,7 @@ fn lsn_text(lsn: u64) -> String {
     format!("{:X}/{:X}", lsn >> 32, lsn & 0xffff_ffff)
 }
 
-fn feed_error(e: impl std::fmt::Display) -> CommandError {
+pub(super) fn feed_error(e: impl std::fmt::Display) -> CommandError {
     CommandError::new(ErrorKind::Database, format!("change feed: {e}"))
 }
 
@@ -302,7 +303,11 @@ pub(crate) async fn run_postgres_feed(
     feed: PgFeed,
     mut stop: watch::Receiver<bool>,
 ) {
-    let lock_key = format!("coherent.changes.{}", feed.feed.slot);
+    let lock_key = if feed.feed.triggers {
+        format!("coherent.changes.triggers.{}", feed.schema)
+    } else {
+        format!("coherent.changes.{}", feed.feed.slot)
+    };
     loop {
         if *stop.borrow() {
             return;
@@ -324,7 +329,7 @@ pub(crate) async fn run_postgres_feed(
 }
 
 /// Runs `command` on the host, if it still runs.
-async fn log(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, CommandError> {
+pub(super) async fn log(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, CommandError> {
     let Some(inner) = host.upgrade() else {
         return Ok(false);
     };
@@ -345,7 +350,20 @@ async fn lead(
         .connect(tokio_postgres::NoTls)
         .await
         .map_err(feed_error)?;
-    let driver = tokio::spawn(connection);
+    // The trigger feed's wake-ups come as notifications on this connection.
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let woken = wake.clone();
+    let mut connection = connection;
+    let driver = tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(message) = futures::StreamExt::next(&mut messages).await {
+            match message {
+                Ok(tokio_postgres::AsyncMessage::Notification(_)) => woken.notify_one(),
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    });
     let _driver = AbortOnDrop(driver);
     // Stand by until this host holds the feed.
     loop {
@@ -362,6 +380,10 @@ async fn lead(
         }
     }
     feed.counters.leading.store(true, Ordering::Relaxed);
+    if feed.feed.triggers {
+        tracing::info!(schema = %feed.schema, "change feed: this host reads the change table");
+        return super::triggers::follow(host, feed, &client, &wake, stop).await;
+    }
     tracing::info!(slot = %feed.feed.slot, "change feed: this host reads the slot");
     let level: String = client
         .query_one("SHOW wal_level", &[])
@@ -440,7 +462,7 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-fn flush() -> DbChanges {
+pub(super) fn flush() -> DbChanges {
     DbChanges {
         flush: true,
         ..DbChanges::default()

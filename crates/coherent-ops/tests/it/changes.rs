@@ -32,7 +32,7 @@ impl Seen {
 /// A slot and publication name that no other test (of this run or an earlier one) uses;
 /// slots that earlier runs of this binary left behind are dropped (a slot holds the log
 /// back for ever).
-async fn feed_for(db: &Database, test: &str) -> ChangeFeed {
+async fn feed_for(db: &Database, test: &str, triggers: bool) -> ChangeFeed {
     let pid = std::process::id();
     let c = sql(db).await;
     let level: String = c.query_one("SHOW wal_level", &[]).await.unwrap().get(0);
@@ -49,8 +49,12 @@ async fn feed_for(db: &Database, test: &str) -> ChangeFeed {
     .await
     .unwrap();
     let name = format!("t_feed_{pid}_{test}");
-    ChangeFeed::postgres()
-        .slot(&name)
+    let feed = if triggers {
+        ChangeFeed::postgres_triggers()
+    } else {
+        ChangeFeed::postgres()
+    };
+    feed.slot(&name)
         .publication(&name)
         .poll_interval(Duration::from_millis(20))
         .standby_interval(Duration::from_millis(100))
@@ -166,10 +170,20 @@ async fn invalidated(computeds: &[Computed<Result<i64, String>>], what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_writes_from_outside_invalidate_exactly_the_rows_they_change() {
+    writes_from_outside_invalidate_exactly_the_rows_they_change(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_triggers_writes_from_outside_invalidate_exactly_the_rows_they_change() {
+    writes_from_outside_invalidate_exactly_the_rows_they_change(true).await;
+}
+
+async fn writes_from_outside_invalidate_exactly_the_rows_they_change(triggers: bool) {
     let Some(db) = postgres_db("feed_exact").await else {
         return;
     };
-    let feed = feed_for(&db, "exact").await;
+    let test = if triggers { "exact_t" } else { "exact" };
+    let feed = feed_for(&db, test, triggers).await;
     let hosts = pair(&db, &feed).await;
     let psql = sql(&db).await;
     let computed = |id: i64| {
@@ -283,17 +297,27 @@ async fn postgres_writes_from_outside_invalidate_exactly_the_rows_they_change() 
     for (host, _, _) in &hosts {
         host.stop().await;
     }
-    drop_slot(&db, &format!("t_feed_{}_exact", std::process::id())).await;
+    drop_slot(&db, &format!("t_feed_{}_{test}", std::process::id())).await;
 }
 
 /// The feed's connection terminated (by an administrator, a failover, a restart): the
 /// changes committed while it was down are read from the slot when it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_feed_that_lost_its_connection_loses_no_change() {
+    a_feed_that_lost_its_connection_loses_no_change(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_triggers_a_feed_that_lost_its_connection_loses_no_change() {
+    a_feed_that_lost_its_connection_loses_no_change(true).await;
+}
+
+async fn a_feed_that_lost_its_connection_loses_no_change(triggers: bool) {
     let Some(db) = postgres_db("feed_conn").await else {
         return;
     };
-    let feed = feed_for(&db, "conn").await;
+    let test = if triggers { "conn_t" } else { "conn" };
+    let feed = feed_for(&db, test, triggers).await;
     let hosts = pair(&db, &feed).await;
     let psql = sql(&db).await;
     for round in 0..3i64 {
@@ -323,10 +347,16 @@ async fn postgres_a_feed_that_lost_its_connection_loses_no_change() {
     }
     let errors: u64 = hosts.iter().map(|h| h.0.feed_stats().unwrap().errors).sum();
     assert!(errors >= 1, "the feed never saw its connection go");
+    if triggers {
+        for (host, _, _) in &hosts {
+            host.stop().await;
+        }
+        return;
+    }
 
     // The slot lost (dropped, as the server does past max_slot_wal_keep_size): a new one,
     // and every host flushes (what happened in between is not in it).
-    let name = format!("t_feed_{}_conn", std::process::id());
+    let name = format!("t_feed_{}_{test}", std::process::id());
     let mut computeds = Vec::new();
     for (_, items, _) in &hosts {
         computeds.push(items.value_computed(7).await);
@@ -360,7 +390,7 @@ async fn postgres_the_slot_moves_past_writes_to_tables_nobody_watches() {
     let Some(db) = postgres_db("feed_moves").await else {
         return;
     };
-    let feed = feed_for(&db, "moves").await;
+    let feed = feed_for(&db, "moves", false).await;
     let name = format!("t_feed_{}_moves", std::process::id());
     let hosts = pair(&db, &feed).await;
     let psql = sql(&db).await;
@@ -414,7 +444,7 @@ async fn postgres_when_the_leading_host_stops_another_reads_the_feed() {
     let Some(db) = postgres_db("feed_failover").await else {
         return;
     };
-    let feed = feed_for(&db, "failover").await;
+    let feed = feed_for(&db, "failover", false).await;
     let [a, b] = pair(&db, &feed).await;
     let (leader, other) = if a.0.feed_stats().unwrap().leading {
         (a, b)
