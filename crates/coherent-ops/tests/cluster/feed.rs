@@ -127,3 +127,129 @@ async fn postgres_a_change_from_outside_reaches_every_host_process_and_outlives_
     })
     .await;
 }
+
+/// Resets `max_slot_wal_keep_size` when dropped, a panic included (the setting outlives
+/// the test: `ALTER SYSTEM` writes it to the server's configuration).
+struct KeepSize(String);
+
+impl Drop for KeepSize {
+    fn drop(&mut self) {
+        let url = self.0.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .unwrap();
+                tokio::spawn(conn);
+                for sql in [
+                    "ALTER SYSTEM RESET max_slot_wal_keep_size",
+                    "SELECT pg_reload_conf()",
+                ] {
+                    c.batch_execute(sql).await.unwrap();
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Retention: while the host reading the feed is paused (SIGSTOP: it keeps the lock, so
+/// no other host reads), writes push the slot past `max_slot_wal_keep_size` and the server
+/// invalidates it, with a change to a watched row in the log it dropped. When the reader
+/// resumes it finds the slot lost, makes a new one, and every host flushes: the lost
+/// change is not served stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_slot_past_max_slot_wal_keep_size_is_replaced_and_every_host_flushes() {
+    let Some(store) = Store::postgres("c_keep").await else {
+        return;
+    };
+    let sql = store.sql().await;
+    let slot = format!("t_feed_{}_keep", std::process::id());
+    let _reset = KeepSize(std::env::var("DATABASE_URL").unwrap());
+    for statement in [
+        "ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'",
+        "SELECT pg_reload_conf()",
+    ] {
+        sql.batch_execute(statement).await.unwrap();
+    }
+    let config = store.host().feed(&slot);
+    let mut a = config.spawn().await;
+    within("A reads the feed", async {
+        while !leading(&mut a).await {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let mut b = config.spawn().await;
+    assert_eq!(b.read(3).await, 0);
+
+    a.pause();
+    sql.execute("UPDATE items SET value = 9 WHERE id = 3", &[])
+        .await
+        .unwrap();
+    sql.batch_execute("CREATE TABLE junk (id BIGINT, body TEXT)")
+        .await
+        .unwrap();
+    within("the server's invalidation of the slot", async {
+        loop {
+            let status: Option<String> = sql
+                .query_one(
+                    "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if status.as_deref() == Some("lost") {
+                return;
+            }
+            // A few segments of log, then a checkpoint (which invalidates the slot).
+            for statement in [
+                "INSERT INTO junk SELECT g, repeat(md5(g::text), 30) \
+                 FROM generate_series(1, 20000) g",
+                "SELECT pg_switch_wal()",
+                "CHECKPOINT",
+            ] {
+                sql.batch_execute(statement).await.unwrap();
+            }
+        }
+    })
+    .await;
+    // B stood by: its entry for item 3 is the old one until the flush.
+    assert_eq!(b.read(3).await, 0, "nothing read the feed meanwhile");
+    a.resume();
+    reads(&mut b, 3, 9).await;
+    reads(&mut a, 3, 9).await;
+    let feed = a.cmd("feed").await;
+    assert!(feed.contains("slots_created=2"), "{feed}");
+    a.kill().await;
+    b.kill().await;
+    within("the slot's drop", async {
+        loop {
+            let _ = sql
+                .execute(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                     WHERE slot_name = $1 AND NOT active",
+                    &[&slot],
+                )
+                .await;
+            let gone = sql
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .unwrap()
+                .is_none();
+            if gone {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+}

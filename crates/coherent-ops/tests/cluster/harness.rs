@@ -301,6 +301,20 @@ impl HostProc {
     }
 
     /// kill -9, and waits for the process to end.
+    /// Stops the process (SIGSTOP) until [`resume`](Self::resume): its connections stay
+    /// open, its locks held.
+    pub(crate) fn pause(&self) {
+        let pid = self.child.id().expect("running") as libc::pid_t;
+        // SAFETY: a signal to a child process this guard owns.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    }
+
+    pub(crate) fn resume(&self) {
+        let pid = self.child.id().expect("running") as libc::pid_t;
+        // SAFETY: as in `pause`.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    }
+
     pub(crate) async fn kill(&mut self) {
         let _ = self.child.start_kill();
         let _ = self.child.wait().await;
