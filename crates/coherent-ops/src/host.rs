@@ -13,8 +13,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, oneshot, watch, Notify};
 
 use crate::changes::{
-    check_identifier, run_postgres_feed, ApplyChanges, ChangeFeed, ChangesHandler, DbChanges,
-    FeedCounters, FeedStats, PgFeed, TableWatch, Watches,
+    check_identifier, default_name as default_feed_name, run_postgres_feed, ApplyChanges,
+    ChangeFeed, ChangesHandler, DbChanges, FeedCounters, FeedStats, PgFeed, TableWatch, Watches,
 };
 use crate::command::{BoxFuture, Command, DynHandler, Handler, Handlers};
 use crate::db::{now_micros, Append, Cursor, Database, Engine, Execute, Logged, Reading, Tx};
@@ -563,14 +563,25 @@ impl HostBuilder {
                     "a change feed with no watched table (HostBuilder::watch)",
                 ))
             }
-            (Some(feed), Engine::Postgres(pg), Some(apply)) => {
+            (Some(mut feed), Engine::Postgres(pg), Some(apply)) => {
+                let name = default_feed_name(
+                    pg.config.get_dbname().unwrap_or("postgres"),
+                    &pg.schema.to_ascii_lowercase(),
+                );
+                if feed.slot.is_empty() {
+                    feed.slot = name.clone();
+                }
+                if feed.publication.is_empty() {
+                    feed.publication = name;
+                }
                 check_identifier("slot", &feed.slot)?;
                 check_identifier("publication", &feed.publication)?;
                 Some(PgFeed {
                     feed,
                     watches: apply.watches.clone(),
                     config: pg.config.clone(),
-                    schema: pg.schema.clone(),
+                    // Unquoted in the statements that made it: PostgreSQL folded it.
+                    schema: pg.schema.to_ascii_lowercase(),
                     counters: Arc::default(),
                 })
             }
@@ -922,8 +933,16 @@ impl Host {
     }
 
     /// Runs a command given by name and as JSON (what remote callers send); answers the
-    /// output as JSON.
+    /// output as JSON. The built-in commands (named `coherent.*`, such as the change feed's
+    /// `coherent.db_changes`) are refused: they are the host's own, and one sent by a
+    /// client could flush every host or forge changes.
     pub async fn run_json(&self, kind: &str, command: String) -> Result<String, CommandError> {
+        if kind.starts_with("coherent.") {
+            return Err(CommandError::new(
+                ErrorKind::UnknownCommand,
+                format!("{kind:?} is a built-in command of the hosts: not run for a caller"),
+            ));
+        }
         let run = &self.inner.handlers.get(kind)?.run_json;
         run(self.clone(), command).await
     }

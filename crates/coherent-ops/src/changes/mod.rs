@@ -288,10 +288,22 @@ impl ApplyChanges {
         );
     }
 
+    /// Runs the watches for `changes`; a watch that panics flushes the registries instead
+    /// (what it would have invalidated is not known), so that the operation counts as
+    /// applied: a feed whose own invalidation failed would read the same changes again
+    /// and again.
     pub(crate) fn apply(&self, changes: &DbChanges) {
         if changes.applied_by.as_deref() == Some(&*self.host) {
             return;
         }
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(changes)));
+        if ran.is_err() {
+            tracing::error!("a watch of database changes panicked");
+            self.flush("a watch panicked");
+        }
+    }
+
+    fn run(&self, changes: &DbChanges) {
         if changes.flush {
             self.flush("the change feed may have missed changes");
             return;
@@ -299,9 +311,26 @@ impl ApplyChanges {
         // Tables touched, in a stable order, each with whether it changed as a whole.
         let mut touched: BTreeMap<(&str, &str), bool> = BTreeMap::new();
         for change in &changes.rows {
-            touched
+            let entry = touched
                 .entry((&change.schema, &change.table))
                 .or_insert(false);
+            // A row without a column this host's watch asked for (the host that read the
+            // feed did not know of it: another release) cannot be invalidated by it: the
+            // whole table is.
+            let row = change.new.as_ref().or(change.old.as_ref());
+            let lacks = |w: &TableWatch| {
+                w.columns
+                    .iter()
+                    .any(|c| !row.is_some_and(|r| r.0.iter().any(|(name, _)| name == c)))
+            };
+            if self
+                .watches
+                .tables
+                .iter()
+                .any(|w| w.matches(&change.schema, &change.table) && lacks(w))
+            {
+                *entry = true;
+            }
             for w in &self.watches.tables {
                 if w.matches(&change.schema, &change.table) {
                     for f in &w.on_change {
@@ -374,7 +403,8 @@ pub const MAX_ROWS: usize = 1_000;
 
 impl ChangeFeed {
     /// PostgreSQL logical decoding: the publication and the replication slot are both
-    /// named `coherent_changes` unless set, created at the feed's first start (the slot
+    /// named `coherent_<database>_<schema>` unless set (a slot is one per cluster: slots
+    /// are the server's, publications the database's), created at the feed's first start (the slot
     /// starts at that moment: what committed before is not replayed, and the hosts flush
     /// their caches once). Needs `wal_level = logical` and a role allowed to replicate (a
     /// superuser or `REPLICATION`).
@@ -385,8 +415,8 @@ impl ChangeFeed {
     /// the server, and the feed then starts a new one and has every host flush its cache.
     pub fn postgres() -> Self {
         Self {
-            slot: "coherent_changes".to_owned(),
-            publication: "coherent_changes".to_owned(),
+            slot: String::new(),
+            publication: String::new(),
             poll: Duration::from_millis(100),
             max_rows: MAX_ROWS,
             max_messages: 10_000,
@@ -459,6 +489,24 @@ impl ChangeFeed {
     }
 }
 
+/// The default slot and publication name of a cluster: `coherent_<database>_<schema>`,
+/// with what is not a lowercase letter or digit as `_`, at most 63 bytes.
+pub(crate) fn default_name(database: &str, schema: &str) -> String {
+    let mut name: String = format!("coherent_{database}_{schema}")
+        .chars()
+        .map(|c| {
+            let c = c.to_ascii_lowercase();
+            if c.is_ascii_lowercase() || c.is_ascii_digit() {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    name.truncate(63);
+    name
+}
+
 /// A name the feed puts in SQL text: letters, digits and `_` only.
 pub(crate) fn check_identifier(what: &str, name: &str) -> Result<(), CommandError> {
     let ok = !name.is_empty()
@@ -479,8 +527,21 @@ pub(crate) fn check_identifier(what: &str, name: &str) -> Result<(), CommandErro
 /// The rows of one operation a feed is building, table by table, with the cap per table.
 #[derive(Default)]
 pub(crate) struct Batch {
-    rows: BTreeMap<(String, String), Vec<Change>>,
+    rows: BTreeMap<(String, String), (Vec<Change>, usize)>,
     whole: BTreeSet<(String, String)>,
+}
+
+/// At most this many bytes of values of one table in one operation; past it the table
+/// counts as changed as a whole (a watch's wide columns, or a table whose replica
+/// identity is the whole row, would make operations of megabytes).
+pub(crate) const MAX_TABLE_BYTES: usize = 256 * 1024;
+
+fn row_bytes(row: &Option<Row>) -> usize {
+    row.as_ref().map_or(0, |r| {
+        r.0.iter()
+            .map(|(k, v)| k.len() + v.as_ref().map_or(0, String::len))
+            .sum()
+    })
 }
 
 impl Batch {
@@ -489,12 +550,14 @@ impl Batch {
         if self.whole.contains(&key) {
             return;
         }
-        let rows = self.rows.entry(key.clone()).or_default();
-        if rows.len() >= max_rows {
+        let size = row_bytes(&change.new) + row_bytes(&change.old);
+        let (rows, bytes) = self.rows.entry(key.clone()).or_default();
+        if rows.len() >= max_rows || *bytes + size > MAX_TABLE_BYTES {
             self.rows.remove(&key);
             self.whole.insert(key);
         } else {
             rows.push(change);
+            *bytes += size;
         }
     }
 
@@ -508,7 +571,7 @@ impl Batch {
         for (schema, table) in other.whole {
             self.whole(&schema, &table);
         }
-        for (_, rows) in other.rows {
+        for (_, (rows, _)) in other.rows {
             for row in rows {
                 self.row(row, max_rows);
             }
@@ -516,12 +579,16 @@ impl Batch {
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.rows.values().map(Vec::len).sum::<usize>() + self.whole.len()
+        self.rows
+            .values()
+            .map(|(rows, _)| rows.len())
+            .sum::<usize>()
+            + self.whole.len()
     }
 
     pub(crate) fn into_changes(self) -> DbChanges {
         DbChanges {
-            rows: self.rows.into_values().flatten().collect(),
+            rows: self.rows.into_values().flat_map(|(rows, _)| rows).collect(),
             tables: self
                 .whole
                 .into_iter()

@@ -66,6 +66,9 @@ pub(crate) struct FeedCounters {
     pub(super) slots_created: AtomicU64,
     pub(super) errors: AtomicU64,
     pub(super) undecodable: AtomicU64,
+    /// Reads in a row that failed on a message that does not decode, or that the server
+    /// refused.
+    stuck: AtomicU64,
 }
 
 impl FeedCounters {
@@ -101,13 +104,15 @@ struct Relation {
     name: String,
     /// The operation log's table: a transaction that wrote it is a command's.
     log: bool,
-    /// `None`: not watched here (its changes are dropped).
-    keep: Option<Vec<(usize, String)>>,
+    /// The columns a change keeps: the key (the primary key of a table this host watches,
+    /// else the replica identity's columns) and the watches' columns.
+    keep: Vec<(usize, String)>,
 }
 
 /// One read's state: relations and the transaction being read.
 struct Read<'a> {
     feed: &'a PgFeed,
+    keys: &'a Keys,
     relations: HashMap<u32, Relation>,
     open: Option<Open>,
     batch: Batch,
@@ -129,11 +134,8 @@ impl Read<'_> {
                 "a change of relation {relation} before its description"
             ));
         };
-        let Some(keep) = &rel.keep else {
-            return Ok(Some((rel, Row::default())));
-        };
-        let mut row = Vec::with_capacity(keep.len());
-        for (i, name) in keep {
+        let mut row = Vec::with_capacity(rel.keep.len());
+        for (i, name) in &rel.keep {
             match tuple.0.get(*i) {
                 Some(Value::Text(t)) | Some(Value::Binary(t)) => {
                     row.push((name.clone(), Some(String::from_utf8_lossy(t).into_owned())))
@@ -163,12 +165,7 @@ impl Read<'_> {
         let Some((rel, _)) = new.as_ref().or(old.as_ref()) else {
             return Ok(());
         };
-        let (schema, table, log, watched) = (
-            rel.schema.clone(),
-            rel.name.clone(),
-            rel.log,
-            rel.keep.is_some(),
-        );
+        let (schema, table, log) = (rel.schema.clone(), rel.name.clone(), rel.log);
         let new = new.map(|(_, row)| row);
         // An old image equal to the new one adds nothing (REPLICA IDENTITY FULL sends both).
         let old = old
@@ -179,8 +176,8 @@ impl Read<'_> {
         };
         if log {
             open.command = true;
-        }
-        if watched {
+        } else {
+            // Every published table: some host watches it, if not this one.
             open.batch.row(
                 Change {
                     schema,
@@ -222,14 +219,25 @@ impl Read<'_> {
                 columns,
                 ..
             } => {
-                let keep = self.feed.watches.columns(namespace, name).map(|extra| {
-                    columns
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, c)| c.key || extra.contains(c.name))
-                        .map(|(i, c)| (i, c.name.to_owned()))
-                        .collect()
-                });
+                let extra = self
+                    .feed
+                    .watches
+                    .columns(namespace, name)
+                    .unwrap_or_default();
+                let pk = self.keys.get(&(namespace.to_owned(), name.to_owned()));
+                let keep = columns
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| {
+                        extra.contains(c.name)
+                            || match pk {
+                                // With REPLICA IDENTITY FULL every column is flagged.
+                                Some(pk) if !pk.is_empty() => pk.iter().any(|k| k == c.name),
+                                _ => c.key,
+                            }
+                    })
+                    .map(|(i, c)| (i, c.name.to_owned()))
+                    .collect();
                 self.relations.insert(
                     id,
                     Relation {
@@ -255,7 +263,7 @@ impl Read<'_> {
                 };
                 for id in relations {
                     match self.relations.get(&id) {
-                        Some(rel) if rel.keep.is_some() => open.batch.whole(&rel.schema, &rel.name),
+                        Some(rel) if !rel.log => open.batch.whole(&rel.schema, &rel.name),
                         Some(_) => {}
                         None => {
                             return Err(format!(
@@ -287,13 +295,35 @@ pub(super) fn feed_error(e: impl std::fmt::Display) -> CommandError {
     CommandError::new(ErrorKind::Database, format!("change feed: {e}"))
 }
 
-/// Whether an error says the slot is gone or unusable (dropped, or invalidated by
-/// `max_slot_wal_keep_size`): a new one is made, and every host flushes.
-fn slot_lost(e: &tokio_postgres::Error) -> bool {
-    use tokio_postgres::error::SqlState;
-    e.code().is_some_and(|c| {
-        *c == SqlState::UNDEFINED_OBJECT || *c == SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE
-    })
+/// What a failed read means: the slot lost only when the server says so of the slot
+/// itself (missing from this database, or its log invalidated); another error (a
+/// publication missing, say) is not worth the slot, and the feed starts over.
+async fn classify(
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+    e: tokio_postgres::Error,
+) -> ReadError {
+    let state = client
+        .query_opt(
+            "SELECT wal_status::text, database::text = current_database()::text \
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&feed.feed.slot],
+        )
+        .await;
+    match state {
+        Ok(None) => ReadError::Lost(format!("{e} (the slot is gone)")),
+        Ok(Some(row)) => {
+            let (status, here): (Option<String>, Option<bool>) = (row.get(0), row.get(1));
+            if status.as_deref() == Some("lost") && here == Some(true) {
+                ReadError::Lost(format!("{e} (its log was removed)"))
+            } else if e.as_db_error().is_some() {
+                ReadError::Refused(feed_error(e))
+            } else {
+                ReadError::Other(feed_error(e))
+            }
+        }
+        Err(_) => ReadError::Other(feed_error(e)),
+    }
 }
 
 /// The feed task of a host: stands by for the advisory lock, then reads the slot until the
@@ -337,6 +367,10 @@ pub(super) async fn log(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, 
     Ok(true)
 }
 
+/// A table's key columns (its primary key), by `(schema, name)`: what a change carries
+/// beside the watches' columns, whatever the table's replica identity sends.
+pub(super) type Keys = HashMap<(String, String), Vec<String>>;
+
 /// One connection's life: `Ok` when the host stopped.
 async fn lead(
     host: &Weak<Inner>,
@@ -346,6 +380,18 @@ async fn lead(
 ) -> Result<(), CommandError> {
     let mut config = feed.config.clone();
     config.application_name(FEED_APPLICATION);
+    // A leader whose machine died without a word (no FIN, no RST) must lose its lock in
+    // seconds, not when the server's keepalives give up (two hours by default): the server
+    // probes the connection after 5 s idle, and gives up on unacknowledged data in 10 s.
+    let options = format!(
+        "{} -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3 \
+         -c tcp_user_timeout=10000",
+        config.get_options().unwrap_or("")
+    );
+    config.options(options.trim());
+    config
+        .keepalives(true)
+        .keepalives_idle(std::time::Duration::from_secs(5));
     let (client, connection) = config
         .connect(tokio_postgres::NoTls)
         .await
@@ -365,6 +411,34 @@ async fn lead(
         }
     });
     let _driver = AbortOnDrop(driver);
+    // Every host sets up what its own watches need before it stands by: the leader's
+    // watches are not the only ones (hosts of two releases may watch different tables).
+    let owed = if feed.feed.triggers {
+        "triggers".to_owned()
+    } else {
+        feed.feed.slot.clone()
+    };
+    let keys = if feed.feed.triggers {
+        super::triggers::install(&client, feed).await?;
+        Keys::new()
+    } else {
+        let level: String = client
+            .query_one("SHOW wal_level", &[])
+            .await
+            .map_err(feed_error)?
+            .get(0);
+        if level != "logical" {
+            return Err(feed_error(format!(
+                "wal_level is {level}: logical decoding needs wal_level = logical \
+                 (ALTER SYSTEM SET wal_level = logical, then restart PostgreSQL), or use \
+                 ChangeFeed::postgres_triggers()"
+            )));
+        }
+        publish(&client, feed).await?
+    };
+    if !pay_flush(host, &client, feed, &owed).await? {
+        return Ok(());
+    }
     // Stand by until this host holds the feed.
     loop {
         let row = client
@@ -385,19 +459,8 @@ async fn lead(
         return super::triggers::follow(host, feed, &client, &wake, stop).await;
     }
     tracing::info!(slot = %feed.feed.slot, "change feed: this host reads the slot");
-    let level: String = client
-        .query_one("SHOW wal_level", &[])
-        .await
-        .map_err(feed_error)?
-        .get(0);
-    if level != "logical" {
-        return Err(feed_error(format!(
-            "wal_level is {level}: logical decoding needs wal_level = logical \
-             (ALTER SYSTEM SET wal_level = logical, then restart PostgreSQL)"
-        )));
-    }
-    publish(&client, feed).await?;
-    if ensure_slot(&client, feed).await? && !log(host, flush()).await? {
+    ensure_slot(&client, feed).await?;
+    if !pay_flush(host, &client, feed, &owed).await? {
         return Ok(());
     }
     // Where this connection last moved the slot.
@@ -406,52 +469,132 @@ async fn lead(
         if *stop.borrow() {
             return Ok(());
         }
-        let (changes, end_lsn, any) = match read(&client, feed).await {
-            Ok(read) => read,
-            Err(ReadError::Lost(e)) => {
-                tracing::warn!(%e, slot = %feed.feed.slot,
-                    "change feed: the slot is lost; a new one is made and every host flushes");
-                client
-                    .execute(
-                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-                         WHERE slot_name = $1",
-                        &[&feed.feed.slot],
-                    )
-                    .await
-                    .map_err(feed_error)?;
-                if ensure_slot(&client, feed).await? && !log(host, flush()).await? {
-                    return Ok(());
+        let lost = match read(&client, feed, &keys).await {
+            Ok(read) => {
+                feed.counters.stuck.store(0, Ordering::Relaxed);
+                let (changes, end_lsn, any) = read;
+                if !changes.is_empty() {
+                    let (rows, tables) = (changes.rows.len() as u64, changes.tables.len() as u64);
+                    if !log(host, changes).await? {
+                        return Ok(());
+                    }
+                    feed.counters.operations.fetch_add(1, Ordering::Relaxed);
+                    feed.counters.rows.fetch_add(rows, Ordering::Relaxed);
+                    feed.counters.tables.fetch_add(tables, Ordering::Relaxed);
                 }
-                continue;
+                if let Some(lsn) = end_lsn.filter(|&lsn| lsn > advanced) {
+                    advanced = lsn;
+                    client
+                        .execute(
+                            "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)",
+                            &[&feed.feed.slot, &lsn_text(lsn)],
+                        )
+                        .await
+                        .map_err(feed_error)?;
+                }
+                if !any {
+                    tokio::select! {
+                        _ = tokio::time::sleep(feed.feed.poll) => {}
+                        _ = stop.changed() => return Ok(()),
+                    }
+                }
+                None
+            }
+            Err(ReadError::Lost(why)) => Some(why),
+            // The same bytes come back on every read, or the server refuses every read at
+            // the slot's position: after a few tries (each on a new connection, after the
+            // publication is made again) the slot is given up as lost (a new one, and a
+            // flush) rather than held, with the log it keeps, for ever.
+            Err(ReadError::Undecodable(e) | ReadError::Refused(e)) => {
+                if feed.counters.stuck.fetch_add(1, Ordering::Relaxed) + 1 < STUCK_TRIES {
+                    return Err(e);
+                }
+                Some(format!("{e}, {STUCK_TRIES} times in a row"))
             }
             Err(ReadError::Other(e)) => return Err(e),
         };
-        if !changes.is_empty() {
-            let (rows, tables) = (changes.rows.len() as u64, changes.tables.len() as u64);
-            if !log(host, changes).await? {
-                return Ok(());
-            }
-            feed.counters.operations.fetch_add(1, Ordering::Relaxed);
-            feed.counters.rows.fetch_add(rows, Ordering::Relaxed);
-            feed.counters.tables.fetch_add(tables, Ordering::Relaxed);
-        }
-        if let Some(lsn) = end_lsn.filter(|&lsn| lsn > advanced) {
-            advanced = lsn;
+        if let Some(why) = lost {
+            tracing::warn!(%why, slot = %feed.feed.slot,
+                "change feed: the slot is lost; a new one is made and every host flushes");
+            feed.counters.stuck.store(0, Ordering::Relaxed);
+            owe_flush(&client, feed, &owed).await?;
             client
                 .execute(
-                    "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)",
-                    &[&feed.feed.slot, &lsn_text(lsn)],
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                     WHERE slot_name = $1 AND database = current_database()",
+                    &[&feed.feed.slot],
                 )
                 .await
                 .map_err(feed_error)?;
-        }
-        if !any {
-            tokio::select! {
-                _ = tokio::time::sleep(feed.feed.poll) => {}
-                _ = stop.changed() => return Ok(()),
+            ensure_slot(&client, feed).await?;
+            if !pay_flush(host, &client, feed, &owed).await? {
+                return Ok(());
             }
+            advanced = 0;
         }
     }
+}
+
+/// Reads in a row that fail on a message that does not decode, or that the server
+/// refuses, before the slot is given up.
+const STUCK_TRIES: u64 = 3;
+
+/// Records, in the cluster's schema, that the hosts owe a flush (a slot or triggers are
+/// about to be made: what changed before them is in neither), so that a host that dies
+/// before logging the flush leaves it to the next.
+pub(super) async fn owe_flush(
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+    name: &str,
+) -> Result<(), CommandError> {
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {}.coherent_feed_flushes (name) VALUES ($1) ON CONFLICT DO NOTHING",
+                feed.schema
+            ),
+            &[&name],
+        )
+        .await
+        .map_err(feed_error)?;
+    Ok(())
+}
+
+/// Logs the flush owed under `name`, if one is, then clears it. `false`: the host stopped.
+async fn pay_flush(
+    host: &Weak<Inner>,
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+    name: &str,
+) -> Result<bool, CommandError> {
+    let owed = client
+        .query_opt(
+            &format!(
+                "SELECT 1 FROM {}.coherent_feed_flushes WHERE name = $1",
+                feed.schema
+            ),
+            &[&name],
+        )
+        .await
+        .map_err(feed_error)?
+        .is_some();
+    if !owed {
+        return Ok(true);
+    }
+    if !log(host, flush()).await? {
+        return Ok(false);
+    }
+    client
+        .execute(
+            &format!(
+                "DELETE FROM {}.coherent_feed_flushes WHERE name = $1",
+                feed.schema
+            ),
+            &[&name],
+        )
+        .await
+        .map_err(feed_error)?;
+    Ok(true)
 }
 
 struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
@@ -469,26 +612,19 @@ pub(super) fn flush() -> DbChanges {
     }
 }
 
-/// Makes the publication hold every watched table and the log's table.
-async fn publish(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(), CommandError> {
+/// Makes the publication hold every table this host watches and the log's table; answers
+/// the primary key of each table this host watches. A table whose updates and deletes
+/// logical decoding cannot carry (no primary key, no replica identity) is refused: once
+/// published, PostgreSQL would refuse the application's updates and deletes of it.
+async fn publish(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<Keys, CommandError> {
     let publication = &feed.feed.publication;
-    let mut wanted: Vec<String> = feed
-        .watches
-        .tables
-        .iter()
-        .map(|w| w.qualified(&feed.schema))
-        .collect();
-    wanted.push(format!("{}.coherent_operations", feed.schema));
-    wanted.sort();
-    wanted.dedup();
-    let exists = client
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[publication],
-        )
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE IF NOT EXISTS {}.coherent_feed_flushes (name TEXT PRIMARY KEY)",
+            feed.schema
+        ))
         .await
-        .map_err(feed_error)?
-        .is_some();
+        .map_err(feed_error)?;
     let quoted = |t: &str| {
         let (s, n) = t.split_once('.').unwrap_or(("public", t));
         format!(
@@ -497,17 +633,70 @@ async fn publish(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(), C
             n.replace('"', "\"\"")
         )
     };
-    if !exists {
-        let list: Vec<String> = wanted.iter().map(|t| quoted(t)).collect();
-        let sql = format!(
-            "CREATE PUBLICATION {publication} FOR TABLE {}",
-            list.join(", ")
-        );
-        match client.batch_execute(&sql).await {
-            Ok(()) => return Ok(()),
-            // Another host made it meanwhile: add what it lacks below.
-            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => {}
-            Err(e) => return Err(feed_error(format!("{sql}: {e}"))),
+    let mut keys = Keys::new();
+    let mut wanted: Vec<String> = Vec::new();
+    for w in &feed.watches.tables {
+        let table = w.qualified(&feed.schema);
+        let row = client
+            .query_opt(
+                "SELECT c.relreplident::text, n.nspname::text, c.relname::text, \
+                 ARRAY(SELECT a.attname::text FROM pg_index i JOIN pg_attribute a \
+                       ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
+                       WHERE i.indrelid = c.oid AND i.indisprimary) \
+                 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE c.oid = to_regclass($1)",
+                &[&quoted(&table)],
+            )
+            .await
+            .map_err(feed_error)?
+            .ok_or_else(|| feed_error(format!("the watched table {table} does not exist")))?;
+        let (identity, schema, name, pk): (String, String, String, Vec<String>) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
+        if identity == "n" || (identity == "d" && pk.is_empty()) {
+            return Err(feed_error(format!(
+                "the watched table {table} has no primary key and no replica identity: \
+                 logical decoding cannot carry its updates and deletes (and PostgreSQL \
+                 would refuse them once it is published); give it a primary key or a \
+                 REPLICA IDENTITY, or use ChangeFeed::postgres_triggers()"
+            )));
+        }
+        keys.insert((schema.clone(), name.clone()), pk);
+        wanted.push(format!("{schema}.{name}"));
+    }
+    wanted.push(format!("{}.coherent_operations", feed.schema));
+    wanted.sort();
+    wanted.dedup();
+    let shape = client
+        .query_opt(
+            "SELECT pubinsert AND pubupdate AND pubdelete AND pubtruncate AND pubviaroot \
+             FROM pg_publication WHERE pubname = $1",
+            &[publication],
+        )
+        .await
+        .map_err(feed_error)?
+        .map(|r| r.get::<_, bool>(0));
+    match shape {
+        Some(true) => {}
+        Some(false) => {
+            return Err(feed_error(format!(
+                "the publication {publication} exists but does not publish every insert, \
+                 update, delete and truncate through the partition root: the feed would miss \
+                 changes (drop it, or name another with ChangeFeed::publication)"
+            )))
+        }
+        None => {
+            let list: Vec<String> = wanted.iter().map(|t| quoted(t)).collect();
+            let sql = format!(
+                "CREATE PUBLICATION {publication} FOR TABLE {} \
+                 WITH (publish_via_partition_root = true)",
+                list.join(", ")
+            );
+            match client.batch_execute(&sql).await {
+                Ok(()) => return Ok(keys),
+                // Another host made it meanwhile: add what it lacks below.
+                Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => {}
+                Err(e) => return Err(feed_error(format!("{sql}: {e}"))),
+            }
         }
     }
     let have: Vec<String> = client
@@ -525,28 +714,41 @@ async fn publish(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(), C
             "ALTER PUBLICATION {publication} ADD TABLE {}",
             quoted(table)
         );
-        client
-            .batch_execute(&sql)
-            .await
-            .map_err(|e| feed_error(format!("{sql}: {e}")))?;
+        match client.batch_execute(&sql).await {
+            Ok(()) => {}
+            // Another host added it meanwhile.
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => {}
+            Err(e) => return Err(feed_error(format!("{sql}: {e}"))),
+        }
     }
-    Ok(())
+    Ok(keys)
 }
 
-/// Creates the slot when it is missing: `true` when it did (the hosts must flush, since
-/// changes before it are not in it).
-async fn ensure_slot(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<bool, CommandError> {
-    let exists = client
+/// Creates the slot when it is missing, after recording that the hosts owe a flush
+/// (changes before it are not in it). A slot of that name in another database, or of
+/// another plugin, is refused: it is not this cluster's.
+async fn ensure_slot(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(), CommandError> {
+    let found = client
         .query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+            "SELECT database::text = current_database()::text, plugin::text, database::text \
+             FROM pg_replication_slots WHERE slot_name = $1",
             &[&feed.feed.slot],
         )
         .await
-        .map_err(feed_error)?
-        .is_some();
-    if exists {
-        return Ok(false);
+        .map_err(feed_error)?;
+    if let Some(row) = found {
+        let (here, plugin, database): (Option<bool>, Option<String>, Option<String>) =
+            (row.get(0), row.get(1), row.get(2));
+        if here == Some(true) && plugin.as_deref() == Some("pgoutput") {
+            return Ok(());
+        }
+        return Err(feed_error(format!(
+            "the replication slot {} belongs to database {database:?} with plugin \
+             {plugin:?}: give this cluster's feed a slot of its own (ChangeFeed::slot)",
+            feed.feed.slot
+        )));
     }
+    owe_flush(client, feed, &feed.feed.slot).await?;
     client
         .execute(
             "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
@@ -556,11 +758,17 @@ async fn ensure_slot(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<b
         .map_err(feed_error)?;
     feed.counters.slots_created.fetch_add(1, Ordering::Relaxed);
     tracing::info!(slot = %feed.feed.slot, "change feed: slot created");
-    Ok(true)
+    Ok(())
 }
 
 enum ReadError {
-    Lost(tokio_postgres::Error),
+    /// The slot is gone or invalidated: why.
+    Lost(String),
+    /// A message did not decode.
+    Undecodable(CommandError),
+    /// The server refused the read (a publication missing when a change was written, say:
+    /// it is looked up as of each change, so a publication made again does not help).
+    Refused(CommandError),
     Other(CommandError),
 }
 
@@ -569,6 +777,7 @@ enum ReadError {
 async fn read(
     client: &tokio_postgres::Client,
     feed: &PgFeed,
+    keys: &Keys,
 ) -> Result<(DbChanges, Option<u64>, bool), ReadError> {
     feed.counters.reads.fetch_add(1, Ordering::Relaxed);
     // The read goes up to what is flushed now: when it returns fewer messages than its
@@ -585,23 +794,21 @@ async fn read(
     let max = i32::try_from(feed.feed.max_messages).unwrap_or(i32::MAX);
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
         [&feed.feed.slot, &flushed, &max, &feed.feed.publication];
-    let rows = client
+    let rows = match client
         .query_raw(
             "SELECT data FROM pg_logical_slot_peek_binary_changes($1, $2::text::pg_lsn, $3, \
              'proto_version', '1', 'publication_names', $4)",
             params,
         )
         .await
-        .map_err(|e| {
-            if slot_lost(&e) {
-                ReadError::Lost(e)
-            } else {
-                ReadError::Other(feed_error(e))
-            }
-        })?;
+    {
+        Ok(rows) => rows,
+        Err(e) => return Err(classify(client, feed, e).await),
+    };
     pin_mut!(rows);
     let mut read = Read {
         feed,
+        keys,
         relations: HashMap::new(),
         open: None,
         batch: Batch::default(),
@@ -610,21 +817,20 @@ async fn read(
         skipped: 0,
     };
     let mut messages = 0usize;
-    while let Some(row) = rows.try_next().await.map_err(|e| {
-        if slot_lost(&e) {
-            ReadError::Lost(e)
-        } else {
-            ReadError::Other(feed_error(e))
-        }
-    })? {
+    loop {
+        let row = match rows.try_next().await {
+            Ok(Some(row)) => row,
+            Ok(None) => break,
+            Err(e) => return Err(classify(client, feed, e).await),
+        };
         messages += 1;
         let data: &[u8] = row.get(0);
         let message = pgoutput::decode(data).map_err(|e| {
             feed.counters.undecodable.fetch_add(1, Ordering::Relaxed);
-            ReadError::Other(feed_error(e))
+            ReadError::Undecodable(feed_error(e))
         })?;
         read.message(message)
-            .map_err(|e| ReadError::Other(feed_error(e)))?;
+            .map_err(|e| ReadError::Undecodable(feed_error(e)))?;
     }
     feed.counters
         .transactions

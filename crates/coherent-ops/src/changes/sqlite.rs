@@ -169,15 +169,8 @@ pub fn track(conn: &Connection, host: &Host) -> Result<(), CommandError> {
 fn after_commit(wal: &Wal, pages: c_int) -> rusqlite::Result<()> {
     for (tracker, batch) in COMMITTED.with(|c| std::mem::take(&mut *c.borrow_mut())) {
         let mut changes = batch.into_changes();
-        let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            tracker.apply.apply(&changes)
-        }));
-        if applied.is_err() {
-            tracing::error!("a watch panicked on a change: the cache is flushed");
-            for r in &tracker.apply.registries {
-                r.invalidate_all();
-            }
-        }
+        // A watch that panics flushes instead (`apply` catches it).
+        tracker.apply.apply(&changes);
         if let Some(inner) = tracker.host.upgrade() {
             changes.applied_by = Some(inner.id.clone());
             let host = Host { inner };

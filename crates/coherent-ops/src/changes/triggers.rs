@@ -13,7 +13,7 @@ use std::sync::Weak;
 
 use tokio::sync::{watch, Notify};
 
-use super::postgres::{feed_error, flush, log, PgFeed};
+use super::postgres::{feed_error, log, PgFeed};
 use super::{Batch, Change, ChangeKind, Row};
 use crate::error::CommandError;
 use crate::host::Inner;
@@ -35,13 +35,18 @@ fn channel(schema: &str) -> String {
     c
 }
 
-/// Makes the change table, the trigger function and each watched table's triggers:
-/// `true` when some table had none before (its earlier changes were not captured).
-async fn install(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<bool, CommandError> {
+/// Makes the change table, the trigger function and each table this host watches its
+/// triggers, in one transaction; when some table had none before (its earlier changes
+/// were not captured), the same transaction records that the hosts owe a flush.
+pub(super) async fn install(
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+) -> Result<(), CommandError> {
     let schema = ident(&feed.schema);
     let notify = literal(&channel(&feed.schema));
     let mut sql = format!(
         "BEGIN; SELECT pg_advisory_xact_lock(hashtext('coherent.changes.install')); \
+         CREATE TABLE IF NOT EXISTS {schema}.coherent_feed_flushes (name TEXT PRIMARY KEY); \
          CREATE TABLE IF NOT EXISTS {schema}.coherent_changes ( \
              id BIGSERIAL PRIMARY KEY, \
              xid xid8 NOT NULL DEFAULT pg_current_xact_id(), \
@@ -111,6 +116,13 @@ async fn install(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<bool,
             args.join(", ")
         ));
     }
+    if missing {
+        sql.push_str(&format!(
+            "INSERT INTO {schema}.coherent_feed_flushes (name) VALUES ('triggers') \
+             ON CONFLICT DO NOTHING; "
+        ));
+        feed.counters.slots_created.fetch_add(1, Ordering::Relaxed);
+    }
     sql.push_str(&format!(
         "LISTEN {}; COMMIT;",
         ident(&channel(&feed.schema))
@@ -119,7 +131,7 @@ async fn install(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<bool,
         .batch_execute(&sql)
         .await
         .map_err(|e| feed_error(format!("installing the triggers: {e}")))?;
-    Ok(missing)
+    Ok(())
 }
 
 /// A row of `coherent_changes` as JSON text (`{"id": "7"}`) into a [`Row`].
@@ -150,12 +162,6 @@ pub(super) async fn follow(
     wake: &Notify,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), CommandError> {
-    if install(client, feed).await? {
-        feed.counters.slots_created.fetch_add(1, Ordering::Relaxed);
-        if !log(host, flush()).await? {
-            return Ok(());
-        }
-    }
     let schema = ident(&feed.schema);
     let read = client
         .prepare(&format!(

@@ -545,3 +545,318 @@ async fn sqlite_writes_through_a_tracked_connection_invalidate_here_at_once_and_
         host.stop().await;
     }
 }
+
+// From the adversarial review of the feed: each case failed before its fix.
+
+/// Waits until `f` holds, polling.
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    within(what, async {
+        while !f() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+}
+
+/// A watch that panics must not hold the feed: the host flushes once, and the next
+/// change goes through (the feed used to read the same change again and again, each time
+/// flushing every host).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_watch_that_panics_flushes_once_and_the_feed_goes_on() {
+    let Some(db) = postgres_db("feed_panics").await else {
+        return;
+    };
+    let feed = feed_for(&db, "panics", false).await;
+    let slot = Arc::new(Mutex::new(None::<Items>));
+    let fwd = slot.clone();
+    let (host, items) = host(&db, move |b| {
+        b.watch(watch_table("items").on_change(move |change| {
+            let id = change.key::<i64>("id").unwrap();
+            assert_ne!(id, 3, "a watch that panics (on purpose)");
+            if let Some(items) = &*fwd.lock() {
+                items.invalidate_value(id);
+            }
+        }))
+        .change_feed(feed)
+    })
+    .await;
+    *slot.lock() = Some(items.clone());
+    until("the feed's first read", || {
+        host.feed_stats().unwrap().reads > 0
+    })
+    .await;
+    let flushes = host.stats().flushes;
+    let four = items.value_computed(4).await;
+    let psql = sql(&db).await;
+    psql.execute("UPDATE items SET value = 3 WHERE id = 3", &[])
+        .await
+        .unwrap();
+    psql.execute("UPDATE items SET value = 4 WHERE id = 4", &[])
+        .await
+        .unwrap();
+    within(
+        "item 4's invalidation after the panic",
+        four.when_invalidated(),
+    )
+    .await;
+    assert_eq!(items.value(4).await, Ok(4));
+    let stats = host.feed_stats().unwrap();
+    assert!(
+        stats.operations <= 2,
+        "the changes were logged again: {stats:?}"
+    );
+    host.stop().await;
+    drop_slot(&db, &format!("t_feed_{}_panics", std::process::id())).await;
+    let _ = flushes;
+}
+
+/// The built-in command is the hosts' own: a caller (an RPC client) cannot run it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_cannot_run_the_built_in_changes_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let (host, _items) = host(&db, |b| b.watch(watch_table("items").on_any_change(|| {}))).await;
+    let err = host
+        .run_json("coherent.db_changes", r#"{"flush":true}"#.to_owned())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("built-in"), "{err}");
+    assert_eq!(host.stats().flushes, 0);
+    host.stop().await;
+}
+
+/// A watched table without a primary key is refused by the feed with a reason; it is not
+/// published (once published, PostgreSQL would refuse the application's UPDATEs of it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_table_without_a_key_is_refused_and_its_updates_still_work() {
+    let Some(db) = postgres_db("feed_nopk").await else {
+        return;
+    };
+    let psql = sql(&db).await;
+    psql.batch_execute("CREATE TABLE nopk (n BIGINT); INSERT INTO nopk VALUES (1)")
+        .await
+        .unwrap();
+    let feed = feed_for(&db, "nopk", false).await;
+    let (host, _items) = host(&db, move |b| {
+        b.watch(watch_table("nopk").on_any_change(|| {}))
+            .change_feed(feed)
+    })
+    .await;
+    until("the feed's refusal", || {
+        host.feed_stats().unwrap().errors > 0
+    })
+    .await;
+    psql.execute("UPDATE nopk SET n = 2", &[]).await.unwrap();
+    psql.execute("DELETE FROM nopk", &[]).await.unwrap();
+    host.stop().await;
+}
+
+/// Hosts of two releases watch different tables: a change to a table only the standby
+/// host watches reaches its watch, whichever host reads the feed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_table_only_another_host_watches_reaches_that_host() {
+    let Some(db) = postgres_db("feed_mixed").await else {
+        return;
+    };
+    let psql = sql(&db).await;
+    psql.batch_execute(
+        "CREATE TABLE other (id BIGINT PRIMARY KEY, v BIGINT); INSERT INTO other VALUES (1, 0)",
+    )
+    .await
+    .unwrap();
+    let feed = feed_for(&db, "mixed", false).await;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let (a, _) = host(&db, {
+        let feed = feed.clone();
+        move |b| {
+            b.watch(watch_table("items").on_any_change(|| {}))
+                .change_feed(feed)
+        }
+    })
+    .await;
+    until("A leads", || a.feed_stats().unwrap().leading).await;
+    let (b, _) = host(&db, {
+        let seen = seen.clone();
+        move |b| {
+            b.watch(watch_table("items").on_any_change(|| {}))
+                .watch(watch_table("other").on_change(move |c| {
+                    assert_eq!(c.key::<i64>("id"), Some(1));
+                    seen.fetch_add(1, Ordering::Relaxed);
+                }))
+                .change_feed(feed)
+        }
+    })
+    .await;
+    // B published its table before standing by.
+    until("B's feed set up", || {
+        b.feed_stats().unwrap().reads == 0 && b.feed_stats().unwrap().errors == 0
+    })
+    .await;
+    within("the publication of B's table", async {
+        loop {
+            let n: i64 = psql
+                .query_one(
+                    "SELECT count(*) FROM pg_publication_tables WHERE tablename = 'other' \
+                     AND pubname = $1",
+                    &[&format!("t_feed_{}_mixed", std::process::id())],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if n == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    psql.execute("UPDATE other SET v = 1 WHERE id = 1", &[])
+        .await
+        .unwrap();
+    until("B's watch of the other table", || {
+        seen.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+    drop_slot(&db, &format!("t_feed_{}_mixed", std::process::id())).await;
+}
+
+/// A partitioned table: changes come from its partitions, and reach the watch of the
+/// partitioned table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_changes_to_a_partition_reach_the_watch_of_its_table() {
+    let Some(db) = postgres_db("feed_parted").await else {
+        return;
+    };
+    let psql = sql(&db).await;
+    psql.batch_execute(
+        "CREATE TABLE parted (id BIGINT PRIMARY KEY, v BIGINT) PARTITION BY RANGE (id); \
+         CREATE TABLE parted_a PARTITION OF parted FOR VALUES FROM (0) TO (100); \
+         INSERT INTO parted VALUES (5, 0)",
+    )
+    .await
+    .unwrap();
+    let feed = feed_for(&db, "parted", false).await;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let (host, _) = host(&db, {
+        let seen = seen.clone();
+        move |b| {
+            b.watch(watch_table("parted").on_change(move |c| {
+                assert_eq!(c.key::<i64>("id"), Some(5));
+                seen.fetch_add(1, Ordering::Relaxed);
+            }))
+            .change_feed(feed)
+        }
+    })
+    .await;
+    until("the feed's first read", || {
+        host.feed_stats().unwrap().reads > 0
+    })
+    .await;
+    psql.execute("UPDATE parted SET v = 1 WHERE id = 5", &[])
+        .await
+        .unwrap();
+    until("the watch of the partitioned table", || {
+        seen.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    host.stop().await;
+    drop_slot(&db, &format!("t_feed_{}_parted", std::process::id())).await;
+}
+
+/// Two clusters in two schemas of one database, each with the default names: each reads
+/// its own feed (one lock, one slot and one publication per cluster).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_two_clusters_in_one_database_each_read_their_own_changes() {
+    let (Some(one), Some(two)) = (postgres_db("feed_one").await, postgres_db("feed_two").await)
+    else {
+        return;
+    };
+    let mut hosts = Vec::new();
+    for db in [&one, &two] {
+        let slot = Arc::new(Mutex::new(None::<Items>));
+        let fwd = Forward(slot.clone());
+        let seen = Arc::new(Seen::default());
+        let s = seen.clone();
+        let (host, items) = host(db, move |b| {
+            fwd.install(b, &s).change_feed(
+                ChangeFeed::postgres()
+                    .poll_interval(Duration::from_millis(20))
+                    .standby_interval(Duration::from_millis(100)),
+            )
+        })
+        .await;
+        *slot.lock() = Some(items.clone());
+        hosts.push((host, items, db));
+    }
+    for (host, items, db) in &hosts {
+        until("the cluster's feed leads", || {
+            host.feed_stats().unwrap().leading
+        })
+        .await;
+        let two = items.value_computed(2).await;
+        sql(db)
+            .await
+            .execute("UPDATE items SET value = 22 WHERE id = 2", &[])
+            .await
+            .unwrap();
+        within("the cluster's own change", two.when_invalidated()).await;
+    }
+    let psql = sql(&one).await;
+    for (host, _, db) in &hosts {
+        host.stop().await;
+        let schema: String = sql(db)
+            .await
+            .query_one("SELECT current_schema()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let name = format!("coherent_test_{schema}");
+        drop_slot(&one, &name).await;
+        let _ = psql
+            .batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))
+            .await;
+    }
+}
+
+/// A publication dropped under the feed: a single refusal is not the slot lost (the
+/// feed makes the publication again), but the changes written while it did not exist
+/// cannot be decoded (the server looks it up as of each change): after a few refusals the
+/// slot is replaced and every host flushes, and the feed goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed() {
+    let Some(db) = postgres_db("feed_pub").await else {
+        return;
+    };
+    let feed = feed_for(&db, "pub", false).await;
+    let [a, b] = pair(&db, &feed).await;
+    let name = format!("t_feed_{}_pub", std::process::id());
+    let psql = sql(&db).await;
+    psql.batch_execute(&format!("DROP PUBLICATION {name}"))
+        .await
+        .unwrap();
+    let five = a.1.value_computed(5).await;
+    psql.execute("UPDATE items SET value = 5 WHERE id = 5", &[])
+        .await
+        .unwrap();
+    within(
+        "the flush after the publication came back",
+        five.when_invalidated(),
+    )
+    .await;
+    assert_eq!(a.1.value(5).await, Ok(5));
+    let six = b.1.value_computed(6).await;
+    psql.execute("UPDATE items SET value = 6 WHERE id = 6", &[])
+        .await
+        .unwrap();
+    within("a change after it", six.when_invalidated()).await;
+    let created: u64 = [&a, &b]
+        .iter()
+        .map(|h| h.0.feed_stats().unwrap().slots_created)
+        .sum();
+    assert_eq!(created, 2, "the first slot and its replacement");
+    a.0.stop().await;
+    b.0.stop().await;
+    drop_slot(&db, &name).await;
+}
