@@ -9,11 +9,18 @@
 //! under the name of the table's `INTEGER PRIMARY KEY` column when it has one (that column
 //! is the rowid), so `change.key::<i64>("id")`; `WITHOUT ROWID`
 //! tables are not reported (their changes count as none); the database must be in WAL
-//! mode; a `DELETE` without a `WHERE` (SQLite's truncate) reports no rows, and counts as a
-//! change of the whole table only if it also reported none (see below).
+//! mode. A `DELETE` without a `WHERE` on a watched table deletes row by row (the
+//! connection's authorizer turns SQLite's truncate off for it), so that each row is
+//! reported.
 //!
 //! The write-ahead-log hook is the one SQLite uses for its automatic checkpoints: a tracked
-//! connection checkpoints itself past 1,000 pages of log, as SQLite's default does.
+//! connection checkpoints itself past 1,000 pages of log, as SQLite's default does, and
+//! `PRAGMA wal_autocheckpoint` on it afterwards takes the hook away (nothing is applied
+//! after). Its authorizer is taken too (see [`track`]). A statement with `RETURNING`
+//! commits while it is reset, after which SQLite runs no log hook: its changes are applied
+//! at the thread's next write, or by [`settle`]. A row that `INSERT OR REPLACE` deletes
+//! because it conflicts on another `UNIQUE` column than the rowid is not reported by
+//! SQLite's update hook.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -21,7 +28,7 @@ use std::os::raw::c_int;
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
-use rusqlite::hooks::{Action, Wal};
+use rusqlite::hooks::{Action, AuthAction, AuthContext, Authorization, Wal};
 use rusqlite::Connection;
 
 use super::{ApplyChanges, Batch, Change, ChangeKind, Row};
@@ -53,7 +60,7 @@ thread_local! {
 
 /// Has the changes committed through `conn` invalidate here and on every host, as
 /// `host`'s watches ([`HostBuilder::watch`](crate::HostBuilder::watch)) say. Replaces the
-/// connection's update, commit, rollback and write-ahead-log hooks.
+/// connection's update, commit, rollback and write-ahead-log hooks and its authorizer.
 ///
 /// The changes are applied here before the statement that committed them returns (a read
 /// that starts after it sees them), and logged as a `coherent.db_changes` operation for the
@@ -111,9 +118,23 @@ pub fn track(conn: &Connection, host: &Host) -> Result<(), CommandError> {
         max_rows: super::MAX_ROWS,
         pending: Mutex::new(Pending::default()),
     });
+    // A `DELETE` without a `WHERE` is SQLite's truncate: it deletes without calling the
+    // update hook, unless the authorizer answers `SQLITE_IGNORE` to it, which makes it
+    // delete row by row (and nothing else).
+    let watched = tracker.apply.clone();
+    conn.authorizer(Some(move |ctx: AuthContext<'_>| match ctx.action {
+        AuthAction::Delete { table_name }
+            if watched.watches.columns("main", table_name).is_some() =>
+        {
+            Authorization::Ignore
+        }
+        _ => Authorization::Allow,
+    }))
+    .map_err(sqlite)?;
     let t = tracker.clone();
     conn.update_hook(Some(
         move |action: Action, db: &str, table: &str, rowid: i64| {
+            deliver_committed();
             let mut pending = t.pending.lock();
             if table == "coherent_operations" {
                 pending.command = true;
@@ -149,6 +170,7 @@ pub fn track(conn: &Connection, host: &Host) -> Result<(), CommandError> {
     .map_err(sqlite)?;
     let t = tracker.clone();
     conn.commit_hook(Some(move || {
+        deliver_committed();
         let pending = std::mem::take(&mut *t.pending.lock());
         if !pending.command && pending.batch.len() > 0 {
             COMMITTED.with(|c| c.borrow_mut().push((t.clone(), pending.batch)));
@@ -167,7 +189,22 @@ pub fn track(conn: &Connection, host: &Host) -> Result<(), CommandError> {
 
 /// SQLite's write-ahead-log hook: the commit took place and its lock is released.
 fn after_commit(wal: &Wal, pages: c_int) -> rusqlite::Result<()> {
-    for (tracker, batch) in COMMITTED.with(|c| std::mem::take(&mut *c.borrow_mut())) {
+    deliver_committed();
+    if pages >= AUTOCHECKPOINT {
+        // Busy (a reader holds the log): the next commit tries again, as SQLite's does.
+        let _ = wal.checkpoint();
+    }
+    Ok(())
+}
+
+/// Applies the changes of this thread's transactions whose commit hook ran, and logs them
+/// for the other hosts. Run by the write-ahead-log hook after a commit; and at the next
+/// write of the thread, for a commit whose log hook SQLite did not run (a statement with
+/// `RETURNING` commits while it is reset, after which SQLite runs no log hook); and by
+/// [`settle`].
+fn deliver_committed() {
+    let committed = COMMITTED.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    for (tracker, batch) in committed {
         let mut changes = batch.into_changes();
         // A watch that panics flushes instead (`apply` catches it).
         tracker.apply.apply(&changes);
@@ -175,16 +212,37 @@ fn after_commit(wal: &Wal, pages: c_int) -> rusqlite::Result<()> {
             changes.applied_by = Some(inner.id.clone());
             let host = Host { inner };
             let runtime = host.inner.runtime.clone();
+            let weak = Arc::downgrade(&host.inner);
+            drop(host);
+            // Until it is logged or the host stops: the other hosts have no other way to
+            // hear of it.
             runtime.spawn(async move {
-                if let Err(e) = host.run(changes).await {
-                    tracing::warn!(%e, "database changes could not be logged for the other hosts");
+                let mut wait = std::time::Duration::from_millis(20);
+                loop {
+                    let Some(inner) = weak.upgrade() else {
+                        return;
+                    };
+                    if *inner.stop.borrow() {
+                        return;
+                    }
+                    match (Host { inner }).run(changes.clone()).await {
+                        Ok(()) => return,
+                        Err(e) => {
+                            tracing::warn!(%e, "database changes could not be logged for the \
+                                other hosts yet: trying again");
+                        }
+                    }
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(std::time::Duration::from_secs(2));
                 }
             });
         }
     }
-    if pages >= AUTOCHECKPOINT {
-        // Busy (a reader holds the log): the next commit tries again, as SQLite's does.
-        let _ = wal.checkpoint();
-    }
-    Ok(())
+}
+
+/// Applies now the changes committed on this thread through tracked connections whose
+/// write-ahead-log hook SQLite did not run: after a statement with `RETURNING` (it
+/// commits while it is reset), call it, or they wait for the thread's next write.
+pub fn settle() {
+    deliver_committed();
 }

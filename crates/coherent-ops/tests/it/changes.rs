@@ -541,6 +541,37 @@ async fn sqlite_writes_through_a_tracked_connection_invalidate_here_at_once_and_
     assert!(!four.is_consistent() && !five.is_consistent());
     assert!(hosts[0].1.value(5).await.is_err());
     assert_eq!(hosts[0].2.of(2), 1, "one change, one invalidation");
+
+    // A statement with RETURNING commits while it is reset, and SQLite runs no log hook
+    // after it: the change waits for the thread's next write, or `settle`.
+    let six = hosts[0].1.value_computed(6).await;
+    let returned: i64 = conn
+        .query_row(
+            "UPDATE items SET value = 66 WHERE id = 6 RETURNING value",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(returned, 66);
+    coherent_ops::changes::sqlite::settle();
+    assert!(!six.is_consistent(), "the RETURNING write was not applied");
+
+    // A DELETE without a WHERE (SQLite's truncate, which skips the update hook): every
+    // row is reported.
+    let (seven, eight) = (
+        hosts[0].1.value_computed(7).await,
+        hosts[1].1.value_computed(8).await,
+    );
+    conn.execute("DELETE FROM items", []).unwrap();
+    assert!(
+        !seven.is_consistent(),
+        "the truncate did not invalidate item 7"
+    );
+    within(
+        "the other host's invalidation of item 8",
+        eight.when_invalidated(),
+    )
+    .await;
     for (host, _, _) in &hosts {
         host.stop().await;
     }
