@@ -24,7 +24,8 @@ use super::{Batch, Change, ChangeFeed, ChangeKind, DbChanges, Row, Watches};
 use crate::error::{CommandError, ErrorKind};
 use crate::host::{Host, Inner};
 
-/// The `application_name` of the feed's connection (in `pg_stat_activity`).
+/// The start of the `application_name` of the feed's connection (in `pg_stat_activity`):
+/// `coherent_changes_feed:<schema>`, at most 63 bytes.
 pub const FEED_APPLICATION: &str = "coherent_changes_feed";
 
 /// Counters of a host's change feed, from its start.
@@ -379,7 +380,9 @@ async fn lead(
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), CommandError> {
     let mut config = feed.config.clone();
-    config.application_name(FEED_APPLICATION);
+    let mut application = format!("{FEED_APPLICATION}:{}", feed.schema);
+    application.truncate(63);
+    config.application_name(&application);
     // A leader whose machine died without a word (no FIN, no RST) must lose its lock in
     // seconds, not when the server's keepalives give up (two hours by default): the server
     // probes the connection after 5 s idle, and gives up on unacknowledged data in 10 s.
