@@ -10,6 +10,7 @@
 
 mod chart;
 mod cluster;
+mod dbchanges;
 mod hostile;
 mod load;
 mod local;
@@ -70,6 +71,10 @@ enum Suite {
     /// cached readers against direct queries and a 1 s TTL cache, stale reads counted;
     /// commands against plain writes; propagation over LISTEN/NOTIFY and NATS.
     Cluster,
+    /// Changes made outside the application (a plain connection updating 200 users a
+    /// second) reaching cached readers through the change feed: readers and stale reads
+    /// against direct queries and a 1 s TTL cache, on one host and two; propagation.
+    Dbchanges,
     /// The Tasks API (apps/tasks) under an HTTP load generator in the shape of wrk: its
     /// `direct`, `grpc` and `coherent` backends side by side, on PostgreSQL and SQLite.
     Tasks {
@@ -154,6 +159,7 @@ fn main() -> anyhow::Result<()> {
         Suite::Local => local::run(timing)?,
         Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Remote => remote::run(timing)?,
+        Suite::Dbchanges => dbchanges::run(timing)?,
         Suite::Cluster => cluster::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Tasks { wrk } => tasks::run(timing, *wrk, cli.only.as_deref().unwrap_or(""))?,
         Suite::Hostile => hostile::run(timing)?,

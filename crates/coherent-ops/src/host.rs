@@ -95,7 +95,8 @@ pub struct HostStats {
     pub rounds: u64,
     /// Reads of the log that failed.
     pub round_errors: u64,
-    /// Times this host invalidated its whole cache because it may have missed operations.
+    /// Times this host invalidated its whole cache because it may have missed operations,
+    /// or database changes (see [`HostBuilder::watch`]) it could not apply row by row.
     pub flushes: u64,
     /// Operations this host deleted from the log.
     pub trimmed: u64,
@@ -551,6 +552,7 @@ impl HostBuilder {
                 host: id.clone(),
                 watches: self.watches,
                 registries: registries.clone(),
+                flushes: AtomicU64::new(0),
             });
             handlers.insert::<DbChanges, _>(ChangesHandler(apply.clone()));
             Some(apply)
@@ -1003,7 +1005,12 @@ impl Host {
             implausible: r(&c.implausible),
             rounds: r(&c.rounds),
             round_errors: r(&c.round_errors),
-            flushes: r(&c.flushes),
+            flushes: r(&c.flushes)
+                + self
+                    .inner
+                    .changes
+                    .as_ref()
+                    .map_or(0, |a| a.flushes.load(Ordering::Relaxed)),
             trimmed: r(&c.trimmed),
             batches: r(&c.batches),
             batches_split: r(&c.batches_split),

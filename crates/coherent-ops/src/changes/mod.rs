@@ -277,10 +277,14 @@ pub(crate) struct ApplyChanges {
     pub(crate) host: String,
     pub(crate) watches: Watches,
     pub(crate) registries: Vec<Registry>,
+    /// Flushes done here (counted in `HostStats::flushes`).
+    pub(crate) flushes: std::sync::atomic::AtomicU64,
 }
 
 impl ApplyChanges {
     fn flush(&self, why: &str) {
+        self.flushes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let n: usize = self.registries.iter().map(Registry::invalidate_all).sum();
         tracing::info!(
             invalidated = n,

@@ -1,0 +1,399 @@
+//! The `dbchanges` suite (issue 34): the `local` suite's `UserService.get(id)` over
+//! PostgreSQL, while a connection that is not Coherent's (what a migration, a cron job or
+//! another service holds) updates a random user 200 times a second. The cached service
+//! learns of those writes only from the change feed (logical decoding): a host's
+//! `watch_table("users")` invalidates `get(id)`.
+//!
+//! Rows: readers of the direct query, of a moka cache with a 1 s TTL, of the cached
+//! service on one host, and of the cached service on two hosts (half the readers each,
+//! each host with its own cache); each counts `stale_reads`: reads that started more than
+//! 20 ms after a write's commit returned and saw an older version. And the propagation,
+//! from the commit returned to the host's watch invalidating the entry.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use coherent::Registry;
+use coherent_ops::{watch_table, ChangeFeed, Database, Host};
+use parking_lot::Mutex;
+
+use crate::local::service::UserService;
+use crate::local::store::{create_users, Store, StoreError, User, PG_UPDATE, USERS};
+use crate::local::{Getter, Ids, BATCH, READERS_PER_CORE};
+use crate::report::{cores, progress, Report, Row};
+use crate::Timing;
+
+/// How often the outside writer writes.
+const WRITE_PERIOD: Duration = Duration::from_millis(5);
+/// A read that starts this long after a write's commit returned must see it.
+const STALE_AFTER: Duration = Duration::from_millis(20);
+
+/// The recent writes of each user: (when the commit returned, the version), newest last.
+struct Written(Vec<Mutex<VecDeque<(Instant, u64)>>>);
+
+impl Written {
+    fn new() -> Arc<Self> {
+        Arc::new(Self(
+            (0..=USERS).map(|_| Mutex::new(VecDeque::new())).collect(),
+        ))
+    }
+
+    fn record(&self, id: u64, version: u64, at: Instant) {
+        let mut w = self.0[id as usize].lock();
+        w.push_back((at, version));
+        if w.len() > 8 {
+            w.pop_front();
+        }
+    }
+
+    /// The newest version whose commit returned `STALE_AFTER` before `start`.
+    fn floor(&self, id: u64, start: Instant) -> u64 {
+        let w = self.0[id as usize].lock();
+        w.iter()
+            .rev()
+            .find(|(at, _)| *at + STALE_AFTER <= start)
+            .map_or(0, |(_, v)| *v)
+    }
+
+    fn latest(&self, id: u64) -> u64 {
+        self.0[id as usize].lock().back().map_or(0, |(_, v)| *v)
+    }
+}
+
+/// Commit instants by (id, version), for the propagation samples.
+type Commits = Arc<Mutex<HashMap<(u64, u64), Instant>>>;
+
+/// A moka cache with a 1 s TTL in front of the direct query.
+struct Ttl {
+    cache: moka::sync::Cache<u64, User>,
+    store: Arc<Store>,
+}
+
+impl Getter for Ttl {
+    async fn get(&self, id: u64) -> Result<User, StoreError> {
+        if let Some(user) = self.cache.get(&id) {
+            return Ok(user);
+        }
+        let user = self.store.get(id).await?;
+        self.cache.insert(id, user);
+        Ok(user)
+    }
+}
+
+/// Calls and stale reads of `readers` tasks over `getters` (taken in turn) for `duration`.
+async fn read<G: Getter>(
+    getters: &[Arc<G>],
+    readers: usize,
+    written: &Arc<Written>,
+    duration: Duration,
+) -> (u64, u64, Duration) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..readers)
+        .map(|i| {
+            let getter = getters[i % getters.len()].clone();
+            let (written, stop) = (written.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut ids = Ids(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i as u64 + 1) | 1);
+                let (mut calls, mut stale) = (0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..BATCH {
+                        let id = ids.next();
+                        let start = Instant::now();
+                        let user = std::hint::black_box(getter.get(id).await.expect("answers"));
+                        if user.version < written.floor(id, start) {
+                            stale += 1;
+                        }
+                        calls += 1;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                (calls, stale)
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    {
+        let stop = stop.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::spawn(move || {
+            std::thread::sleep(duration);
+            stop.store(true, Ordering::Relaxed);
+            let _ = tx.send(());
+        });
+        let _ = rx.await;
+    }
+    let (mut calls, mut stale) = (0, 0);
+    for t in tasks {
+        let (c, s) = t.await.expect("a reader");
+        calls += c;
+        stale += s;
+    }
+    (calls, stale, started.elapsed())
+}
+
+/// The outside writer: a plain tokio-postgres connection of its own, on a thread and
+/// runtime of its own, updating a random user every `WRITE_PERIOD` until `stop`.
+fn spawn_writer(
+    config: tokio_postgres::Config,
+    written: Arc<Written>,
+    commits: Commits,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime for the writer");
+        runtime.block_on(async move {
+            let (client, connection) = config
+                .connect(tokio_postgres::NoTls)
+                .await
+                .expect("the writer's connection");
+            tokio::spawn(connection);
+            let update = client.prepare(PG_UPDATE).await.expect("prepared");
+            let mut ids = Ids(0xDEAD_BEEF);
+            let mut tick = tokio::time::interval(WRITE_PERIOD);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut writes = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                let id = ids.next();
+                let version = written.latest(id) + 1;
+                let name = format!("User {id} v{version}");
+                client
+                    .execute(
+                        &update,
+                        &[
+                            &(id as i64),
+                            &(version as i64),
+                            &name,
+                            &crate::local::store::now_micros(),
+                        ],
+                    )
+                    .await
+                    .expect("the write");
+                let at = Instant::now();
+                commits.lock().insert((id, version), at);
+                written.record(id, version, at);
+                writes += 1;
+            }
+            writes
+        })
+    })
+}
+
+/// A host with the cached service, whose watch of `users` invalidates `get(id)` and
+/// samples the propagation.
+async fn cached_host(
+    db: &Database,
+    store: Arc<Store>,
+    commits: &Commits,
+    samples: &Arc<Mutex<hdrhistogram::Histogram<u64>>>,
+) -> anyhow::Result<(Host, Arc<UserService>, Registry)> {
+    let registry = Registry::new();
+    let service = Arc::new(UserService::new(store, &registry));
+    let (watching, commits, samples) = (service.clone(), commits.clone(), samples.clone());
+    let host = Host::builder(db.clone())
+        .registry(&registry)
+        .watch(
+            watch_table("users")
+                .columns(["version"])
+                .on_change(move |change| {
+                    let (Some(id), Some(version)) =
+                        (change.key::<u64>("id"), change.key::<u64>("version"))
+                    else {
+                        return;
+                    };
+                    watching.invalidate_get(id);
+                    if let Some(at) = commits.lock().get(&(id, version)) {
+                        let _ = samples
+                            .lock()
+                            .record(at.elapsed().as_micros().max(1) as u64);
+                    }
+                }),
+        )
+        .change_feed(ChangeFeed::postgres())
+        .start()
+        .await?;
+    Ok((host, service, registry))
+}
+
+pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores())
+        .enable_all()
+        .build()?;
+    runtime.block_on(run_async(timing))
+}
+
+async fn run_async(timing: Timing) -> anyhow::Result<Report> {
+    let mut report = Report::new("dbchanges");
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let schema = format!("bench_dbchanges_{}", std::process::id());
+    let db = match Database::postgres_in_schema(&url, &schema).await {
+        Ok(db) => db,
+        Err(e) => {
+            report.note(format!("skipped: PostgreSQL at {url}: {e}"));
+            return Ok(report);
+        }
+    };
+    let pool = db.postgres_pool().expect("PostgreSQL").clone();
+    {
+        let client = pool.get().await?;
+        let level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
+        if level != "logical" {
+            report.note(format!(
+                "skipped: wal_level is {level} (the feed needs logical; .ci/run sets it)"
+            ));
+            return Ok(report);
+        }
+        create_users(&client).await?;
+    }
+    let mut config: tokio_postgres::Config = url.parse()?;
+    config.options(format!("-c search_path={schema}"));
+    let readers = READERS_PER_CORE * cores();
+    let bar = progress(4);
+
+    let written = Written::new();
+    let commits: Commits = Arc::default();
+    let samples = Arc::new(Mutex::new(hdrhistogram::Histogram::<u64>::new(3)?));
+    let store = || -> anyhow::Result<Arc<Store>> {
+        Ok(Arc::new(Store::postgres_with(config.clone(), cores() * 4)?))
+    };
+    let (host_a, service_a, registry_a) = cached_host(&db, store()?, &commits, &samples).await?;
+    let (host_b, service_b, _registry_b) = cached_host(&db, store()?, &commits, &samples).await?;
+
+    // Each row: the writer runs throughout; a warm-up, then the best of the runs.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = spawn_writer(
+        config.clone(),
+        written.clone(),
+        commits.clone(),
+        stop.clone(),
+    );
+    async fn row<G: Getter>(
+        timing: Timing,
+        getters: &[Arc<G>],
+        readers: usize,
+        written: &Arc<Written>,
+    ) -> (f64, u64) {
+        let (_, mut stale, _) = read(getters, readers, written, timing.warmup).await;
+        let mut best = 0f64;
+        for _ in 0..timing.runs {
+            let (calls, s, elapsed) = read(getters, readers, written, timing.run).await;
+            stale += s;
+            best = best.max(calls as f64 / elapsed.as_secs_f64());
+        }
+        (best, stale)
+    }
+
+    bar.set_message("dbchanges.direct.readers");
+    let direct = store()?;
+    let (rate, stale) = row(timing, &[direct.clone()], readers, &written).await;
+    report.push(Row::new("dbchanges.direct.readers", rate, "calls/s").with("stale_reads", stale));
+    bar.inc(1);
+
+    bar.set_message("dbchanges.ttl.readers");
+    let ttl = Arc::new(Ttl {
+        cache: moka::sync::Cache::builder()
+            .max_capacity(10_000)
+            .time_to_live(Duration::from_secs(1))
+            .build(),
+        store: direct.clone(),
+    });
+    let (rate, stale) = row(timing, &[ttl], readers, &written).await;
+    report.push(
+        Row::new("dbchanges.ttl.readers", rate, "calls/s")
+            .with("stale_reads", stale)
+            .compared_to("dbchanges.direct.readers"),
+    );
+    bar.inc(1);
+
+    bar.set_message("dbchanges.cached.readers");
+    samples.lock().reset();
+    let before = registry_a.metrics();
+    let (rate, stale) = row(timing, &[service_a.clone()], readers, &written).await;
+    let invalidations = registry_a.metrics().since(&before).invalidations;
+    report.push(
+        Row::new("dbchanges.cached.readers", rate, "calls/s")
+            .with("stale_reads", stale)
+            .with("invalidations", invalidations)
+            .compared_to("dbchanges.direct.readers"),
+    );
+    let h = samples.lock().clone();
+    bar.inc(1);
+
+    bar.set_message("dbchanges.cluster.readers");
+    let (rate, stale) = row(
+        timing,
+        &[service_a.clone(), service_b.clone()],
+        readers,
+        &written,
+    )
+    .await;
+    report.push(
+        Row::new("dbchanges.cluster.readers", rate, "calls/s")
+            .with("stale_reads", stale)
+            .compared_to("dbchanges.direct.readers"),
+    );
+    bar.inc(1);
+    stop.store(true, Ordering::Relaxed);
+    let writes = tokio::task::spawn_blocking(move || writer.join())
+        .await?
+        .map_err(|_| anyhow::anyhow!("the writer panicked"))?;
+
+    for (name, q) in [("p50", 0.5), ("p99", 0.99)] {
+        report.push(
+            Row::new(
+                format!("dbchanges.propagation_{name}_us"),
+                h.value_at_quantile(q) as f64,
+                "us",
+            )
+            .with("samples", h.len()),
+        );
+    }
+    let feed: Vec<_> = [&host_a, &host_b]
+        .iter()
+        .filter_map(|h| h.feed_stats())
+        .collect();
+    let operations: u64 = feed.iter().map(|f| f.operations).sum();
+    let rows: u64 = feed.iter().map(|f| f.rows).sum();
+    report.note(format!(
+        "an outside connection wrote {writes} times (every {WRITE_PERIOD:?}); the feed \
+         logged {rows} rows in {operations} operations; {readers} readers; a read is stale \
+         when it started {STALE_AFTER:?} after a commit returned and saw an older version"
+    ));
+    report.note(
+        "feed: ChangeFeed::postgres() with its defaults (pgoutput slot read by one host); \
+         propagation = commit returned to the watch's invalidation on the host that reads \
+         the feed and on the other (both sampled)",
+    );
+    report.note("ttl: moka::sync::Cache with a 1 s time to live in front of the direct query");
+    host_a.stop().await;
+    host_b.stop().await;
+    {
+        let client = pool.get().await?;
+        let slot = format!(
+            "coherent_{}_{}",
+            config.get_dbname().unwrap_or("postgres"),
+            schema
+        );
+        let _ = client
+            .execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND NOT active",
+                &[&slot],
+            )
+            .await;
+        let _ = client
+            .batch_execute(&format!(
+                "DROP PUBLICATION IF EXISTS {slot}; DROP SCHEMA {schema} CASCADE"
+            ))
+            .await;
+    }
+    bar.finish_and_clear();
+    Ok(report)
+}
