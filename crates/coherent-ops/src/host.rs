@@ -700,11 +700,24 @@ impl HostBuilder {
             host.inner.stop.subscribe(),
         ));
         if let Some(feed) = feed {
-            tokio::spawn(run_postgres_feed(
-                Arc::downgrade(&host.inner),
-                feed,
-                host.inner.stop.subscribe(),
-            ));
+            // A thread of its own: a runtime whose workers are busy (readers hitting the
+            // cache) would add a wait in its queue to every step of the feed, each a few
+            // milliseconds of a change's propagation.
+            let (weak, stop) = (Arc::downgrade(&host.inner), host.inner.stop.subscribe());
+            std::thread::Builder::new()
+                .name("coherent-changes".to_owned())
+                .spawn(move || {
+                    match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(runtime) => runtime.block_on(run_postgres_feed(weak, feed, stop)),
+                        Err(e) => tracing::error!(%e, "change feed: no runtime for its thread"),
+                    }
+                })
+                .map_err(|e| {
+                    CommandError::new(ErrorKind::Unavailable, format!("change feed thread: {e}"))
+                })?;
         }
         tracing::info!(host = %id, horizon, "coherent-ops host started");
         Ok(host)
@@ -931,6 +944,39 @@ impl Host {
         if let Some(wait) = &inner.after_invalidate {
             wait().await;
         }
+        Ok(output)
+    }
+
+    /// [`run`](Self::run) without the wait for the other hosts' acknowledgements (nor
+    /// [`HostBuilder::after_invalidate`]): returns once the operation committed and its
+    /// invalidation ran here. For the change feed, whose operations no caller reads after:
+    /// the other hosts apply them as they apply every operation, and the feed reads on.
+    pub(crate) async fn run_unacknowledged<C: Command>(
+        &self,
+        command: C,
+    ) -> Result<C::Output, CommandError> {
+        let inner = &*self.inner;
+        let handler = inner.handlers.typed::<C>()?;
+        let command_json = serde_json::to_string(&command)?;
+        let (answer, answered) = oneshot::channel();
+        let batch = inner.batcher.push(Box::new(TypedJob {
+            handler,
+            host: inner.id.clone(),
+            command,
+            command_json,
+            caller: None,
+            output: None,
+            answer,
+        }))?;
+        if let Some(batch) = batch {
+            Committing::new(&self.inner, batch).await;
+        }
+        let (output, _acks) = answered.await.map_err(|_| {
+            CommandError::new(
+                ErrorKind::Unavailable,
+                "the host stopped before the command's outcome was known",
+            )
+        })??;
         Ok(output)
     }
 

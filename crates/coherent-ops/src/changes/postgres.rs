@@ -12,7 +12,7 @@
 //! moves to the end of the last transaction read once that command returned: a feed that
 //! fails before reads the same transactions again (at least once, never lost).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -114,6 +114,9 @@ struct Relation {
 struct Read<'a> {
     feed: &'a PgFeed,
     keys: &'a Keys,
+    /// Transactions that end at or before this were read before (their operations are
+    /// being logged): skipped.
+    skip_upto: u64,
     relations: HashMap<u32, Relation>,
     open: Option<Open>,
     batch: Batch,
@@ -206,7 +209,9 @@ impl Read<'_> {
                     return Err("a commit outside a transaction".to_owned());
                 };
                 self.end_lsn = Some(end_lsn);
-                if open.command && self.feed.feed.skip_commands {
+                if end_lsn <= self.skip_upto {
+                    // Read before.
+                } else if open.command && self.feed.feed.skip_commands {
                     self.skipped += 1;
                 } else if open.batch.len() > 0 {
                     self.transactions += 1;
@@ -359,12 +364,14 @@ pub(crate) async fn run_postgres_feed(
     }
 }
 
-/// Runs `command` on the host, if it still runs.
+/// Logs `changes` through the host's pipeline, if the host still runs: returns once the
+/// operation committed and ran here (the other hosts apply it from their notifier or the
+/// log; the feed does not wait for their acknowledgements, no caller reads after it).
 pub(super) async fn log(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, CommandError> {
     let Some(inner) = host.upgrade() else {
         return Ok(false);
     };
-    Host { inner }.run(changes).await?;
+    Host { inner }.run_unacknowledged(changes).await?;
     Ok(true)
 }
 
@@ -468,33 +475,93 @@ async fn lead(
     }
     // Where this connection last moved the slot.
     let mut advanced = 0;
+    // The reads whose operations are being logged, oldest first, each with where the slot
+    // may move once it is (and every one before it) logged: the next read does not wait
+    // for a log (a log waits for the host's runtime and the database's commit; a change
+    // that came meanwhile waited for them too).
+    let mut logging: VecDeque<(Option<tokio::task::JoinHandle<LogResult>>, Option<u64>)> =
+        VecDeque::new();
+    // Transactions that end at or before this were read (their operations are logged, or
+    // being logged): a later read skips them.
+    let mut read_upto = 0;
     loop {
         if *stop.borrow() {
             return Ok(());
         }
-        let lost = match read(&client, feed, &keys).await {
+        // Move the slot past the reads whose operations are logged, in order; with too
+        // many logs under way, wait for the oldest.
+        let mut lost = None;
+        while let Some((task, _)) = logging.front() {
+            let done = task.as_ref().is_none_or(|t| t.is_finished());
+            if !done && logging.len() < MAX_LOGGING {
+                break;
+            }
+            let (task, end_lsn) = logging.pop_front().expect("a front");
+            if let Some(task) = task {
+                match task.await {
+                    Ok(Ok((true, rows, tables))) => {
+                        feed.counters.operations.fetch_add(1, Ordering::Relaxed);
+                        feed.counters.rows.fetch_add(rows, Ordering::Relaxed);
+                        feed.counters.tables.fetch_add(tables, Ordering::Relaxed);
+                    }
+                    Ok(Ok((false, _, _))) => return Ok(()),
+                    Ok(Err(e)) => return Err(e),
+                    Err(e) => return Err(feed_error(format!("the log of changes: {e}"))),
+                }
+            }
+            if let Some(lsn) = end_lsn.filter(|&lsn| lsn > advanced) {
+                advanced = lsn;
+                let moved = client
+                    .execute(
+                        "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)",
+                        &[&feed.feed.slot, &lsn_text(lsn)],
+                    )
+                    .await;
+                if let Err(e) = moved {
+                    match classify(&client, feed, e).await {
+                        ReadError::Lost(why) => {
+                            lost = Some(why);
+                            break;
+                        }
+                        ReadError::Undecodable(e) | ReadError::Refused(e) | ReadError::Other(e) => {
+                            return Err(e)
+                        }
+                    }
+                }
+            }
+        }
+        let read = match lost {
+            Some(why) => Err(ReadError::Lost(why)),
+            None => read(&client, feed, &keys, read_upto).await,
+        };
+        let lost = match read {
             Ok(read) => {
                 feed.counters.stuck.store(0, Ordering::Relaxed);
                 let (changes, end_lsn, any) = read;
-                if !changes.is_empty() {
-                    let (rows, tables) = (changes.rows.len() as u64, changes.tables.len() as u64);
-                    if !log(host, changes).await? {
-                        return Ok(());
+                let task = if changes.is_empty() {
+                    None
+                } else {
+                    // Applied here at once (the changes are committed: an early
+                    // invalidation is never wrong), then logged for the other hosts, marked
+                    // as applied here. A log that fails is read again and applied here
+                    // again: harmless.
+                    let mut changes = changes;
+                    if let Some(inner) = host.upgrade() {
+                        if let Some(apply) = &inner.changes {
+                            apply.apply(&changes);
+                        }
+                        changes.applied_by = Some(inner.id.clone());
                     }
-                    feed.counters.operations.fetch_add(1, Ordering::Relaxed);
-                    feed.counters.rows.fetch_add(rows, Ordering::Relaxed);
-                    feed.counters.tables.fetch_add(tables, Ordering::Relaxed);
+                    let (rows, tables) = (changes.rows.len() as u64, changes.tables.len() as u64);
+                    let host = host.clone();
+                    Some(tokio::spawn(async move {
+                        log(&host, changes).await.map(|ok| (ok, rows, tables))
+                    }))
+                };
+                if let Some(lsn) = end_lsn {
+                    read_upto = read_upto.max(lsn);
                 }
-                if let Some(lsn) = end_lsn.filter(|&lsn| lsn > advanced) {
-                    advanced = lsn;
-                    client
-                        .execute(
-                            "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)",
-                            &[&feed.feed.slot, &lsn_text(lsn)],
-                        )
-                        .await
-                        .map_err(feed_error)?;
-                }
+                logging.push_back((task, end_lsn));
                 if !any {
                     tokio::select! {
                         _ = tokio::time::sleep(feed.feed.poll) => {}
@@ -534,9 +601,18 @@ async fn lead(
                 return Ok(());
             }
             advanced = 0;
+            read_upto = 0;
+            logging.clear();
         }
     }
 }
+
+/// What a log of changes answers: whether the host still runs, and the rows and tables
+/// it logged.
+type LogResult = Result<(bool, u64, u64), CommandError>;
+
+/// Logs of changes under way at most (see `lead`).
+const MAX_LOGGING: usize = 16;
 
 /// Reads in a row that fail on a message that does not decode, or that the server
 /// refuses, before the slot is given up.
@@ -781,26 +857,24 @@ async fn read(
     client: &tokio_postgres::Client,
     feed: &PgFeed,
     keys: &Keys,
+    skip_upto: u64,
 ) -> Result<(DbChanges, Option<u64>, bool), ReadError> {
     feed.counters.reads.fetch_add(1, Ordering::Relaxed);
     // The read goes up to what is flushed now: when it returns fewer messages than its
     // limit, it read every transaction that committed before that point, and the slot may
     // move there even if none had a change to carry (without it, a slot whose tables do not
     // change would hold the log back, and each read would decode it all again).
-    let flushed: String = client
-        .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
-        .await
-        .map_err(|e| ReadError::Other(feed_error(e)))?
-        .get(0);
-    let upto = parse_lsn(&flushed)
-        .ok_or_else(|| ReadError::Other(feed_error(format!("an LSN of {flushed:?}"))))?;
+    // One statement: the bound, then the messages up to it (each row repeats the bound; a
+    // read with no message is one row without data).
     let max = i32::try_from(feed.feed.max_messages).unwrap_or(i32::MAX);
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-        [&feed.feed.slot, &flushed, &max, &feed.feed.publication];
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+        [&feed.feed.slot, &max, &feed.feed.publication];
     let rows = match client
         .query_raw(
-            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, $2::text::pg_lsn, $3, \
-             'proto_version', '1', 'publication_names', $4)",
+            "WITH bound AS (SELECT pg_current_wal_flush_lsn() AS lsn) \
+             SELECT bound.lsn::text, c.data FROM bound LEFT JOIN LATERAL \
+             pg_logical_slot_peek_binary_changes($1, bound.lsn, $2, \
+             'proto_version', '1', 'publication_names', $3) c ON true",
             params,
         )
         .await
@@ -812,6 +886,7 @@ async fn read(
     let mut read = Read {
         feed,
         keys,
+        skip_upto,
         relations: HashMap::new(),
         open: None,
         batch: Batch::default(),
@@ -820,14 +895,24 @@ async fn read(
         skipped: 0,
     };
     let mut messages = 0usize;
+    let mut upto = None;
     loop {
         let row = match rows.try_next().await {
             Ok(Some(row)) => row,
             Ok(None) => break,
             Err(e) => return Err(classify(client, feed, e).await),
         };
+        if upto.is_none() {
+            let bound: &str = row.get(0);
+            upto = Some(
+                parse_lsn(bound)
+                    .ok_or_else(|| ReadError::Other(feed_error(format!("an LSN of {bound:?}"))))?,
+            );
+        }
+        let Some(data) = row.get::<_, Option<&[u8]>>(1) else {
+            continue;
+        };
         messages += 1;
-        let data: &[u8] = row.get(0);
         let message = pgoutput::decode(data).map_err(|e| {
             feed.counters.undecodable.fetch_add(1, Ordering::Relaxed);
             ReadError::Undecodable(feed_error(e))
@@ -844,7 +929,7 @@ async fn read(
     // Fewer messages than the limit: the read stopped at `upto`, not at the limit (which
     // the server checks only at a commit, so a read that reached it ends on one).
     let end_lsn = if messages < feed.feed.max_messages {
-        Some(read.end_lsn.unwrap_or(0).max(upto))
+        Some(read.end_lsn.unwrap_or(0).max(upto.unwrap_or(0)))
     } else {
         read.end_lsn
     };
