@@ -545,7 +545,10 @@ async fn push<W: AsyncWrite + Unpin>(
         }
         Out::Stop(close) => {
             if let Some(close) = close {
-                Box::pin(push(wr, buf, *close, written, stall)).await?;
+                // The `Close` came with the stop, not through the queue's count (a stop
+                // counts 0 bytes there): not counted off it either.
+                let mut uncounted = 0;
+                Box::pin(push(wr, buf, *close, &mut uncounted, stall)).await?;
             }
             Ok(true)
         }

@@ -174,3 +174,34 @@ async fn a_ping_to_a_peer_that_went_silent_never_completes() {
     assert!(ping.is_err(), "answered by nobody: {ping:?}");
     assert!(peer.close_reason().is_none());
 }
+
+/// A close with a reason goes out as a `Close` frame behind the writer's queue. Its bytes
+/// were counted off the queue when written but never counted onto it: the queue's count
+/// wrapped below zero (in a debug build, `attempt to add with overflow` at the next frame
+/// queued on the endpoint; in a release build a count near 2^64, so `wait_for_room`
+/// stalled). Seen in the `hostile` bench's own clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_with_a_reason_leaves_the_queue_counts_at_zero() {
+    let (server, _) = calc_server(Config::default());
+    let client = Endpoint::builder().build();
+    let (c, s) = pair(&server, &client).await.unwrap();
+    let calc = CalcClient::new(c.clone());
+    // Enough at once that the writer task runs (lone frames are written by their sender).
+    let calls: Vec<_> = (0..200).map(|i| calc.sum(i, 1)).collect();
+    for r in futures::future::join_all(calls).await {
+        r.unwrap();
+    }
+    c.close_because("done with it");
+    assert!(s.closed().await.message().contains("done with it"));
+    let _ = c.closed().await;
+    // The writer counts off what it wrote once it is written: wait for it to end.
+    for _ in 0..2000 {
+        if client.stats().queued_bytes == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(c.stats().queued_bytes, 0);
+    assert_eq!(client.stats().queued_bytes, 0);
+    assert!(client.stats().totals.queued_bytes_peak < 1 << 40);
+}
