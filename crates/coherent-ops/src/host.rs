@@ -911,33 +911,11 @@ impl Host {
     /// Dropping the future does not cancel the command: once handed to the pipeline it
     /// runs, and if it commits, its invalidation runs here all the same.
     pub async fn run<C: Command>(&self, command: C) -> Result<C::Output, CommandError> {
+        // The task-local of the RPC call that runs this command, if one does: the batch may
+        // run it on another task.
+        let caller = coherent_rpc::CallContext::current().and_then(|c| c.identity().cloned());
+        let (output, acks) = self.submit(command, caller).await?;
         let inner = &*self.inner;
-        let handler = inner.handlers.typed::<C>()?;
-        let command_json = serde_json::to_string(&command)?;
-        let (answer, answered) = oneshot::channel();
-        let batch = inner.batcher.push(Box::new(TypedJob {
-            handler,
-            host: inner.id.clone(),
-            command,
-            command_json,
-            // The task-local of the RPC call that runs this command, if one does: the
-            // batch may run it on another task.
-            caller: coherent_rpc::CallContext::current().and_then(|c| c.identity().cloned()),
-            output: None,
-            answer,
-        }))?;
-        if let Some(batch) = batch {
-            // A transaction was free: commit here, in the caller's task, rather than hand
-            // the command to another task and wait to be woken with its answer.
-            Committing::new(&self.inner, batch).await;
-        }
-        let (output, acks) = answered.await.map_err(|_| {
-            CommandError::new(
-                ErrorKind::Unavailable,
-                "the host stopped, or the command's handler panicked, before the command's \
-                 outcome was known",
-            )
-        })??;
         if let Some(wait) = acks {
             inner.await_acks(wait).await;
         }
@@ -955,6 +933,16 @@ impl Host {
         &self,
         command: C,
     ) -> Result<C::Output, CommandError> {
+        Ok(self.submit(command, None).await?.0)
+    }
+
+    /// Hands `command` to the pipeline and waits for its commit and its invalidation here;
+    /// answers its output and what waits for the other hosts' acknowledgements.
+    async fn submit<C: Command>(
+        &self,
+        command: C,
+        caller: Option<coherent_rpc::Identity>,
+    ) -> Result<(C::Output, Option<AckWait>), CommandError> {
         let inner = &*self.inner;
         let handler = inner.handlers.typed::<C>()?;
         let command_json = serde_json::to_string(&command)?;
@@ -964,20 +952,22 @@ impl Host {
             host: inner.id.clone(),
             command,
             command_json,
-            caller: None,
+            caller,
             output: None,
             answer,
         }))?;
         if let Some(batch) = batch {
+            // A transaction was free: commit here, in the caller's task, rather than hand
+            // the command to another task and wait to be woken with its answer.
             Committing::new(&self.inner, batch).await;
         }
-        let (output, _acks) = answered.await.map_err(|_| {
+        answered.await.map_err(|_| {
             CommandError::new(
                 ErrorKind::Unavailable,
-                "the host stopped before the command's outcome was known",
+                "the host stopped, or the command's handler panicked, before the command's \
+                 outcome was known",
             )
-        })??;
-        Ok(output)
+        })?
     }
 
     /// Runs a command given by name and as JSON (what remote callers send); answers the

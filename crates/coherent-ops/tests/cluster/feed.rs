@@ -12,6 +12,37 @@ use crate::harness::{within, HostProc, Mirror, Store};
 /// slot's log (`max_slot_wal_keep_size`), which would invalidate the other test's slot too.
 static SLOTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Drops the slot (and its publication) once no host reads it.
+async fn drop_slot(sql: &tokio_postgres::Client, slot: &str) {
+    within("the slot's drop", async {
+        loop {
+            let _ = sql
+                .execute(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                     WHERE slot_name = $1 AND NOT active",
+                    &[&slot],
+                )
+                .await;
+            let gone = sql
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .unwrap()
+                .is_none();
+            if gone {
+                let _ = sql
+                    .batch_execute(&format!("DROP PUBLICATION IF EXISTS {slot}"))
+                    .await;
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+}
+
 async fn leading(host: &mut HostProc) -> bool {
     host.cmd("feed").await.contains("leading=1")
 }
@@ -106,31 +137,7 @@ async fn postgres_a_change_from_outside_reaches_every_host_process_and_outlives_
     for h in hosts.iter_mut() {
         h.kill().await;
     }
-    within("the slot's drop", async {
-        loop {
-            let gone = sql
-                .execute(
-                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-                     WHERE slot_name = $1 AND NOT active",
-                    &[&slot],
-                )
-                .await
-                .is_ok()
-                && sql
-                    .query_opt(
-                        "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
-                        &[&slot],
-                    )
-                    .await
-                    .unwrap()
-                    .is_none();
-            if gone {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    drop_slot(&sql, &slot).await;
 }
 
 /// Resets `max_slot_wal_keep_size` when dropped, a panic included (the setting outlives
@@ -244,28 +251,5 @@ async fn postgres_a_slot_past_max_slot_wal_keep_size_is_replaced_and_every_host_
     assert_eq!(created, 2, "the first slot and its replacement");
     a.kill().await;
     b.kill().await;
-    within("the slot's drop", async {
-        loop {
-            let _ = sql
-                .execute(
-                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-                     WHERE slot_name = $1 AND NOT active",
-                    &[&slot],
-                )
-                .await;
-            let gone = sql
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&slot],
-                )
-                .await
-                .unwrap()
-                .is_none();
-            if gone {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    drop_slot(&sql, &slot).await;
 }
