@@ -484,6 +484,8 @@ async fn lead(
     // Transactions that end at or before this were read (their operations are logged, or
     // being logged): a later read skips them.
     let mut read_upto = 0;
+    // The insert position the last read saw (see `read`).
+    let mut seen_insert = None;
     loop {
         if *stop.borrow() {
             return Ok(());
@@ -532,7 +534,7 @@ async fn lead(
         }
         let read = match lost {
             Some(why) => Err(ReadError::Lost(why)),
-            None => read(&client, feed, &keys, read_upto).await,
+            None => read(&client, feed, &keys, read_upto, &mut seen_insert).await,
         };
         let lost = match read {
             Ok(read) => {
@@ -602,6 +604,7 @@ async fn lead(
             }
             advanced = 0;
             read_upto = 0;
+            seen_insert = None;
             logging.clear();
         }
     }
@@ -858,21 +861,22 @@ async fn read(
     feed: &PgFeed,
     keys: &Keys,
     skip_upto: u64,
+    seen_insert: &mut Option<u64>,
 ) -> Result<(DbChanges, Option<u64>, bool), ReadError> {
     feed.counters.reads.fetch_add(1, Ordering::Relaxed);
-    // The read goes up to what is flushed now: when it returns fewer messages than its
-    // limit, it read every transaction that committed before that point, and the slot may
-    // move there even if none had a change to carry (without it, a slot whose tables do not
-    // change would hold the log back, and each read would decode it all again).
-    // One statement: the bound, then the messages up to it (each row repeats the bound; a
-    // read with no message is one row without data).
+    // The read goes up to what is flushed now, and notes the insert position: the slot
+    // may then move (see the end) even if no transaction had a change to carry (without
+    // it, a slot whose tables do not change would hold the log back, and each read would
+    // decode it all again). One statement: the positions, then the messages (each row
+    // repeats the positions; a read with no message is one row without data).
     let max = i32::try_from(feed.feed.max_messages).unwrap_or(i32::MAX);
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
         [&feed.feed.slot, &max, &feed.feed.publication];
     let rows = match client
         .query_raw(
-            "WITH bound AS (SELECT pg_current_wal_flush_lsn() AS lsn) \
-             SELECT bound.lsn::text, c.data FROM bound LEFT JOIN LATERAL \
+            "WITH bound AS (SELECT pg_current_wal_flush_lsn() AS lsn, \
+             pg_current_wal_insert_lsn() AS insert) \
+             SELECT bound.lsn::text, bound.insert::text, c.data FROM bound LEFT JOIN LATERAL \
              pg_logical_slot_peek_binary_changes($1, bound.lsn, $2, \
              'proto_version', '1', 'publication_names', $3) c ON true",
             params,
@@ -903,13 +907,14 @@ async fn read(
             Err(e) => return Err(classify(client, feed, e).await),
         };
         if upto.is_none() {
-            let bound: &str = row.get(0);
-            upto = Some(
-                parse_lsn(bound)
-                    .ok_or_else(|| ReadError::Other(feed_error(format!("an LSN of {bound:?}"))))?,
-            );
+            let lsn = |i: usize| {
+                let text: &str = row.get(i);
+                parse_lsn(text)
+                    .ok_or_else(|| ReadError::Other(feed_error(format!("an LSN of {text:?}"))))
+            };
+            upto = Some((lsn(0)?, lsn(1)?));
         }
-        let Some(data) = row.get::<_, Option<&[u8]>>(1) else {
+        let Some(data) = row.get::<_, Option<&[u8]>>(2) else {
             continue;
         };
         messages += 1;
@@ -926,12 +931,20 @@ async fn read(
     feed.counters
         .skipped_commands
         .fetch_add(read.skipped, Ordering::Relaxed);
-    // Fewer messages than the limit: the read stopped at `upto`, not at the limit (which
-    // the server checks only at a commit, so a read that reached it ends on one).
-    let end_lsn = if messages < feed.feed.max_messages {
-        Some(read.end_lsn.unwrap_or(0).max(upto.unwrap_or(0)))
-    } else {
-        read.end_lsn
+    // Where the slot may move without a transaction to show for it: the insert position
+    // an earlier read saw (a record boundary: no record straddles it), once this read,
+    // stopped by its bound and not by its limit (which the server checks only at a
+    // commit), decoded up to a flushed position at or past it. Not to this read's flushed
+    // position: the log is also flushed by whole pages, and a commit record cut by such a
+    // position is not decoded by this read, yet starts before it: a slot moved there would
+    // skip that transaction for good.
+    let (flushed, inserted) = upto.unwrap_or((0, 0));
+    let end_lsn = match *seen_insert {
+        Some(earlier) if messages < feed.feed.max_messages && earlier <= flushed => {
+            Some(read.end_lsn.unwrap_or(0).max(earlier))
+        }
+        _ => read.end_lsn,
     };
+    *seen_insert = Some(inserted);
     Ok((read.batch.into_changes(), end_lsn, messages > 0))
 }
