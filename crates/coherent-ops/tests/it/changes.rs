@@ -154,6 +154,26 @@ async fn pair(db: &Database, feed: &ChangeFeed) -> [(Host, Items, Arc<Seen>); 2]
         }
     })
     .await;
+    // The flush the new slot owed is logged before its row goes (by whichever host paid
+    // it, maybe both): once the row is gone, a read of the log applies it on each host,
+    // so that it does not land in the middle of a test.
+    let psql = sql(db).await;
+    within("the slot's flush paid", async {
+        loop {
+            let owed: i64 = psql
+                .query_one("SELECT count(*) FROM coherent_feed_flushes", &[])
+                .await
+                .map_or(1, |r| r.get(0));
+            if owed == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    for (host, _, _) in [&a, &b] {
+        host.catch_up().await.unwrap();
+    }
     [a, b]
 }
 
@@ -898,7 +918,8 @@ async fn postgres_two_clusters_in_one_database_each_read_their_own_changes() {
 /// A publication dropped under the feed: a single refusal is not the slot lost (the
 /// feed makes the publication again), but the changes written while it did not exist
 /// cannot be decoded (the server looks it up as of each change): after a few refusals the
-/// slot is replaced and every host flushes, and the feed goes on.
+/// slot is replaced and every host flushes, and the feed goes on. Either way, the change
+/// made meanwhile is not served stale.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed() {
     let Some(db) = postgres_db("feed_pub").await else {
@@ -926,14 +947,15 @@ async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed
         .await
         .unwrap();
     within("a change after it", six.when_invalidated()).await;
-    let created = || -> u64 {
-        [&a, &b]
-            .iter()
-            .map(|h| h.0.feed_stats().unwrap().slots_created)
-            .sum()
-    };
-    until("the new slot", || created() >= 2).await;
-    assert_eq!(created(), 2, "the first slot and its replacement");
+    // Whether the slot had to be replaced depends on whether a change to a published
+    // table (item 5's, or an operation of the log) was written before the feed made the
+    // publication again: either way nothing stale is served, and the slot is replaced at
+    // most once.
+    let created: u64 = [&a, &b]
+        .iter()
+        .map(|h| h.0.feed_stats().unwrap().slots_created)
+        .sum();
+    assert!(created <= 2, "the slot was replaced {} times", created - 1);
     a.0.stop().await;
     b.0.stop().await;
     drop_slot(&db, &name).await;
