@@ -19,8 +19,9 @@ use coherent::Registry;
 use coherent_ops::{watch_table, ChangeFeed, Database, Host};
 use parking_lot::Mutex;
 
+use crate::cluster::host::TtlUsers;
 use crate::local::service::UserService;
-use crate::local::store::{create_users, Store, StoreError, User, PG_UPDATE, USERS};
+use crate::local::store::{create_users, Store, PG_UPDATE, USERS};
 use crate::local::{Getter, Ids, BATCH, READERS_PER_CORE};
 use crate::report::{cores, progress, Report, Row};
 use crate::Timing;
@@ -64,23 +65,6 @@ impl Written {
 
 /// Commit instants by (id, version), for the propagation samples.
 type Commits = Arc<Mutex<HashMap<(u64, u64), Instant>>>;
-
-/// A moka cache with a 1 s TTL in front of the direct query.
-struct Ttl {
-    cache: moka::sync::Cache<u64, User>,
-    store: Arc<Store>,
-}
-
-impl Getter for Ttl {
-    async fn get(&self, id: u64) -> Result<User, StoreError> {
-        if let Some(user) = self.cache.get(&id) {
-            return Ok(user);
-        }
-        let user = self.store.get(id).await?;
-        self.cache.insert(id, user);
-        Ok(user)
-    }
-}
 
 /// Calls and stale reads of `readers` tasks over `getters` (taken in turn) for `duration`.
 async fn read<G: Getter>(
@@ -312,7 +296,7 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     bar.inc(1);
 
     bar.set_message("dbchanges.ttl.readers");
-    let ttl = Arc::new(Ttl {
+    let ttl = Arc::new(TtlUsers {
         cache: moka::sync::Cache::builder()
             .max_capacity(10_000)
             .time_to_live(Duration::from_secs(1))

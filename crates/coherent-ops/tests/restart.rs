@@ -144,32 +144,8 @@ async fn postgres_a_change_committed_before_a_restart_of_the_database_is_not_los
     );
     host.stop().await;
     let psql = connect(&url, &schema).await;
-    tokio::time::timeout(GUARD, async {
-        loop {
-            let _ = psql
-                .execute(
-                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-                     WHERE slot_name = $1 AND NOT active",
-                    &[&name],
-                )
-                .await;
-            let gone = psql
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&name],
-                )
-                .await
-                .unwrap()
-                .is_none();
-            if gone {
-                let _ = psql
-                    .batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))
-                    .await;
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("the slot's drop");
+    support::drop_slot_when_free(&psql, &name).await;
+    let _ = psql
+        .batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))
+        .await;
 }

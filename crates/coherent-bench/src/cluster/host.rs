@@ -100,9 +100,9 @@ impl Commands for Plain {
 }
 
 /// The `ttl` readers' getter: a moka cache with a 1 s TTL in front of the direct query.
-struct TtlUsers {
-    cache: moka::sync::Cache<u64, User>,
-    store: Arc<Store>,
+pub(crate) struct TtlUsers {
+    pub(crate) cache: moka::sync::Cache<u64, User>,
+    pub(crate) store: Arc<Store>,
 }
 
 impl Getter for TtlUsers {

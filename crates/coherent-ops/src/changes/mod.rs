@@ -231,6 +231,12 @@ pub(crate) struct Watches {
 }
 
 impl Watches {
+    /// Whether changes of `schema.name` are watched here (without building the column set:
+    /// the SQLite hooks ask it for every row written).
+    pub(crate) fn watches(&self, schema: &str, name: &str) -> bool {
+        self.tables.iter().any(|w| w.matches(schema, name))
+    }
+
     /// Whether changes of `schema.name` are watched here, and the columns they carry.
     pub(crate) fn columns(&self, schema: &str, name: &str) -> Option<BTreeSet<String>> {
         let mut found = false;

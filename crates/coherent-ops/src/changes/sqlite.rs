@@ -123,9 +123,7 @@ pub fn track(conn: &Connection, host: &Host) -> Result<(), CommandError> {
     // delete row by row (and nothing else).
     let watched = tracker.apply.clone();
     conn.authorizer(Some(move |ctx: AuthContext<'_>| match ctx.action {
-        AuthAction::Delete { table_name }
-            if watched.watches.columns("main", table_name).is_some() =>
-        {
+        AuthAction::Delete { table_name } if watched.watches.watches("main", table_name) => {
             Authorization::Ignore
         }
         _ => Authorization::Allow,
@@ -140,7 +138,7 @@ pub fn track(conn: &Connection, host: &Host) -> Result<(), CommandError> {
                 pending.command = true;
                 return;
             }
-            if t.apply.watches.columns(db, table).is_none() {
+            if !t.apply.watches.watches(db, table) {
                 return;
             }
             let kind = match action {

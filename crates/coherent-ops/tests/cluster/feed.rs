@@ -14,33 +14,10 @@ static SLOTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Drops the slot (and its publication) once no host reads it.
 async fn drop_slot(sql: &tokio_postgres::Client, slot: &str) {
-    within("the slot's drop", async {
-        loop {
-            let _ = sql
-                .execute(
-                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-                     WHERE slot_name = $1 AND NOT active",
-                    &[&slot],
-                )
-                .await;
-            let gone = sql
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&slot],
-                )
-                .await
-                .unwrap()
-                .is_none();
-            if gone {
-                let _ = sql
-                    .batch_execute(&format!("DROP PUBLICATION IF EXISTS {slot}"))
-                    .await;
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    crate::support::drop_slot_when_free(sql, slot).await;
+    let _ = sql
+        .batch_execute(&format!("DROP PUBLICATION IF EXISTS {slot}"))
+        .await;
 }
 
 async fn leading(host: &mut HostProc) -> bool {

@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 
 use crate::holes::{sql, within};
 use crate::inproc::{postgres_db, sqlite_db};
-use crate::support::{host, open_sqlite, Items, SetValue};
+use crate::support::{drop_slot_when_free, host, open_sqlite, Items, SetValue};
 
 /// How often each host's watch saw each id, and how often the table-wide hooks ran.
 #[derive(Default)]
@@ -95,31 +95,7 @@ async fn drop_slot(db: &Database, feed_name: &str) {
     let _ = c
         .batch_execute(&format!("DROP PUBLICATION IF EXISTS {feed_name}"))
         .await;
-    // A slot is active while the feed reads it: try between two reads.
-    within("the slot's drop", async {
-        loop {
-            let gone = c
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&feed_name],
-                )
-                .await
-                .unwrap()
-                .is_none();
-            if gone {
-                return;
-            }
-            let _ = c
-                .execute(
-                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-                     WHERE slot_name = $1 AND NOT active",
-                    &[&feed_name],
-                )
-                .await;
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await;
+    drop_slot_when_free(&c, feed_name).await;
 }
 
 /// Two hosts, each with its own cache, both running the feed (one reads it).

@@ -397,3 +397,34 @@ pub(crate) async fn host(
     let host = configure(builder).start().await.unwrap();
     (host, items)
 }
+
+/// Drops the replication slot `name` once no feed reads it (a slot is active while a feed
+/// reads it: tried between two reads), failing after a generous bound.
+pub(crate) async fn drop_slot_when_free(client: &tokio_postgres::Client, name: &str) {
+    let drop = async {
+        loop {
+            let _ = client
+                .execute(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                     WHERE slot_name = $1 AND NOT active",
+                    &[&name],
+                )
+                .await;
+            let gone = client
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&name],
+                )
+                .await
+                .unwrap()
+                .is_none();
+            if gone {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(60), drop)
+        .await
+        .unwrap_or_else(|_| panic!("the slot {name} was not let go of within 60 s"));
+}
