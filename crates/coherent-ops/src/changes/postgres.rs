@@ -367,11 +367,21 @@ pub(crate) async fn run_postgres_feed(
 /// Logs `changes` through the host's pipeline, if the host still runs: returns once the
 /// operation committed and ran here (the other hosts apply it from their notifier or the
 /// log; the feed does not wait for their acknowledgements, no caller reads after it).
+///
+/// It runs on the host's runtime, not the feed thread's: a pool connection opened for the
+/// commit has its driver task on the runtime that opened it, and the feed thread's runtime
+/// ends with the host, which left such connections in the pool, closed (the next user of
+/// the pool got `connection closed`).
 pub(super) async fn log(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, CommandError> {
     let Some(inner) = host.upgrade() else {
         return Ok(false);
     };
-    Host { inner }.run_unacknowledged(changes).await?;
+    let runtime = inner.runtime.clone();
+    let host = Host { inner };
+    runtime
+        .spawn(async move { host.run_unacknowledged(changes).await })
+        .await
+        .map_err(|e| feed_error(format!("the log of changes: {e}")))??;
     Ok(true)
 }
 
