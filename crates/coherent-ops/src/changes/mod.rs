@@ -27,6 +27,7 @@
 
 pub mod pgoutput;
 mod postgres;
+mod replication;
 pub mod sqlite;
 mod triggers;
 
@@ -406,6 +407,8 @@ pub struct ChangeFeed {
     pub(crate) standby: Duration,
     /// Triggers and a change table instead of logical decoding.
     pub(crate) triggers: bool,
+    /// The slot streamed over a replication connection (else read with SQL).
+    pub(crate) streaming: bool,
 }
 
 /// The default of [`ChangeFeed::max_rows`].
@@ -433,6 +436,7 @@ impl ChangeFeed {
             skip_commands: true,
             standby: Duration::from_secs(1),
             triggers: false,
+            streaming: true,
         }
     }
 
@@ -470,9 +474,9 @@ impl ChangeFeed {
         self
     }
 
-    /// How often the slot (or the trigger feed's table) is read when it was found empty:
-    /// the latency of a change that arrives while the feed is idle. Default: 5 ms (an idle
-    /// read is one short statement).
+    /// How often the slot is read with SQL (see [`streaming`](Self::streaming)), or the
+    /// trigger feed's table, when it was found empty: the latency of a change that arrives
+    /// while the feed is idle. Default: 5 ms (an idle read is one short statement).
     pub fn poll_interval(mut self, every: Duration) -> Self {
         self.poll = every;
         self
@@ -491,6 +495,19 @@ impl ChangeFeed {
     /// idempotent) but a second recompute of what the command's handler invalidated.
     pub fn skip_commands(mut self, skip: bool) -> Self {
         self.skip_commands = skip;
+        self
+    }
+
+    /// Whether the slot is streamed (`START_REPLICATION` on a replication connection: the
+    /// server sends each transaction as it commits, decoded once) or read with SQL
+    /// (`pg_logical_slot_peek_binary_changes` every [`poll_interval`](Self::poll_interval):
+    /// each read decodes again from the slot's restart position, so it costs more and
+    /// waits for the poll). Default: `true`; a feed whose replication connection the server
+    /// refuses (`pg_hba.conf` without a `replication` line, a role that may not use one,
+    /// every WAL sender taken) reads with SQL instead, and says so in a warning and
+    /// [`FeedStats::streaming`].
+    pub fn streaming(mut self, stream: bool) -> Self {
+        self.streaming = stream;
         self
     }
 

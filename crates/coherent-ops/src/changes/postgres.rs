@@ -1,16 +1,18 @@
-//! The PostgreSQL change feed: a publication of the watched tables, a logical replication
-//! slot read with `pg_logical_slot_peek_binary_changes` (pgoutput, protocol version 1) and
-//! moved with `pg_replication_slot_advance` only after the operation carrying the changes
-//! committed.
+//! The PostgreSQL change feed: a publication of the watched tables and a logical
+//! replication slot (pgoutput, protocol version 1), streamed over a replication connection
+//! (`replication.rs`) and confirmed only after the operation carrying the changes committed;
+//! or, where the server refuses replication connections, read with
+//! `pg_logical_slot_peek_binary_changes` and moved with `pg_replication_slot_advance`.
 //!
 //! One host reads the slot at a time: the one holding a session advisory lock, on a
 //! connection of the feed's own (the lock goes with the connection, so a host that dies
-//! or loses it hands the feed over to the next host that tries). Each read takes whole
-//! transactions (the server stops only at a commit), skips the ones that also wrote an
-//! operation to the log (commands: their handlers invalidate), and runs one
-//! `coherent.db_changes` command through the host's pipeline with what is left. The slot
-//! moves to the end of the last transaction read once that command returned: a feed that
-//! fails before reads the same transactions again (at least once, never lost).
+//! or loses it hands the feed over to the next host that tries). Transactions arrive
+//! whole (a read with SQL stops only at a commit); the ones that also wrote an operation to
+//! the log (commands: their handlers invalidate) are skipped, and one `coherent.db_changes`
+//! command runs through the host's pipeline with what is left, once those transactions are
+//! visible to other sessions. The slot moves to the end of the last transaction taken once
+//! that command returned: a feed that fails before reads the same transactions again (at
+//! least once, never lost).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,6 +22,7 @@ use futures::{pin_mut, TryStreamExt};
 use tokio::sync::watch;
 
 use super::pgoutput::{self, Message, Tuple, Value};
+use super::replication::{self, Frame, StreamError};
 use super::{Batch, Change, ChangeFeed, ChangeKind, DbChanges, Row, Watches};
 use crate::error::{CommandError, ErrorKind};
 use crate::host::{Host, Inner};
@@ -33,7 +36,10 @@ pub const FEED_APPLICATION: &str = "coherent_changes_feed";
 pub struct FeedStats {
     /// Whether this host holds the feed now (reads the slot).
     pub leading: bool,
-    /// Reads of the slot.
+    /// Whether the slot is streamed now (see [`ChangeFeed::streaming`]).
+    pub streaming: bool,
+    /// Reads of the slot (streamed: starts of the stream, and batches of transactions
+    /// taken from it).
     pub reads: u64,
     /// Transactions read whose changes were logged (the trigger feed: change rows read).
     pub transactions: u64,
@@ -58,6 +64,7 @@ pub struct FeedStats {
 #[derive(Default)]
 pub(crate) struct FeedCounters {
     leading: AtomicBool,
+    streaming: AtomicBool,
     pub(super) reads: AtomicU64,
     pub(super) transactions: AtomicU64,
     pub(super) skipped_commands: AtomicU64,
@@ -77,6 +84,7 @@ impl FeedCounters {
         let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
         FeedStats {
             leading: self.leading.load(Ordering::Relaxed),
+            streaming: self.streaming.load(Ordering::Relaxed),
             reads: n(&self.reads),
             transactions: n(&self.transactions),
             skipped_commands: n(&self.skipped_commands),
@@ -124,11 +132,14 @@ struct Read<'a> {
     end_lsn: Option<u64>,
     transactions: u64,
     skipped: u64,
+    /// The transactions whose changes are in `batch`.
+    xids: Vec<u32>,
 }
 
 struct Open {
     batch: Batch,
     command: bool,
+    xid: u32,
 }
 
 impl Read<'_> {
@@ -198,10 +209,11 @@ impl Read<'_> {
 
     fn message(&mut self, message: Message<'_>) -> Result<(), String> {
         match message {
-            Message::Begin { .. } => {
+            Message::Begin { xid, .. } => {
                 self.open = Some(Open {
                     batch: Batch::default(),
                     command: false,
+                    xid,
                 });
             }
             Message::Commit { end_lsn, .. } => {
@@ -215,6 +227,7 @@ impl Read<'_> {
                     self.skipped += 1;
                 } else if open.batch.len() > 0 {
                     self.transactions += 1;
+                    self.xids.push(open.xid);
                     self.batch.merge(open.batch, self.feed.feed.max_rows);
                 }
             }
@@ -309,6 +322,17 @@ async fn classify(
     feed: &PgFeed,
     e: tokio_postgres::Error,
 ) -> ReadError {
+    let server = e.as_db_error().is_some();
+    classify_failure(client, feed, feed_error(e), server).await
+}
+
+/// [`classify`] for any failure: `server` when the server answered it with an error.
+async fn classify_failure(
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+    e: CommandError,
+    server: bool,
+) -> ReadError {
     let state = client
         .query_opt(
             "SELECT wal_status::text, database::text = current_database()::text \
@@ -322,13 +346,13 @@ async fn classify(
             let (status, here): (Option<String>, Option<bool>) = (row.get(0), row.get(1));
             if status.as_deref() == Some("lost") && here == Some(true) {
                 ReadError::Lost(format!("{e} (its log was removed)"))
-            } else if e.as_db_error().is_some() {
-                ReadError::Refused(feed_error(e))
+            } else if server {
+                ReadError::Refused(e)
             } else {
-                ReadError::Other(feed_error(e))
+                ReadError::Other(e)
             }
         }
-        Err(_) => ReadError::Other(feed_error(e)),
+        Err(_) => ReadError::Other(e),
     }
 }
 
@@ -483,6 +507,16 @@ async fn lead(
     if !pay_flush(host, &client, feed, &owed).await? {
         return Ok(());
     }
+    if feed.feed.streaming {
+        let refused = stream_slot(host, feed, &client, &keys, &owed, &config, stop).await?;
+        let Some(why) = refused else {
+            return Ok(());
+        };
+        tracing::warn!(%why, slot = %feed.feed.slot,
+            "change feed: the server refused a replication connection; the slot is read \
+             with SQL instead (slower: see ChangeFeed::streaming)");
+    }
+    feed.counters.streaming.store(false, Ordering::Relaxed);
     // Where this connection last moved the slot.
     let mut advanced = 0;
     // The reads whose operations are being logged, oldest first, each with where the slot
@@ -509,17 +543,8 @@ async fn lead(
                 break;
             }
             let (task, end_lsn) = logging.pop_front().expect("a front");
-            if let Some(task) = task {
-                match task.await {
-                    Ok(Ok((true, rows, tables))) => {
-                        feed.counters.operations.fetch_add(1, Ordering::Relaxed);
-                        feed.counters.rows.fetch_add(rows, Ordering::Relaxed);
-                        feed.counters.tables.fetch_add(tables, Ordering::Relaxed);
-                    }
-                    Ok(Ok((false, _, _))) => return Ok(()),
-                    Ok(Err(e)) => return Err(e),
-                    Err(e) => return Err(feed_error(format!("the log of changes: {e}"))),
-                }
+            if !logged(feed, task).await? {
+                return Ok(());
             }
             if let Some(lsn) = end_lsn.filter(|&lsn| lsn > advanced) {
                 advanced = lsn;
@@ -549,26 +574,12 @@ async fn lead(
         let lost = match read {
             Ok(read) => {
                 feed.counters.stuck.store(0, Ordering::Relaxed);
-                let (changes, end_lsn, any) = read;
+                let (changes, xids, end_lsn, any) = read;
                 let task = if changes.is_empty() {
                     None
                 } else {
-                    // Applied here at once (the changes are committed: an early
-                    // invalidation is never wrong), then logged for the other hosts, marked
-                    // as applied here. A log that fails is read again and applied here
-                    // again: harmless.
-                    let mut changes = changes;
-                    if let Some(inner) = host.upgrade() {
-                        if let Some(apply) = &inner.changes {
-                            apply.apply(&changes);
-                        }
-                        changes.applied_by = Some(inner.id.clone());
-                    }
-                    let (rows, tables) = (changes.rows.len() as u64, changes.tables.len() as u64);
-                    let host = host.clone();
-                    Some(tokio::spawn(async move {
-                        log(&host, changes).await.map(|ok| (ok, rows, tables))
-                    }))
+                    wait_visible(&client, &xids).await?;
+                    Some(apply_and_log(host, changes))
                 };
                 if let Some(lsn) = end_lsn {
                     read_upto = read_upto.max(lsn);
@@ -596,20 +607,7 @@ async fn lead(
             Err(ReadError::Other(e)) => return Err(e),
         };
         if let Some(why) = lost {
-            tracing::warn!(%why, slot = %feed.feed.slot,
-                "change feed: the slot is lost; a new one is made and every host flushes");
-            feed.counters.stuck.store(0, Ordering::Relaxed);
-            owe_flush(&client, feed, &owed).await?;
-            client
-                .execute(
-                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-                     WHERE slot_name = $1 AND database = current_database()",
-                    &[&feed.feed.slot],
-                )
-                .await
-                .map_err(feed_error)?;
-            ensure_slot(&client, feed).await?;
-            if !pay_flush(host, &client, feed, &owed).await? {
+            if !renew_slot(host, &client, feed, &owed, &why).await? {
                 return Ok(());
             }
             advanced = 0;
@@ -618,6 +616,339 @@ async fn lead(
             logging.clear();
         }
     }
+}
+
+/// Streams the slot over a replication connection until the host stops (`Ok(None)`) or
+/// the connection fails (`Err`: the feed starts over); `Ok(Some(why))` when the server
+/// refuses replication connections (the caller reads the slot with SQL).
+///
+/// Transactions arrive whole, as they commit. Once no more of the stream is buffered (or
+/// `max_messages` were taken), what the transactions since the last batch changed is
+/// applied here and logged for the other hosts, as by a read with SQL; the server is told
+/// the end of the last transaction of each batch once that batch is logged (and every one
+/// before it), and the slot moves there. With nothing read and nothing being logged, the
+/// server's keepalives move it on past what it did not send (other tables' writes).
+async fn stream_slot(
+    host: &Weak<Inner>,
+    feed: &PgFeed,
+    client: &tokio_postgres::Client,
+    keys: &Keys,
+    owed: &str,
+    config: &tokio_postgres::Config,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<Option<String>, CommandError> {
+    let application = config.get_application_name().unwrap_or(FEED_APPLICATION);
+    'session: loop {
+        let mut stream = match replication::connect(config, application).await {
+            Ok(stream) => stream,
+            Err(e) if e.refused_connection() => return Ok(Some(e.to_string())),
+            Err(e) => return Err(feed_error(format!("the replication connection: {e}"))),
+        };
+        if let Err(e) = stream.start(&feed.feed.slot, &feed.feed.publication).await {
+            let failure = stream_failure(client, feed, e).await;
+            if !failed(host, client, feed, owed, failure).await? {
+                return Ok(None);
+            }
+            continue 'session;
+        }
+        feed.counters.streaming.store(true, Ordering::Relaxed);
+        feed.counters.reads.fetch_add(1, Ordering::Relaxed);
+        let mut read = Read {
+            feed,
+            keys,
+            skip_upto: 0,
+            relations: HashMap::new(),
+            open: None,
+            batch: Batch::default(),
+            end_lsn: None,
+            transactions: 0,
+            skipped: 0,
+            xids: Vec::new(),
+        };
+        // Batches being logged, oldest first, each with where the slot may move once it
+        // (and every one before it) is logged.
+        let mut logging: VecDeque<(Option<tokio::task::JoinHandle<LogResult>>, u64)> =
+            VecDeque::new();
+        // What the server was told.
+        let mut confirmed = 0u64;
+        // Messages taken since the last batch.
+        let mut messages = 0usize;
+        let mut status = tokio::time::interval(STATUS_INTERVAL);
+        status.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            // A batch: once the stream has nothing more buffered, or enough was taken.
+            if read.end_lsn.is_some()
+                && (!stream.has_buffered() || messages >= feed.feed.max_messages)
+            {
+                messages = 0;
+                feed.counters.stuck.store(0, Ordering::Relaxed);
+                let end = read.end_lsn.take().expect("checked");
+                feed.counters.reads.fetch_add(1, Ordering::Relaxed);
+                feed.counters
+                    .transactions
+                    .fetch_add(std::mem::take(&mut read.transactions), Ordering::Relaxed);
+                feed.counters
+                    .skipped_commands
+                    .fetch_add(std::mem::take(&mut read.skipped), Ordering::Relaxed);
+                let changes = std::mem::take(&mut read.batch).into_changes();
+                let xids = std::mem::take(&mut read.xids);
+                let task = if changes.is_empty() {
+                    None
+                } else {
+                    wait_visible(client, &xids).await?;
+                    Some(apply_and_log(host, changes))
+                };
+                if logging.len() >= MAX_LOGGING {
+                    let (task, end) = logging.pop_front().expect("not empty");
+                    if !logged(feed, task).await? {
+                        return Ok(None);
+                    }
+                    confirmed = confirmed.max(end);
+                }
+                logging.push_back((task, end));
+            }
+            let front = async {
+                match logging.front_mut() {
+                    Some((Some(task), _)) => Some(task.await),
+                    Some((None, _)) => None,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                _ = stop.changed() => return Ok(None),
+                done = front => {
+                    let (_, end) = logging.pop_front().expect("the front finished");
+                    let ok = match done {
+                        None => true,
+                        Some(joined) => finished(feed, joined)?,
+                    };
+                    if !ok {
+                        return Ok(None);
+                    }
+                    if end > confirmed {
+                        confirmed = end;
+                        stream.confirm(confirmed).await.map_err(stream_failed)?;
+                    }
+                }
+                frame = stream.next() => match frame {
+                    Ok(Frame::Data { data }) => {
+                        messages += 1;
+                        let taken = match pgoutput::decode(&data) {
+                            Ok(message) => read.message(message),
+                            Err(e) => {
+                                feed.counters.undecodable.fetch_add(1, Ordering::Relaxed);
+                                Err(e.to_string())
+                            }
+                        };
+                        if let Err(e) = taken {
+                            let failure = ReadError::Undecodable(feed_error(e));
+                            if !failed(host, client, feed, owed, failure).await? {
+                                return Ok(None);
+                            }
+                            continue 'session;
+                        }
+                    }
+                    Ok(Frame::Keepalive { end, reply }) => {
+                        // Everything before `end` was sent: with nothing of it waiting to
+                        // be logged, the slot may move there.
+                        let idle = logging.is_empty() && read.open.is_none()
+                            && read.end_lsn.is_none();
+                        if idle && end > confirmed {
+                            confirmed = end;
+                            stream.confirm(confirmed).await.map_err(stream_failed)?;
+                        } else if reply {
+                            stream.confirm(confirmed).await.map_err(stream_failed)?;
+                        }
+                    }
+                    Err(e) => {
+                        let failure = stream_failure(client, feed, e).await;
+                        if !failed(host, client, feed, owed, failure).await? {
+                            return Ok(None);
+                        }
+                        continue 'session;
+                    }
+                },
+                _ = status.tick() => {
+                    stream.confirm(confirmed).await.map_err(stream_failed)?;
+                }
+            }
+        }
+    }
+}
+
+/// How often a streaming feed tells the server where it is, whatever happened (the
+/// server's `wal_sender_timeout` ends a connection that says nothing for 60 s by default).
+const STATUS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What a failure of the stream means (see [`classify`]).
+async fn stream_failure(
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+    e: StreamError,
+) -> ReadError {
+    let server = matches!(e, StreamError::Server { .. });
+    classify_failure(client, feed, stream_failed(e), server).await
+}
+
+/// After a failed read: `Ok(true)` once a lost slot was made anew (read it again), `Err`
+/// to start over on a new connection (after a pause). The same bytes failing to decode
+/// on every read, or the server refusing every read at the slot's position: after a few
+/// tries (each on a new connection, after the publication is made again) the slot is given
+/// up as lost (a new one, and a flush) rather than held, with the log it keeps, for ever.
+/// `Ok(false)`: the host stopped.
+async fn failed(
+    host: &Weak<Inner>,
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+    owed: &str,
+    failure: ReadError,
+) -> Result<bool, CommandError> {
+    let why = match failure {
+        ReadError::Lost(why) => why,
+        ReadError::Undecodable(e) | ReadError::Refused(e) => {
+            if feed.counters.stuck.fetch_add(1, Ordering::Relaxed) + 1 < STUCK_TRIES {
+                return Err(e);
+            }
+            format!("{e}, {STUCK_TRIES} times in a row")
+        }
+        ReadError::Other(e) => return Err(e),
+    };
+    renew_slot(host, client, feed, owed, &why).await
+}
+
+fn stream_failed(e: StreamError) -> CommandError {
+    feed_error(format!("the replication stream: {e}"))
+}
+
+/// Waits until the transactions `xids`, whose commits were decoded, are visible to a new
+/// snapshot. A commit is written to the log (and decoded, and streamed) a moment before
+/// the server shows it to other transactions: an entry invalidated in that moment and
+/// recomputed at once would read the row as it was before the change, and keep it until
+/// the row changes again. Most often the first look finds them visible (one round trip).
+async fn wait_visible(client: &tokio_postgres::Client, xids: &[u32]) -> Result<(), CommandError> {
+    if xids.is_empty() {
+        return Ok(());
+    }
+    let started = std::time::Instant::now();
+    loop {
+        let rows = client
+            .simple_query("SELECT pg_current_snapshot()")
+            .await
+            .map_err(feed_error)?;
+        let snapshot = rows
+            .iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .ok_or_else(|| feed_error("pg_current_snapshot() answered no row"))?;
+        let visible = visible_in(&snapshot, xids)
+            .ok_or_else(|| feed_error(format!("a snapshot of {snapshot:?}")))?;
+        if visible {
+            return Ok(());
+        }
+        if started.elapsed() > VISIBLE_WITHIN {
+            return Err(feed_error(format!(
+                "transactions {xids:?} committed but are not visible after {VISIBLE_WITHIN:?}"
+            )));
+        }
+        tokio::time::sleep(std::time::Duration::from_micros(200)).await;
+    }
+}
+
+/// How long [`wait_visible`] waits before it gives up (the feed starts over).
+const VISIBLE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether every transaction of `xids` (32-bit ids of committed transactions) is visible
+/// in `snapshot` (`xmin:xmax:xip,...`, 64-bit ids): below `xmax` and not in progress.
+/// `None` when the snapshot does not parse.
+pub(super) fn visible_in(snapshot: &str, xids: &[u32]) -> Option<bool> {
+    let mut parts = snapshot.split(':');
+    let _xmin: u64 = parts.next()?.parse().ok()?;
+    let xmax: u64 = parts.next()?.parse().ok()?;
+    let mut in_progress = Vec::new();
+    for x in parts.next()?.split(',').filter(|x| !x.is_empty()) {
+        in_progress.push(x.parse::<u64>().ok()? as u32);
+    }
+    if parts.next().is_some() {
+        return None;
+    }
+    // 32-bit ids compare modulo 2^32, as PostgreSQL compares them.
+    let below_xmax = |x: u32| (xmax as u32).wrapping_sub(x) as i32 > 0;
+    Some(
+        xids.iter()
+            .all(|&x| below_xmax(x) && !in_progress.contains(&x)),
+    )
+}
+
+/// Applies `changes` here at once (they are committed: an early invalidation is never
+/// wrong), then logs them for the other hosts, marked as applied here. A log that fails
+/// is read again and applied here again: harmless.
+fn apply_and_log(host: &Weak<Inner>, mut changes: DbChanges) -> tokio::task::JoinHandle<LogResult> {
+    if let Some(inner) = host.upgrade() {
+        if let Some(apply) = &inner.changes {
+            apply.apply(&changes);
+        }
+        changes.applied_by = Some(inner.id.clone());
+    }
+    let (rows, tables) = (changes.rows.len() as u64, changes.tables.len() as u64);
+    let host = host.clone();
+    tokio::spawn(async move { log(&host, changes).await.map(|ok| (ok, rows, tables)) })
+}
+
+/// Waits for a log of changes and counts it: `false` when the host stopped.
+async fn logged(
+    feed: &PgFeed,
+    task: Option<tokio::task::JoinHandle<LogResult>>,
+) -> Result<bool, CommandError> {
+    match task {
+        None => Ok(true),
+        Some(task) => finished(feed, task.await),
+    }
+}
+
+/// Counts a finished log of changes: `false` when the host stopped.
+fn finished(
+    feed: &PgFeed,
+    joined: Result<LogResult, tokio::task::JoinError>,
+) -> Result<bool, CommandError> {
+    match joined {
+        Ok(Ok((true, rows, tables))) => {
+            feed.counters.operations.fetch_add(1, Ordering::Relaxed);
+            feed.counters.rows.fetch_add(rows, Ordering::Relaxed);
+            feed.counters.tables.fetch_add(tables, Ordering::Relaxed);
+            Ok(true)
+        }
+        Ok(Ok((false, _, _))) => Ok(false),
+        Ok(Err(e)) => Err(e),
+        Err(e) => Err(feed_error(format!("the log of changes: {e}"))),
+    }
+}
+
+/// Gives up a lost slot: records the flush the hosts owe, drops the slot, makes it anew
+/// and pays the flush. `false`: the host stopped.
+async fn renew_slot(
+    host: &Weak<Inner>,
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+    owed: &str,
+    why: &str,
+) -> Result<bool, CommandError> {
+    tracing::warn!(%why, slot = %feed.feed.slot,
+        "change feed: the slot is lost; a new one is made and every host flushes");
+    feed.counters.stuck.store(0, Ordering::Relaxed);
+    owe_flush(client, feed, owed).await?;
+    client
+        .execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+             WHERE slot_name = $1 AND database = current_database()",
+            &[&feed.feed.slot],
+        )
+        .await
+        .map_err(feed_error)?;
+    ensure_slot(client, feed).await?;
+    pay_flush(host, client, feed, owed).await
 }
 
 /// What a log of changes answers: whether the host still runs, and the rows and tables
@@ -864,15 +1195,15 @@ enum ReadError {
     Other(CommandError),
 }
 
-/// One read of the slot: the changes to log, where the slot may move after, and whether
-/// anything was read.
+/// One read of the slot: the changes to log, the transactions they come from, where the
+/// slot may move after, and whether anything was read.
 async fn read(
     client: &tokio_postgres::Client,
     feed: &PgFeed,
     keys: &Keys,
     skip_upto: u64,
     seen_insert: &mut Option<u64>,
-) -> Result<(DbChanges, Option<u64>, bool), ReadError> {
+) -> Result<(DbChanges, Vec<u32>, Option<u64>, bool), ReadError> {
     feed.counters.reads.fetch_add(1, Ordering::Relaxed);
     // The read goes up to what is flushed now, and notes the insert position: the slot
     // may then move (see the end) even if no transaction had a change to carry (without
@@ -907,6 +1238,7 @@ async fn read(
         end_lsn: None,
         transactions: 0,
         skipped: 0,
+        xids: Vec::new(),
     };
     let mut messages = 0usize;
     let mut upto = None;
@@ -956,5 +1288,29 @@ async fn read(
         _ => read.end_lsn,
     };
     *seen_insert = Some(inserted);
-    Ok((read.batch.into_changes(), end_lsn, messages > 0))
+    Ok((read.batch.into_changes(), read.xids, end_lsn, messages > 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::visible_in;
+
+    #[test]
+    fn a_transaction_is_visible_below_xmax_and_out_of_progress() {
+        assert_eq!(visible_in("100:105:", &[99, 104]), Some(true));
+        assert_eq!(visible_in("100:105:", &[105]), Some(false));
+        assert_eq!(visible_in("100:105:101,103", &[103]), Some(false));
+        assert_eq!(visible_in("100:105:101,103", &[102, 104]), Some(true));
+        // 64-bit ids of a later epoch against 32-bit ones.
+        let epoch = 3u64 << 32;
+        let snapshot = format!("{}:{}:{}", epoch + 10, epoch + 20, epoch + 12);
+        assert_eq!(visible_in(&snapshot, &[15]), Some(true));
+        assert_eq!(visible_in(&snapshot, &[12]), Some(false));
+        // Across the wrap: xmax just past it, a transaction just before it.
+        let snapshot = format!("{}:{}:", epoch - 5, epoch + 2);
+        assert_eq!(visible_in(&snapshot, &[u32::MAX - 1]), Some(true));
+        assert_eq!(visible_in(&snapshot, &[3]), Some(false));
+        assert_eq!(visible_in("junk", &[1]), None);
+        assert_eq!(visible_in("1:2:x", &[1]), None);
+    }
 }

@@ -302,7 +302,12 @@ impl Database {
             drop(client);
             let _ = driver.await;
         }
-        config.options(format!("-c search_path={schema}"));
+        // After the URL's own options (a statement_timeout, say), which it keeps.
+        let options = format!(
+            "{} -c search_path={schema}",
+            config.get_options().unwrap_or("")
+        );
+        config.options(options.trim_start());
         let manager = deadpool_postgres::Manager::from_config(
             config.clone(),
             tokio_postgres::NoTls,

@@ -46,7 +46,18 @@ fn feed_name(test: &str) -> String {
     format!("t_feed_{}_{run}_{test}", std::process::id())
 }
 
-async fn feed_for(db: &Database, test: &str, triggers: bool) -> ChangeFeed {
+/// How a test's feed reads PostgreSQL.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// Logical decoding, streamed over a replication connection (the default).
+    Stream,
+    /// Logical decoding, read with SQL (`ChangeFeed::streaming(false)`).
+    Sql,
+    /// Triggers and a change table.
+    Triggers,
+}
+
+async fn feed_for(db: &Database, test: &str, mode: Mode) -> ChangeFeed {
     let c = sql(db).await;
     let level: String = c.query_one("SHOW wal_level", &[]).await.unwrap().get(0);
     assert_eq!(
@@ -79,10 +90,10 @@ async fn feed_for(db: &Database, test: &str, triggers: bool) -> ChangeFeed {
             .await;
     }
     let name = feed_name(test);
-    let feed = if triggers {
-        ChangeFeed::postgres_triggers()
-    } else {
-        ChangeFeed::postgres()
+    let feed = match mode {
+        Mode::Triggers => ChangeFeed::postgres_triggers(),
+        Mode::Stream => ChangeFeed::postgres(),
+        Mode::Sql => ChangeFeed::postgres().streaming(false),
     };
     feed.slot(&name)
         .publication(&name)
@@ -199,20 +210,29 @@ async fn invalidated(computeds: &[Computed<Result<i64, String>>], what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_writes_from_outside_invalidate_exactly_the_rows_they_change() {
-    writes_from_outside_invalidate_exactly_the_rows_they_change(false).await;
+    writes_from_outside_invalidate_exactly_the_rows_they_change(Mode::Stream).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sql_writes_from_outside_invalidate_exactly_the_rows_they_change() {
+    writes_from_outside_invalidate_exactly_the_rows_they_change(Mode::Sql).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_triggers_writes_from_outside_invalidate_exactly_the_rows_they_change() {
-    writes_from_outside_invalidate_exactly_the_rows_they_change(true).await;
+    writes_from_outside_invalidate_exactly_the_rows_they_change(Mode::Triggers).await;
 }
 
-async fn writes_from_outside_invalidate_exactly_the_rows_they_change(triggers: bool) {
+async fn writes_from_outside_invalidate_exactly_the_rows_they_change(mode: Mode) {
     let Some(db) = postgres_db("feed_exact").await else {
         return;
     };
-    let test = if triggers { "exact_t" } else { "exact" };
-    let feed = feed_for(&db, test, triggers).await;
+    let test = match mode {
+        Mode::Stream => "exact",
+        Mode::Sql => "exact_s",
+        Mode::Triggers => "exact_t",
+    };
+    let feed = feed_for(&db, test, mode).await;
     let hosts = pair(&db, &feed).await;
     let psql = sql(&db).await;
     let computed = |id: i64| {
@@ -235,6 +255,18 @@ async fn writes_from_outside_invalidate_exactly_the_rows_they_change(triggers: b
     for (c, (_, items, _)) in three.iter().zip(&hosts) {
         assert!(c.is_consistent(), "item 3 was not changed");
         assert_eq!(items.value(2).await, Ok(7));
+    }
+    if mode != Mode::Triggers {
+        let leader = hosts
+            .iter()
+            .map(|h| h.0.feed_stats().unwrap())
+            .find(|s| s.leading)
+            .expect("a host leads the feed");
+        assert_eq!(
+            leader.streaming,
+            mode == Mode::Stream,
+            "the feed reads as asked: {leader:?}"
+        );
     }
 
     // INSERT: a key read before it existed.
@@ -333,20 +365,29 @@ async fn writes_from_outside_invalidate_exactly_the_rows_they_change(triggers: b
 /// changes committed while it was down are read from the slot when it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_feed_that_lost_its_connection_loses_no_change() {
-    a_feed_that_lost_its_connection_loses_no_change(false).await;
+    a_feed_that_lost_its_connection_loses_no_change(Mode::Stream).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sql_a_feed_that_lost_its_connection_loses_no_change() {
+    a_feed_that_lost_its_connection_loses_no_change(Mode::Sql).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_triggers_a_feed_that_lost_its_connection_loses_no_change() {
-    a_feed_that_lost_its_connection_loses_no_change(true).await;
+    a_feed_that_lost_its_connection_loses_no_change(Mode::Triggers).await;
 }
 
-async fn a_feed_that_lost_its_connection_loses_no_change(triggers: bool) {
+async fn a_feed_that_lost_its_connection_loses_no_change(mode: Mode) {
     let Some(db) = postgres_db("feed_conn").await else {
         return;
     };
-    let test = if triggers { "conn_t" } else { "conn" };
-    let feed = feed_for(&db, test, triggers).await;
+    let test = match mode {
+        Mode::Stream => "conn",
+        Mode::Sql => "conn_s",
+        Mode::Triggers => "conn_t",
+    };
+    let feed = feed_for(&db, test, mode).await;
     let hosts = pair(&db, &feed).await;
     let psql = sql(&db).await;
     for round in 0..3i64 {
@@ -377,7 +418,7 @@ async fn a_feed_that_lost_its_connection_loses_no_change(triggers: bool) {
     }
     let errors: u64 = hosts.iter().map(|h| h.0.feed_stats().unwrap().errors).sum();
     assert!(errors >= 1, "the feed never saw its connection go");
-    if triggers {
+    if mode == Mode::Triggers {
         for (host, _, _) in &hosts {
             host.stop().await;
         }
@@ -425,7 +466,7 @@ async fn postgres_the_slot_moves_past_writes_to_tables_nobody_watches() {
     let Some(db) = postgres_db("feed_moves").await else {
         return;
     };
-    let feed = feed_for(&db, "moves", false).await;
+    let feed = feed_for(&db, "moves", Mode::Stream).await;
     let name = feed_name("moves");
     let hosts = pair(&db, &feed).await;
     let psql = sql(&db).await;
@@ -479,7 +520,7 @@ async fn postgres_when_the_leading_host_stops_another_reads_the_feed() {
     let Some(db) = postgres_db("feed_failover").await else {
         return;
     };
-    let feed = feed_for(&db, "failover", false).await;
+    let feed = feed_for(&db, "failover", Mode::Stream).await;
     let [a, b] = pair(&db, &feed).await;
     let (leader, other) = if a.0.feed_stats().unwrap().leading {
         (a, b)
@@ -632,7 +673,7 @@ async fn postgres_a_watch_that_panics_flushes_once_and_the_feed_goes_on() {
     let Some(db) = postgres_db("feed_panics").await else {
         return;
     };
-    let feed = feed_for(&db, "panics", false).await;
+    let feed = feed_for(&db, "panics", Mode::Stream).await;
     let slot = Arc::new(Mutex::new(None::<Items>));
     let fwd = slot.clone();
     let (host, items) = host(&db, move |b| {
@@ -707,7 +748,7 @@ async fn postgres_a_table_without_a_key_is_refused_and_its_updates_still_work() 
     psql.batch_execute("CREATE TABLE nopk (n BIGINT); INSERT INTO nopk VALUES (1)")
         .await
         .unwrap();
-    let feed = feed_for(&db, "nopk", false).await;
+    let feed = feed_for(&db, "nopk", Mode::Stream).await;
     let (host, _items) = host(&db, move |b| {
         b.watch(watch_table("nopk").on_any_change(|| {}))
             .change_feed(feed)
@@ -735,7 +776,7 @@ async fn postgres_a_table_only_another_host_watches_reaches_that_host() {
     )
     .await
     .unwrap();
-    let feed = feed_for(&db, "mixed", false).await;
+    let feed = feed_for(&db, "mixed", Mode::Stream).await;
     let seen = Arc::new(AtomicUsize::new(0));
     let (a, _) = host(&db, {
         let feed = feed.clone();
@@ -808,7 +849,7 @@ async fn postgres_changes_to_a_partition_reach_the_watch_of_its_table() {
     )
     .await
     .unwrap();
-    let feed = feed_for(&db, "parted", false).await;
+    let feed = feed_for(&db, "parted", Mode::Stream).await;
     let seen = Arc::new(AtomicUsize::new(0));
     let (host, _) = host(&db, {
         let seen = seen.clone();
@@ -901,7 +942,7 @@ async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed
     let Some(db) = postgres_db("feed_pub").await else {
         return;
     };
-    let feed = feed_for(&db, "pub", false).await;
+    let feed = feed_for(&db, "pub", Mode::Stream).await;
     let [a, b] = pair(&db, &feed).await;
     let name = feed_name("pub");
     let psql = sql(&db).await;

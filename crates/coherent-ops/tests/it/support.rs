@@ -398,11 +398,20 @@ pub(crate) async fn host(
     (host, items)
 }
 
-/// Drops the replication slot `name` once no feed reads it (a slot is active while a feed
-/// reads it: tried between two reads), failing after a generous bound.
+/// Drops the replication slot `name`, as the server does with a slot past
+/// `max_slot_wal_keep_size`: the connection streaming it (a feed that still runs) is
+/// terminated first, and the slot dropped before a feed takes it again (tried until it
+/// is), failing after a generous bound.
 pub(crate) async fn drop_slot_when_free(client: &tokio_postgres::Client, name: &str) {
     let drop = async {
         loop {
+            let _ = client
+                .execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                     WHERE slot_name = $1 AND active",
+                    &[&name],
+                )
+                .await;
             let _ = client
                 .execute(
                     "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
