@@ -502,10 +502,17 @@ impl ChangeFeed {
     /// server sends each transaction as it commits, decoded once) or read with SQL
     /// (`pg_logical_slot_peek_binary_changes` every [`poll_interval`](Self::poll_interval):
     /// each read decodes again from the slot's restart position, so it costs more and
-    /// waits for the poll). Default: `true`; a feed whose replication connection the server
-    /// refuses (`pg_hba.conf` without a `replication` line, a role that may not use one,
-    /// every WAL sender taken) reads with SQL instead, and says so in a warning and
-    /// [`FeedStats::streaming`].
+    /// waits for the poll). Default: `true`. A replication connection of this kind names its
+    /// database, so `pg_hba.conf` matches it like any connection to that database (not by
+    /// the `replication` keyword, which is for physical replication), and it needs what
+    /// the slot needs already (a superuser or `REPLICATION`). Where the server refuses it
+    /// anyway (a role or `pg_hba.conf` line that refuses it, every WAL sender taken), where
+    /// the configuration's hosts lead it to another server than the feed's SQL connection,
+    /// or where `synchronous_standby_names` would make it a synchronous standby (`*`, or
+    /// the feed's `application_name`: each writer's commit would wait for the feed, which
+    /// waits for the commit), the feed reads with SQL instead, and says so in a warning and
+    /// [`FeedStats::streaming`]; after a refusal that may pass (every WAL sender taken), it
+    /// tries streaming again a minute later.
     pub fn streaming(mut self, stream: bool) -> Self {
         self.streaming = stream;
         self

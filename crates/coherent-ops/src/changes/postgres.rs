@@ -372,8 +372,14 @@ pub(crate) async fn run_postgres_feed(
         if *stop.borrow() {
             return;
         }
-        let result = lead(&host, &feed, &lock_key, &mut stop).await;
+        // The host's stop ends a leader wherever it waits (a connect, a visibility wait).
+        let mut stopped = stop.clone();
+        let result = tokio::select! {
+            result = lead(&host, &feed, &lock_key, &mut stop) => result,
+            _ = stopped.changed() => Ok(()),
+        };
         feed.counters.leading.store(false, Ordering::Relaxed);
+        feed.counters.streaming.store(false, Ordering::Relaxed);
         match result {
             Ok(()) => return,
             Err(e) => {
@@ -444,7 +450,10 @@ async fn lead(
     let wake = Arc::new(tokio::sync::Notify::new());
     let woken = wake.clone();
     let mut connection = connection;
+    // Dropped when the connection ends: a streaming leader whose lock went with it stops.
+    let (closed_tx, closed) = watch::channel(());
     let driver = tokio::spawn(async move {
+        let _open = closed_tx;
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(message) = futures::StreamExt::next(&mut messages).await {
             match message {
@@ -507,14 +516,30 @@ async fn lead(
     if !pay_flush(host, &client, feed, &owed).await? {
         return Ok(());
     }
+    // Streaming refused for a while (every WAL sender taken): tried again at this moment.
+    let mut stream_again = None;
     if feed.feed.streaming {
-        let refused = stream_slot(host, feed, &client, &keys, &owed, &config, stop).await?;
-        let Some(why) = refused else {
+        let mut closed = closed;
+        let refused = stream_slot(
+            host,
+            feed,
+            &client,
+            &keys,
+            &owed,
+            &config,
+            stop,
+            &mut closed,
+        )
+        .await?;
+        let Some((why, passing)) = refused else {
             return Ok(());
         };
-        tracing::warn!(%why, slot = %feed.feed.slot,
-            "change feed: the server refused a replication connection; the slot is read \
-             with SQL instead (slower: see ChangeFeed::streaming)");
+        tracing::warn!(%why, slot = %feed.feed.slot, passing,
+            "change feed: the slot cannot be streamed here; it is read with SQL instead \
+             (slower: see ChangeFeed::streaming)");
+        if passing {
+            stream_again = Some(std::time::Instant::now() + STREAM_AGAIN);
+        }
     }
     feed.counters.streaming.store(false, Ordering::Relaxed);
     // Where this connection last moved the slot.
@@ -533,6 +558,9 @@ async fn lead(
     loop {
         if *stop.borrow() {
             return Ok(());
+        }
+        if stream_again.is_some_and(|at| std::time::Instant::now() >= at) && logging.is_empty() {
+            return Err(feed_error("streaming is tried again"));
         }
         // Move the slot past the reads whose operations are logged, in order; with too
         // many logs under way, wait for the oldest.
@@ -619,15 +647,18 @@ async fn lead(
 }
 
 /// Streams the slot over a replication connection until the host stops (`Ok(None)`) or
-/// the connection fails (`Err`: the feed starts over); `Ok(Some(why))` when the server
-/// refuses replication connections (the caller reads the slot with SQL).
+/// a connection fails (`Err`: the feed starts over); `Ok(Some((why, passing)))` when the
+/// slot cannot be streamed here (the server refuses replication connections, or reaches
+/// them elsewhere, or would make the stream a synchronous standby): the caller reads the
+/// slot with SQL (and tries streaming again later when `passing`).
 ///
 /// Transactions arrive whole, as they commit. Once no more of the stream is buffered (or
 /// `max_messages` were taken), what the transactions since the last batch changed is
 /// applied here and logged for the other hosts, as by a read with SQL; the server is told
 /// the end of the last transaction of each batch once that batch is logged (and every one
-/// before it), and the slot moves there. With nothing read and nothing being logged, the
+/// before it), and the slot moves there. With nothing taken and nothing being logged, the
 /// server's keepalives move it on past what it did not send (other tables' writes).
+#[allow(clippy::too_many_arguments)]
 async fn stream_slot(
     host: &Weak<Inner>,
     feed: &PgFeed,
@@ -636,20 +667,70 @@ async fn stream_slot(
     owed: &str,
     config: &tokio_postgres::Config,
     stop: &mut watch::Receiver<bool>,
-) -> Result<Option<String>, CommandError> {
+    closed: &mut watch::Receiver<()>,
+) -> Result<Option<(String, bool)>, CommandError> {
     let application = config.get_application_name().unwrap_or(FEED_APPLICATION);
+    let identity = simple_one(client, replication::IDENTITY).await?;
+    // Starts refused because an earlier connection still holds the slot.
+    let mut in_use = 0;
     'session: loop {
-        let mut stream = match replication::connect(config, application).await {
+        let mut stream = match replication::connect(config, application, &identity).await {
             Ok(stream) => stream,
-            Err(e) if e.refused_connection() => return Ok(Some(e.to_string())),
+            Err(e) if e.refused_connection() => return Ok(Some((e.to_string(), e.passing()))),
             Err(e) => return Err(feed_error(format!("the replication connection: {e}"))),
         };
+        // Where the slot was confirmed: the stream starts there, and nothing confirmed
+        // goes below it.
+        let mut confirmed = client
+            .query_opt(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND database = current_database()",
+                &[&feed.feed.slot],
+            )
+            .await
+            .map_err(feed_error)?
+            .and_then(|row| row.get::<_, Option<String>>(0))
+            .and_then(|lsn| parse_lsn(&lsn))
+            .unwrap_or(0);
         if let Err(e) = stream.start(&feed.feed.slot, &feed.feed.publication).await {
+            drop(stream);
+            if e.slot_in_use() && in_use < IN_USE_TRIES {
+                // This host holds the feed's lock: whoever streams the slot is a former
+                // leader whose connection the server has not found dead yet.
+                in_use += 1;
+                release_slot(client, feed).await?;
+                continue 'session;
+            }
             let failure = stream_failure(client, feed, e).await;
             if !failed(host, client, feed, owed, failure).await? {
                 return Ok(None);
             }
             continue 'session;
+        }
+        in_use = 0;
+        // A stream the server counts as a synchronous standby would hold every writer's
+        // commit until the feed confirms it, and the feed confirms a transaction only once
+        // it is visible, which the commit waits for: a deadlock.
+        let (state, standbys): (String, String) = {
+            let row = client
+                .query_one(
+                    "SELECT coalesce((SELECT sync_state FROM pg_stat_replication \
+                     WHERE pid = $1), 'async'), current_setting('synchronous_standby_names')",
+                    &[&stream.pid().unwrap_or(0)],
+                )
+                .await
+                .map_err(feed_error)?;
+            (row.get(0), row.get(1))
+        };
+        if state != "async" || names_standby(&standbys, application) {
+            return Ok(Some((
+                format!(
+                    "synchronous_standby_names ({standbys:?}) names the feed's connection \
+                     ({application:?}, {state}): a synchronous standby that waits for its \
+                     own writes"
+                ),
+                false,
+            )));
         }
         feed.counters.streaming.store(true, Ordering::Relaxed);
         feed.counters.reads.fetch_add(1, Ordering::Relaxed);
@@ -669,13 +750,11 @@ async fn stream_slot(
         // (and every one before it) is logged.
         let mut logging: VecDeque<(Option<tokio::task::JoinHandle<LogResult>>, u64)> =
             VecDeque::new();
-        // What the server was told.
-        let mut confirmed = 0u64;
         // Messages taken since the last batch.
         let mut messages = 0usize;
         let mut status = tokio::time::interval(STATUS_INTERVAL);
         status.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
+        let failure: ReadError = 'stream: loop {
             // A batch: once the stream has nothing more buffered, or enough was taken.
             if read.end_lsn.is_some()
                 && (!stream.has_buffered() || messages >= feed.feed.max_messages)
@@ -703,7 +782,10 @@ async fn stream_slot(
                     if !logged(feed, task).await? {
                         return Ok(None);
                     }
-                    confirmed = confirmed.max(end);
+                    if end > confirmed {
+                        confirmed = end;
+                        stream.confirm(confirmed).await.map_err(stream_failed)?;
+                    }
                 }
                 logging.push_back((task, end));
             }
@@ -717,6 +799,9 @@ async fn stream_slot(
             tokio::select! {
                 biased;
                 _ = stop.changed() => return Ok(None),
+                _ = closed.changed() => {
+                    return Err(feed_error("the feed's connection closed (with its lock)"));
+                }
                 done = front => {
                     let (_, end) = logging.pop_front().expect("the front finished");
                     let ok = match done {
@@ -742,11 +827,7 @@ async fn stream_slot(
                             }
                         };
                         if let Err(e) = taken {
-                            let failure = ReadError::Undecodable(feed_error(e));
-                            if !failed(host, client, feed, owed, failure).await? {
-                                return Ok(None);
-                            }
-                            continue 'session;
+                            break 'stream ReadError::Undecodable(feed_error(e));
                         }
                     }
                     Ok(Frame::Keepalive { end, reply }) => {
@@ -761,20 +842,88 @@ async fn stream_slot(
                             stream.confirm(confirmed).await.map_err(stream_failed)?;
                         }
                     }
-                    Err(e) => {
-                        let failure = stream_failure(client, feed, e).await;
-                        if !failed(host, client, feed, owed, failure).await? {
-                            return Ok(None);
-                        }
-                        continue 'session;
-                    }
+                    Err(e) => break 'stream stream_failure(client, feed, e).await,
                 },
                 _ = status.tick() => {
                     stream.confirm(confirmed).await.map_err(stream_failed)?;
+                    // The feed's own connection, which holds the lock, kept from idling out
+                    // (`idle_session_timeout`) while the stream does the work.
+                    client.simple_query("SELECT 1").await.map_err(feed_error)?;
                 }
             }
+        };
+        // The stream goes first: a slot is dropped (when lost) only once no connection
+        // streams it.
+        drop(stream);
+        if !failed(host, client, feed, owed, failure).await? {
+            return Ok(None);
         }
     }
+}
+
+/// Starts in a row refused because the slot is in use, before the feed starts over.
+const IN_USE_TRIES: u32 = 20;
+
+/// How long a feed refused a replication connection for a reason that may pass reads
+/// with SQL before it tries to stream again.
+const STREAM_AGAIN: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The first column of the first row of `sql`, run with the simple query protocol.
+async fn simple_one(client: &tokio_postgres::Client, sql: &str) -> Result<String, CommandError> {
+    client
+        .simple_query(sql)
+        .await
+        .map_err(feed_error)?
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .ok_or_else(|| feed_error(format!("{sql} answered no row")))
+}
+
+/// Whether `synchronous_standby_names` can name the connection `application`: `*`, or
+/// the name itself (case-insensitive, quoted or not), in any of its forms (`a, b`,
+/// `FIRST n (...)`, `ANY n (...)`).
+pub(super) fn names_standby(standbys: &str, application: &str) -> bool {
+    let list = match (standbys.find('('), standbys.rfind(')')) {
+        (Some(open), Some(close)) if open < close => &standbys[open + 1..close],
+        _ => standbys,
+    };
+    list.split(',').any(|name| {
+        let name = name.trim();
+        let name = name
+            .strip_prefix('"')
+            .and_then(|n| n.strip_suffix('"'))
+            .map(|n| n.replace("\"\"", "\""))
+            .unwrap_or_else(|| name.to_owned());
+        name == "*" || name.eq_ignore_ascii_case(application)
+    })
+}
+
+/// Ends the connections that stream the slot (a former leader's) and waits until it is
+/// free. The caller holds the feed's lock.
+async fn release_slot(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(), CommandError> {
+    for _ in 0..100 {
+        let active = client
+            .query_opt(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND active_pid IS NOT NULL \
+                 AND active_pid <> pg_backend_pid()",
+                &[&feed.feed.slot],
+            )
+            .await
+            .map_err(feed_error)?
+            .is_some();
+        if !active {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    Err(feed_error(format!(
+        "the slot {} is still streamed by another connection",
+        feed.feed.slot
+    )))
 }
 
 /// How often a streaming feed tells the server where it is, whatever happened (the
@@ -832,17 +981,7 @@ async fn wait_visible(client: &tokio_postgres::Client, xids: &[u32]) -> Result<(
     }
     let started = std::time::Instant::now();
     loop {
-        let rows = client
-            .simple_query("SELECT pg_current_snapshot()")
-            .await
-            .map_err(feed_error)?;
-        let snapshot = rows
-            .iter()
-            .find_map(|m| match m {
-                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
-                _ => None,
-            })
-            .ok_or_else(|| feed_error("pg_current_snapshot() answered no row"))?;
+        let snapshot = simple_one(client, "SELECT pg_current_snapshot()").await?;
         let visible = visible_in(&snapshot, xids)
             .ok_or_else(|| feed_error(format!("a snapshot of {snapshot:?}")))?;
         if visible {
@@ -939,6 +1078,7 @@ async fn renew_slot(
         "change feed: the slot is lost; a new one is made and every host flushes");
     feed.counters.stuck.store(0, Ordering::Relaxed);
     owe_flush(client, feed, owed).await?;
+    release_slot(client, feed).await?;
     client
         .execute(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
@@ -1293,7 +1433,30 @@ async fn read(
 
 #[cfg(test)]
 mod tests {
-    use super::visible_in;
+    use super::{names_standby, visible_in};
+
+    #[test]
+    fn the_standby_names_that_would_make_the_feed_a_synchronous_standby() {
+        let app = "coherent_changes_feed:app";
+        for named in [
+            "*",
+            "FIRST 1 (*)",
+            "ANY 2 (s1, *)",
+            "\"coherent_changes_feed:app\"",
+            "s1, \"COHERENT_CHANGES_FEED:APP\"",
+            "2 (s1, \"coherent_changes_feed:app\")",
+        ] {
+            assert!(names_standby(named, app), "{named}");
+        }
+        for not in [
+            "",
+            "s1",
+            "FIRST 1 (s1, s2)",
+            "\"coherent_changes_feed:other\"",
+        ] {
+            assert!(!names_standby(not, app), "{not}");
+        }
+    }
 
     #[test]
     fn a_transaction_is_visible_below_xmax_and_out_of_progress() {

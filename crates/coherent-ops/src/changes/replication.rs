@@ -21,6 +21,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// which bounds a row's values, and a little for the message's headers.
 pub(super) const MAX_MESSAGE: usize = (1 << 30) + 4096;
 
+/// The largest message of another kind (errors, notices, authentication, rows of the
+/// identity query).
+const MAX_OTHER: usize = 1 << 20;
+
+/// An input buffer grown past this by a large message is given back once it is empty.
+const SHRINK_ABOVE: usize = 1 << 20;
+
 /// Why the stream failed.
 #[derive(Debug)]
 pub(super) enum StreamError {
@@ -28,6 +35,8 @@ pub(super) enum StreamError {
     Server { code: String, message: String },
     /// The connection failed or the server broke the protocol.
     Io(io::Error),
+    /// No host of the configuration is the server of the feed's SQL connection.
+    Elsewhere(String),
 }
 
 impl StreamError {
@@ -35,12 +44,29 @@ impl StreamError {
         Self::Io(io::Error::new(io::ErrorKind::InvalidData, what.into()))
     }
 
-    /// The server refused the connection itself (`pg_hba.conf` has no line for
-    /// replication connections, the role may not replicate, too many senders): a feed
-    /// can still read its slot through SQL.
+    /// The server refused the connection itself (`pg_hba.conf` refuses it, the role may
+    /// not replicate, every WAL sender is taken), or
+    /// the configuration leads it to another server: a feed can still read its slot
+    /// through SQL.
     pub(super) fn refused_connection(&self) -> bool {
-        matches!(self, Self::Server { code, .. }
-            if code == "28000" || code == "28P01" || code == "42501" || code == "53300")
+        match self {
+            Self::Server { code, .. } => {
+                code == "28000" || code == "28P01" || code == "42501" || self.passing()
+            }
+            Self::Elsewhere(_) => true,
+            Self::Io(_) => false,
+        }
+    }
+
+    /// A refusal that may pass (every WAL sender taken): streaming is tried again later.
+    pub(super) fn passing(&self) -> bool {
+        matches!(self, Self::Server { code, .. } if code == "53300")
+    }
+
+    /// The slot is held by another connection (`55006`): an earlier leader's, whose
+    /// connection the server has not noticed is gone.
+    pub(super) fn slot_in_use(&self) -> bool {
+        matches!(self, Self::Server { code, .. } if code == "55006")
     }
 }
 
@@ -49,6 +75,10 @@ impl std::fmt::Display for StreamError {
         match self {
             Self::Server { code, message } => write!(f, "{message} (SQLSTATE {code})"),
             Self::Io(e) => write!(f, "{e}"),
+            Self::Elsewhere(why) => write!(
+                f,
+                "the replication connection reached another server: {why}"
+            ),
         }
     }
 }
@@ -77,68 +107,113 @@ pub(super) struct Stream {
     io: Box<dyn Io>,
     input: BytesMut,
     output: BytesMut,
+    /// The server process of the connection (`BackendKeyData`).
+    pid: Option<i32>,
 }
 
-/// Opens a replication connection with `config`'s first reachable host, user, password,
-/// database and options, under `application`.
+/// Opens a replication connection to the server `identity` describes (what
+/// [`IDENTITY`] answers on the feed's SQL connection): `config`'s hosts (or `hostaddr`s)
+/// are tried in turn, with its user, password, database and options, under
+/// `application`; a server that answers another identity (a standby, another host of a
+/// multi-host URL) is passed over. TCP keepalives and `TCP_USER_TIMEOUT` as on the SQL
+/// connection: a server gone silent fails the stream in seconds.
 pub(super) async fn connect(
     config: &tokio_postgres::Config,
     application: &str,
+    identity: &str,
 ) -> Result<Stream, StreamError> {
     let ports = config.get_ports();
+    let (hosts, addresses) = (config.get_hosts(), config.get_hostaddrs());
     let timeout = config
         .get_connect_timeout()
         .copied()
         .unwrap_or(Duration::from_secs(10));
     let mut last = None;
-    for (i, host) in config.get_hosts().iter().enumerate() {
+    for i in 0..hosts.len().max(addresses.len()) {
         let port = ports
             .get(i)
             .or_else(|| ports.first())
             .copied()
             .unwrap_or(5432);
-        let opened: io::Result<Box<dyn Io>> = match host {
-            tokio_postgres::config::Host::Tcp(name) => {
-                match tokio::time::timeout(
-                    timeout,
-                    tokio::net::TcpStream::connect((name.as_str(), port)),
-                )
-                .await
-                {
-                    Ok(Ok(socket)) => {
-                        let _ = socket.set_nodelay(true);
-                        Ok(Box::new(socket))
-                    }
-                    Ok(Err(e)) => Err(e),
-                    Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")),
+        let opened = async {
+            let tcp = match (addresses.get(i), hosts.get(i)) {
+                (Some(address), _) => tokio::net::TcpStream::connect((*address, port)).await?,
+                (None, Some(tokio_postgres::config::Host::Tcp(name))) => {
+                    tokio::net::TcpStream::connect((name.as_str(), port)).await?
                 }
+                #[cfg(unix)]
+                (None, Some(tokio_postgres::config::Host::Unix(dir))) => {
+                    let path = dir.join(format!(".s.PGSQL.{port}"));
+                    let socket = tokio::net::UnixStream::connect(path).await?;
+                    return Ok(Box::new(socket) as Box<dyn Io>);
+                }
+                (None, None) => unreachable!("i is below the longer list"),
+            };
+            let _ = tcp.set_nodelay(true);
+            let keepalive = socket2::TcpKeepalive::new()
+                .with_time(Duration::from_secs(5))
+                .with_interval(Duration::from_secs(2))
+                .with_retries(3);
+            let socket = socket2::SockRef::from(&tcp);
+            let _ = socket.set_tcp_keepalive(&keepalive);
+            #[cfg(any(target_os = "linux", target_os = "android"))]
+            let _ = socket.set_tcp_user_timeout(Some(Duration::from_secs(10)));
+            Ok::<_, io::Error>(Box::new(tcp) as Box<dyn Io>)
+        };
+        let io = match tokio::time::timeout(timeout, opened).await {
+            Ok(Ok(io)) => io,
+            Ok(Err(e)) => {
+                last = Some(StreamError::Io(e));
+                continue;
             }
-            #[cfg(unix)]
-            tokio_postgres::config::Host::Unix(dir) => {
-                let path = dir.join(format!(".s.PGSQL.{port}"));
-                match tokio::net::UnixStream::connect(path).await {
-                    Ok(socket) => Ok(Box::new(socket) as Box<dyn Io>),
-                    Err(e) => Err(e),
-                }
+            Err(_) => {
+                last = Some(StreamError::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "connect timed out",
+                )));
+                continue;
             }
         };
-        match opened {
-            Ok(io) => {
-                let mut stream = Stream {
-                    io,
-                    input: BytesMut::with_capacity(8192),
-                    output: BytesMut::with_capacity(1024),
-                };
-                stream.startup(config, application).await?;
-                return Ok(stream);
+        let mut stream = Stream {
+            io,
+            input: BytesMut::with_capacity(8192),
+            output: BytesMut::with_capacity(1024),
+            pid: None,
+        };
+        let started = async {
+            stream.startup(config, application).await?;
+            stream.query_one(IDENTITY).await
+        };
+        match tokio::time::timeout(timeout, started).await {
+            Ok(Ok(Some(answer))) if answer == identity => return Ok(stream),
+            Ok(Ok(answer)) => {
+                last = Some(StreamError::Elsewhere(format!(
+                    "host {} answers {answer:?}, the feed's connection {identity:?}",
+                    i + 1
+                )))
             }
-            Err(e) => last = Some(e),
+            Ok(Err(e)) => last = Some(e),
+            Err(_) => {
+                last = Some(StreamError::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the replication connection's start timed out",
+                )))
+            }
         }
     }
-    Err(StreamError::Io(last.unwrap_or_else(|| {
-        io::Error::new(io::ErrorKind::InvalidInput, "no host to connect to")
-    })))
+    Err(last.unwrap_or_else(|| {
+        StreamError::Io(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "no host to connect to",
+        ))
+    }))
 }
+
+/// What tells one server from another, asked on both connections: when the postmaster
+/// started (a standby of the same cluster started at another moment) and whether it is in
+/// recovery.
+pub(super) const IDENTITY: &str =
+    "SELECT pg_postmaster_start_time()::text || ' ' || pg_is_in_recovery()::text";
 
 /// A backend message: its tag and body.
 struct Message {
@@ -174,27 +249,42 @@ impl Stream {
 
     /// The next whole message in the input, if there is one.
     fn parse(&mut self) -> Result<Option<Message>, StreamError> {
+        let Some(len) = self.header()? else {
+            return Ok(None);
+        };
+        if self.input.len() < len + 1 {
+            return Ok(None);
+        }
+        let tag = self.input[0];
+        let mut frame = self.input.split_to(len + 1);
+        frame.advance(5);
+        if self.input.is_empty() && self.input.capacity() > SHRINK_ABOVE {
+            // After a large message: back to a small buffer.
+            self.input = BytesMut::with_capacity(8192);
+        }
+        Ok(Some(Message {
+            tag,
+            body: frame.freeze(),
+        }))
+    }
+
+    /// The length of the message at the front of the input (without its tag), once its
+    /// header is in, checked against the cap of its kind.
+    fn header(&self) -> Result<Option<usize>, StreamError> {
         if self.input.len() < 5 {
             return Ok(None);
         }
         let tag = self.input[0];
         let len = u32::from_be_bytes([self.input[1], self.input[2], self.input[3], self.input[4]])
             as usize;
-        if !(4..=MAX_MESSAGE).contains(&len) {
+        let cap = if tag == b'd' { MAX_MESSAGE } else { MAX_OTHER };
+        if !(4..=cap).contains(&len) {
             return Err(StreamError::protocol(format!(
-                "a message of {len} bytes (at most {MAX_MESSAGE})"
+                "a message {:?} of {len} bytes (at most {cap})",
+                tag as char
             )));
         }
-        if self.input.len() < len + 1 {
-            self.input.reserve(len + 1 - self.input.len());
-            return Ok(None);
-        }
-        let mut frame = self.input.split_to(len + 1);
-        frame.advance(5);
-        Ok(Some(Message {
-            tag,
-            body: frame.freeze(),
-        }))
+        Ok(Some(len))
     }
 
     async fn read_message(&mut self) -> Result<Message, StreamError> {
@@ -202,14 +292,49 @@ impl Stream {
             if let Some(message) = self.parse()? {
                 return Ok(message);
             }
+            // The buffer grows with what arrives, a chunk at a time (a length announced
+            // is not allocated before its bytes come).
             if self.input.capacity() - self.input.len() < 4096 {
-                self.input.reserve(8192);
+                self.input.reserve(64 * 1024);
             }
             if self.io.read_buf(&mut self.input).await? == 0 {
                 return Err(StreamError::Io(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     "the server closed the replication connection",
                 )));
+            }
+        }
+    }
+
+    /// The server process of the connection.
+    pub(super) fn pid(&self) -> Option<i32> {
+        self.pid
+    }
+
+    /// Runs `sql` (simple query protocol) and answers the first column of its first row.
+    async fn query_one(&mut self, sql: &str) -> Result<Option<String>, StreamError> {
+        frontend::query(sql, &mut self.output)?;
+        self.send().await?;
+        let mut answer = None;
+        loop {
+            let message = self.read_message().await?;
+            let mut body = message.body;
+            match message.tag {
+                b'D' if answer.is_none() && body.len() >= 6 => {
+                    let _columns = body.get_i16();
+                    let len = body.get_i32();
+                    if len >= 0 && body.len() >= len as usize {
+                        answer = Some(String::from_utf8_lossy(&body[..len as usize]).into_owned());
+                    }
+                }
+                b'E' => {
+                    let e = server_error(&body);
+                    // The rest of the answer, up to ReadyForQuery.
+                    while self.read_message().await?.tag != b'Z' {}
+                    return Err(e);
+                }
+                b'Z' => return Ok(answer),
+                _ => {}
             }
         }
     }
@@ -315,7 +440,8 @@ impl Stream {
                 }
                 b'E' => return Err(server_error(&body)),
                 b'Z' => return Ok(()),
-                // Parameter status, backend key data, notices.
+                b'K' if body.len() >= 8 => self.pid = Some(body.get_i32()),
+                // Parameter status, notices.
                 _ => {}
             }
         }
@@ -352,12 +478,7 @@ impl Stream {
     /// Whether a whole message waits in the input (the next `next` answers without
     /// waiting for the network).
     pub(super) fn has_buffered(&self) -> bool {
-        self.input.len() >= 5 && {
-            let len =
-                u32::from_be_bytes([self.input[1], self.input[2], self.input[3], self.input[4]])
-                    as usize;
-            self.input.len() > len
-        }
+        matches!(self.header(), Ok(Some(len)) if self.input.len() > len)
     }
 
     /// The next frame of the stream. Cancel-safe: what was read stays in the input.
@@ -442,6 +563,7 @@ mod tests {
             io: Box::new(ours),
             input: BytesMut::new(),
             output: BytesMut::new(),
+            pid: None,
         }
     }
 
@@ -479,11 +601,12 @@ mod tests {
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (message(b'd', b"k12"), "a replication message of 3 bytes"),
             (message(b'd', b""), "a replication message of 0 bytes"),
-            (vec![b'd', 0, 0, 0, 3], "a message of 3 bytes"),
+            (vec![b'd', 0, 0, 0, 3], "a message 'd' of 3 bytes"),
             (
                 vec![b'd', 0x7f, 0xff, 0xff, 0xff],
-                "a message of 2147483647 bytes",
+                "a message 'd' of 2147483647 bytes",
             ),
+            (vec![b'E', 0, 0x20, 0, 0], "a message 'E' of 2097152 bytes"),
             (message(b'c', b""), "ended the replication stream"),
             (
                 message(b'E', b"SERROR\0C58P01\0Mno such slot\0\0"),
