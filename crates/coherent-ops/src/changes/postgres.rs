@@ -142,7 +142,22 @@ struct Open {
     xid: u32,
 }
 
-impl Read<'_> {
+impl<'a> Read<'a> {
+    fn new(feed: &'a PgFeed, keys: &'a Keys, skip_upto: u64) -> Self {
+        Read {
+            feed,
+            keys,
+            skip_upto,
+            relations: HashMap::new(),
+            open: None,
+            batch: Batch::default(),
+            end_lsn: None,
+            transactions: 0,
+            skipped: 0,
+            xids: Vec::new(),
+        }
+    }
+
     fn row(&self, relation: u32, tuple: &Tuple<'_>) -> Result<Option<(&Relation, Row)>, String> {
         let Some(rel) = self.relations.get(&relation) else {
             return Err(format!(
@@ -734,18 +749,7 @@ async fn stream_slot(
         }
         feed.counters.streaming.store(true, Ordering::Relaxed);
         feed.counters.reads.fetch_add(1, Ordering::Relaxed);
-        let mut read = Read {
-            feed,
-            keys,
-            skip_upto: 0,
-            relations: HashMap::new(),
-            open: None,
-            batch: Batch::default(),
-            end_lsn: None,
-            transactions: 0,
-            skipped: 0,
-            xids: Vec::new(),
-        };
+        let mut read = Read::new(feed, keys, 0);
         // Batches being logged, oldest first, each with where the slot may move once it
         // (and every one before it) is logged.
         let mut logging: VecDeque<(Option<tokio::task::JoinHandle<LogResult>>, u64)> =
@@ -1368,18 +1372,7 @@ async fn read(
         Err(e) => return Err(classify(client, feed, e).await),
     };
     pin_mut!(rows);
-    let mut read = Read {
-        feed,
-        keys,
-        skip_upto,
-        relations: HashMap::new(),
-        open: None,
-        batch: Batch::default(),
-        end_lsn: None,
-        transactions: 0,
-        skipped: 0,
-        xids: Vec::new(),
-    };
+    let mut read = Read::new(feed, keys, skip_upto);
     let mut messages = 0usize;
     let mut upto = None;
     loop {
