@@ -23,18 +23,6 @@ use support::{create_items, fresh_schema, Items, Reader};
 
 const GUARD: Duration = Duration::from_secs(120);
 
-async fn connect(url: &str, schema: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    client
-        .batch_execute(&format!("SET search_path TO {schema}"))
-        .await
-        .unwrap();
-    client
-}
-
 /// One restart at a time: each cuts every connection of the server.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -81,7 +69,7 @@ async fn restarted_under_the_feed(streaming: bool) {
     let schema = fresh_schema(if streaming { "restart_s" } else { "restart" });
     let db = Database::postgres_in_schema(&url, &schema).await.unwrap();
     create_items(&db, 10).await;
-    let psql = connect(&url, &schema).await;
+    let psql = support::connect_in_schema(&url, &schema).await;
     let level: String = psql.query_one("SHOW wal_level", &[]).await.unwrap().get(0);
     assert_eq!(
         level, "logical",
@@ -200,7 +188,7 @@ async fn restarted_under_the_feed(streaming: bool) {
     );
     assert!(stats.streaming == streaming, "{stats:?}");
     host.stop().await;
-    let psql = connect(&url, &schema).await;
+    let psql = support::connect_in_schema(&url, &schema).await;
     support::drop_slot_when_free(&psql, &name).await;
     let _ = psql
         .batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))

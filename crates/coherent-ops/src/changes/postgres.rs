@@ -614,7 +614,7 @@ async fn lead(
             Some(why) => Err(ReadError::Lost(why)),
             None => read(&client, feed, &keys, read_upto, &mut seen_insert).await,
         };
-        let lost = match read {
+        match read {
             Ok(read) => {
                 feed.counters.stuck.store(0, Ordering::Relaxed);
                 let (changes, xids, end_lsn, any) = read;
@@ -634,29 +634,17 @@ async fn lead(
                         _ = stop.changed() => return Ok(()),
                     }
                 }
-                None
             }
-            Err(ReadError::Lost(why)) => Some(why),
-            // The same bytes come back on every read, or the server refuses every read at
-            // the slot's position: after a few tries (each on a new connection, after the
-            // publication is made again) the slot is given up as lost (a new one, and a
-            // flush) rather than held, with the log it keeps, for ever.
-            Err(ReadError::Undecodable(e) | ReadError::Refused(e)) => {
-                if feed.counters.stuck.fetch_add(1, Ordering::Relaxed) + 1 < STUCK_TRIES {
-                    return Err(e);
+            Err(failure) => {
+                if !failed(host, &client, feed, &owed, failure).await? {
+                    return Ok(());
                 }
-                Some(format!("{e}, {STUCK_TRIES} times in a row"))
+                // A new slot: nothing read from it yet.
+                advanced = 0;
+                read_upto = 0;
+                seen_insert = None;
+                logging.clear();
             }
-            Err(ReadError::Other(e)) => return Err(e),
-        };
-        if let Some(why) = lost {
-            if !renew_slot(host, &client, feed, &owed, &why).await? {
-                return Ok(());
-            }
-            advanced = 0;
-            read_upto = 0;
-            seen_insert = None;
-            logging.clear();
         }
     }
 }

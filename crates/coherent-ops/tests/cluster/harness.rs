@@ -91,15 +91,7 @@ impl Store {
         let Store::Postgres { url, schema } = self else {
             panic!("PostgreSQL only")
         };
-        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(connection);
-        client
-            .batch_execute(&format!("SET search_path TO {schema}"))
-            .await
-            .unwrap();
-        client
+        crate::support::connect_in_schema(url, schema).await
     }
 
     /// Settings for a host over this store.

@@ -33,15 +33,7 @@ pub(crate) async fn sql(db: &Database) -> tokio_postgres::Client {
         .unwrap()
         .get(0);
     let url = std::env::var("DATABASE_URL").unwrap();
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    client
-        .batch_execute(&format!("SET search_path TO {schema}"))
-        .await
-        .unwrap();
-    client
+    crate::support::connect_in_schema(&url, &schema).await
 }
 
 /// Logs `n` operations of another host on item 2, each in a transaction of its own

@@ -398,6 +398,20 @@ pub(crate) async fn host(
     (host, items)
 }
 
+/// A plain connection to `url` in `schema` (PostgreSQL): what a `psql` session or another
+/// service would hold.
+pub(crate) async fn connect_in_schema(url: &str, schema: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!("SET search_path TO {schema}"))
+        .await
+        .unwrap();
+    client
+}
+
 /// Drops the replication slot `name`, as the server does with a slot past
 /// `max_slot_wal_keep_size`: the connection streaming it (a feed that still runs) is
 /// terminated first, and the slot dropped before a feed takes it again (tried until it
