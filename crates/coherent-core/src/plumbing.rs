@@ -4,7 +4,7 @@
 pub use crate::computed::{BoxFuture, Recompute};
 pub use crate::options::{ComputeOptions, OutputKind, TransientError};
 pub use crate::service::{ComputeService, MethodDescriptor};
-pub use crate::table::Table;
+pub use crate::table::{Hit, Table};
 
 use crate::sync::Arc;
 

@@ -6,6 +6,7 @@
 //! that arrives mid-computation finds the entry to flag (the race rule).
 
 use std::hash::{BuildHasher, Hash};
+use std::ptr::NonNull;
 
 use crossbeam_utils::CachePadded;
 use hashbrown::HashTable;
@@ -16,7 +17,7 @@ use crate::node::{self, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVA
 use crate::options::OutputKind;
 use crate::registry::{next_version, Prunable, Registry};
 use crate::service::MethodDescriptor;
-use crate::striped::StripedRwLock;
+use crate::striped::{ReadGuard, StripedRwLock};
 use crate::sync::Arc;
 
 struct Entry<K, T> {
@@ -38,6 +39,35 @@ pub struct Table<K, T> {
     method: &'static MethodDescriptor,
     classify: fn(&T) -> OutputKind,
     keep_alive_ticks: u32,
+}
+
+/// A cached value found by [`Table::hit`]: deref it, clone what it holds, drop it at once
+/// (it may hold the table's read lock). Not `Send`: the lock is this thread's.
+pub struct Hit<'a, K, T> {
+    /// Into the computed that `_hold` keeps alive: its value is set once and never changes.
+    value: NonNull<T>,
+    _hold: Hold<'a, K, T>,
+}
+
+/// What keeps a hit's value alive and unchanged: held for its `Drop`, never read.
+#[allow(dead_code)]
+enum Hold<'a, K, T> {
+    /// The table's read lock: no writer removes the entry (and its computed) meanwhile.
+    Table(ReadGuard<'a, HashTable<Entry<K, T>>>),
+    /// The computed itself (a hit inside a compute body, whose lock went before recording).
+    Computed(Arc<ComputedInner<T>>),
+}
+
+impl<K, T> std::ops::Deref for Hit<'_, K, T> {
+    type Target = T;
+
+    #[inline(always)]
+    fn deref(&self) -> &T {
+        // SAFETY: `value` points into a computed's value, set before the computed became
+        // consistent and never written again; `_hold` keeps that computed alive for as long
+        // as this hit lives (see `Hold`).
+        unsafe { self.value.as_ref() }
+    }
 }
 
 enum Found<T> {
@@ -71,35 +101,57 @@ where
     }
 
     /// Answers from a consistent cached result, or `None` when the call must go the slow way.
-    /// Allocates nothing (outside a compute body, where it records a dependency). Always
-    /// inlined: as a call, its answer is copied once more, and the call is a fifth of a hit.
+    /// Allocates nothing (outside a compute body, where it records a dependency).
     #[inline(always)]
     pub fn try_hit(&self, key: &K) -> Option<T> {
+        self.hit(key).map(|hit| T::clone(&hit))
+    }
+
+    /// A consistent cached result, held for the caller to clone out of it and drop at once:
+    /// `if let Some(hit) = table.hit(&key) { return T::clone(&hit); }`. Outside a compute
+    /// body it holds the table's read lock (this thread's stripe: a plain store releases
+    /// it), so the value is cloned straight from the table into the caller's answer, once;
+    /// answering `Option<T>` instead moved the value through two or three temporaries whose
+    /// partial stores stalled the loads that copied them on (a third of a hit). Inside a
+    /// compute body it holds the computed instead, the lock released and the dependency
+    /// recorded. Always inlined.
+    #[inline(always)]
+    pub fn hit(&self, key: &K) -> Option<Hit<'_, K, T>> {
         let hash = self.hasher.hash_one(key);
         let map = self.map.read();
         let computed = &map.find(hash, |e| e.key == *key)?.computed;
         if computed.node.state() != CONSISTENT || self.registry.is_fenced() {
             return None;
         }
+        // A consistent computed has its value.
+        let value = NonNull::from(computed.value.get()?);
         computed.node.touch(clock::now());
         map.stripe().count_hit();
         tracing::trace!(target: "coherent::hit", method = self.method.name());
         if crate::context::is_capturing() {
-            return Self::hit_while_capturing(computed.clone(), map);
+            return Some(Self::hit_while_capturing(computed.clone(), value, map));
         }
-        // The last expression, so that the clone is built in the caller's return slot: the
-        // value is copied once, not moved through temporaries.
-        computed.value.get().cloned()
+        Some(Hit {
+            value,
+            _hold: Hold::Table(map),
+        })
     }
 
     /// A hit inside a compute body: records the dependency after the table lock is released
     /// (recording may cascade an invalidation, which must never run under a table lock).
     #[cold]
     #[inline(never)]
-    fn hit_while_capturing<G>(computed: Arc<ComputedInner<T>>, map: G) -> Option<T> {
+    fn hit_while_capturing<'a>(
+        computed: Arc<ComputedInner<T>>,
+        value: NonNull<T>,
+        map: ReadGuard<'a, HashTable<Entry<K, T>>>,
+    ) -> Hit<'a, K, T> {
         drop(map);
         computed.record_use();
-        computed.value.get().cloned()
+        Hit {
+            value,
+            _hold: Hold::Computed(computed),
+        }
     }
 
     /// The slow path of a call: waits for a running computation of the same key, or runs the

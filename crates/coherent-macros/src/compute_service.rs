@@ -370,10 +370,12 @@ fn expand_method(
             #vis async fn #name(&self, #args) -> #output {
                 let __coherent_table = #table;
                 let __coherent_key = #key;
-                if let ::core::option::Option::Some(__coherent_value) =
-                    __coherent_table.try_hit(&__coherent_key)
+                if let ::core::option::Option::Some(__coherent_hit) =
+                    __coherent_table.hit(&__coherent_key)
                 {
-                    return __coherent_value;
+                    // Cloned straight out of the table into the answer; the hit (a read
+                    // lock) is dropped right after.
+                    return ::core::clone::Clone::clone(&*__coherent_hit);
                 }
                 self.#miss_fn(__coherent_key).await
             }
