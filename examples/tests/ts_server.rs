@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use coherent::prelude::*;
+use coherent::rpc::{Config, Format, Peer};
 use coherent_examples::test_server::{CalcClient, Counters, CountersClient, Options, TestServer};
-use coherent_rpc::{Config, Format, Peer};
 use futures::StreamExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

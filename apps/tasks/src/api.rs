@@ -160,8 +160,8 @@ impl From<Invalid> for ApiError {
     }
 }
 
-impl From<coherent_rpc::RpcError> for ApiError {
-    fn from(e: coherent_rpc::RpcError) -> Self {
+impl From<coherent::rpc::RpcError> for ApiError {
+    fn from(e: coherent::rpc::RpcError) -> Self {
         Self::unavailable(e)
     }
 }

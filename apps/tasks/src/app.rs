@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use coherent::ops::{CommandsServer, Notifier};
 use coherent::prelude::*;
-use coherent_ops::{CommandsServer, Notifier};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -45,11 +45,11 @@ impl DbConfig {
     }
 
     /// The operation log's database (the same database, the same schema).
-    pub async fn operations(&self) -> anyhow::Result<coherent_ops::Database> {
+    pub async fn operations(&self) -> anyhow::Result<coherent::ops::Database> {
         Ok(match self {
-            Self::Sqlite(path) => coherent_ops::Database::sqlite(path)?,
+            Self::Sqlite(path) => coherent::ops::Database::sqlite(path)?,
             Self::Postgres { url, schema } => {
-                coherent_ops::Database::postgres_in_schema(url, schema).await?
+                coherent::ops::Database::postgres_in_schema(url, schema).await?
             }
         })
     }
@@ -61,7 +61,7 @@ pub struct LiveBackend {
     /// Where its endpoint listens.
     pub addr: SocketAddr,
     /// The operation host.
-    pub host: coherent_ops::Host,
+    pub host: coherent::ops::Host,
     /// The compute service.
     pub backend: TasksBackend,
     /// Its replicas served to tiers.
@@ -83,7 +83,7 @@ impl LiveBackend {
     }
 
     /// [`start`](Self::start), with logins: a connection to the endpoint over `/rpc` that
-    /// carries a login cookie authenticates as its user (`coherent_rpc::Identity`, the
+    /// carries a login cookie authenticates as its user (`coherent::rpc::Identity`, the
     /// [`User`](crate::session::User) as its principal), one without is anonymous (and
     /// may read, not run commands), as is one whose cookie does not verify.
     pub async fn start_with(
@@ -104,7 +104,7 @@ impl LiveBackend {
         // applied that: a read that starts after a write returned sees it, on any tier of
         // this backend.
         let delivered = remote.clone();
-        let mut builder = coherent_ops::Host::builder(db.operations().await?)
+        let mut builder = coherent::ops::Host::builder(db.operations().await?)
             .id("tasks-backend")
             .registry(&registry)
             .after_invalidate(move || {
@@ -126,7 +126,7 @@ impl LiveBackend {
                     .cookies(crate::session::COOKIE)
                     .find_map(|v| auth.verify(v));
                 std::future::ready(Ok(
-                    user.map(|u| coherent_rpc::Identity::new(u.name.clone()).with_principal(u))
+                    user.map(|u| coherent::rpc::Identity::new(u.name.clone()).with_principal(u))
                 ))
             });
         }

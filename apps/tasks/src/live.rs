@@ -5,7 +5,7 @@
 //!   `TasksServiceClient` implements it with replicas in an HTTP tier, kept coherent by the
 //!   backend's pushed invalidations.
 //! - Writes are commands ([`CreateTask`], [`UpdateTask`], [`DeleteTask`], [`CreateProject`])
-//!   run by the backend's `coherent_ops::Host`: the handler's writes and the operation log
+//!   run by the backend's `coherent::ops::Host`: the handler's writes and the operation log
 //!   commit together, and each command's `invalidate` (the one place that says what it
 //!   changes) runs on this backend and on every other backend sharing the database.
 //! - [`LiveTier`] serves HTTP from a local compute service over the replicas ([`Views`]):
@@ -14,10 +14,10 @@
 
 use std::sync::Arc;
 
+use coherent::ops::{Command, CommandClient, CommandError, ErrorKind, Handler, Tx};
 use coherent::prelude::*;
 use coherent::remote::RemoteClient;
-use coherent_ops::{Command, CommandClient, CommandError, ErrorKind, Handler, Tx};
-use coherent_rpc::{Caller, Reconnecting};
+use coherent::rpc::{Caller, Reconnecting};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -329,9 +329,9 @@ impl Handler<CreateProject> for TasksBackend {
 
 /// Registers the handlers of every command of the Tasks API on a host.
 pub fn commands(
-    builder: coherent_ops::HostBuilder,
+    builder: coherent::ops::HostBuilder,
     backend: &TasksBackend,
-) -> coherent_ops::HostBuilder {
+) -> coherent::ops::HostBuilder {
     builder
         .command::<CreateTask>(backend.clone())
         .command::<UpdateTask>(backend.clone())

@@ -57,7 +57,7 @@ impl From<tokio_postgres::Error> for StoreError {
         if e.code() == Some(&tokio_postgres::error::SqlState::FOREIGN_KEY_VIOLATION) {
             return Self::Unknown(Invalid::new("project", "no such project"));
         }
-        if coherent_ops::connection_lost(&e) {
+        if coherent::ops::connection_lost(&e) {
             return Self::Unavailable(match e.as_db_error() {
                 Some(db) => format!("{} ({})", db.message(), db.code().code()),
                 None => e.to_string(),

@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use coherent::ops::{watch_table, ChangeFeed, Database, Host};
 use coherent::Registry;
-use coherent_ops::{watch_table, ChangeFeed, Database, Host};
 use parking_lot::Mutex;
 
 use crate::cluster::host::TtlUsers;

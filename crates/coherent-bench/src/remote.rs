@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 use axum::response::IntoResponse;
 use bytes::Bytes;
 
+use coherent::remote::{RemoteClient, RemoteServer};
+use coherent::rpc::Endpoint;
 use coherent::{compute_service, ComputeService, Registry, ServiceHandle};
-use coherent_remote::{RemoteClient, RemoteServer};
-use coherent_rpc::Endpoint;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;

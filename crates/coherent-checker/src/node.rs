@@ -1,5 +1,5 @@
 //! A host process of a checked run: the `Registers` service over PostgreSQL, a
-//! [`Host`](coherent_ops::Host) with the commands that write it, readers and writers that
+//! [`Host`](coherent::ops::Host) with the commands that write it, readers and writers that
 //! record their history, and a line protocol on stdin/stdout through which the parent
 //! starts and stops the workload and injects the faults that need the host's help.
 //!
@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use coherent::ops::{Command, CommandError, Database, Handler, Host, Notifier, Tx};
 use coherent::prelude::*;
-use coherent_ops::{Command, CommandError, Database, Handler, Host, Notifier, Tx};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 

@@ -54,3 +54,10 @@ pub use error::{connection_lost, CommandError, ErrorKind};
 pub use host::{Applied, Host, HostBuilder, HostStats, Via};
 pub use notify::Notifier;
 pub use rpc::{authenticated_or_trusted, CommandClient, Commands, CommandsServer, Guarded};
+
+/// The rusqlite this crate links (SQLite allows one per program): the version of the
+/// `rusqlite::Connection` that [`Tx::require_sqlite`] hands out.
+pub use rusqlite;
+/// The tokio-postgres this crate uses: the version of the client and the error types that
+/// [`Tx`] hands out on PostgreSQL.
+pub use tokio_postgres;

@@ -47,6 +47,10 @@ mod gateway;
 mod server;
 mod wire;
 
+/// The axum this crate builds the gateway with: the version of the `Router` that the
+/// gateway returns.
+#[cfg(feature = "http")]
+pub use axum;
 pub use client::{RemoteClient, RemoteClientBuilder, LIVENESS};
 #[cfg(feature = "http")]
 pub use gateway::{MAX_GATEWAY_ARGS_LEN, MAX_SSE_FEEDS};

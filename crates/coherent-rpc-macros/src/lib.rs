@@ -3,7 +3,7 @@
 //! dispatcher, a `coherent_rpc::Service`) and `CalcClient` (typed calls over a `Peer`).
 
 use proc_macro::TokenStream;
-use proc_macro2::{Span, TokenStream as TokenStream2};
+use proc_macro2::TokenStream as TokenStream2;
 use quote::{format_ident, quote};
 use syn::{
     parse_macro_input, spanned::Spanned, FnArg, GenericArgument, Ident, ItemTrait, Pat,
@@ -17,18 +17,53 @@ use syn::{
 /// `#[oneway]` returns `()` and gets no reply; one marked `#[idempotent]` is resent by a
 /// reconnecting caller when its connection drops mid-call. Method ids are the 32-bit FNV-1a hash of
 /// `"<Trait>.<method>"`.
+///
+/// The generated code names coherent-rpc as `::coherent_rpc`; `#[service(crate = "path")]`
+/// names it otherwise (a crate that renamed the dependency, or reaches it through another
+/// crate). Through the `coherent` facade (`#[coherent::rpc::service]`) it is
+/// `::coherent::rpc`, so that the facade is the only dependency a user needs.
 #[proc_macro_attribute]
 pub fn service(attr: TokenStream, item: TokenStream) -> TokenStream {
-    if !attr.is_empty() {
-        return syn::Error::new(Span::call_site(), "#[service] takes no arguments")
-            .to_compile_error()
-            .into();
-    }
+    service_in(syn::parse_quote!(::coherent_rpc), attr, item)
+}
+
+/// `#[service]` as the `coherent` facade re-exports it: the generated code reaches the RPC
+/// layer through `::coherent::rpc`.
+#[doc(hidden)]
+#[proc_macro_attribute]
+pub fn facade_service(attr: TokenStream, item: TokenStream) -> TokenStream {
+    service_in(syn::parse_quote!(::coherent::rpc), attr, item)
+}
+
+fn service_in(default_krate: syn::Path, attr: TokenStream, item: TokenStream) -> TokenStream {
+    let krate = match crate_argument(attr.into(), default_krate) {
+        Ok(krate) => krate,
+        Err(e) => return e.to_compile_error().into(),
+    };
     let item = parse_macro_input!(item as ItemTrait);
-    match expand(item) {
+    match expand(item, &quote!(#krate)) {
         Ok(t) => t.into(),
         Err(e) => e.to_compile_error().into(),
     }
+}
+
+/// The macro's one optional argument, `crate = "path"`.
+fn crate_argument(attr: TokenStream2, default: syn::Path) -> syn::Result<syn::Path> {
+    if attr.is_empty() {
+        return Ok(default);
+    }
+    let mut krate = None;
+    let parser = syn::meta::parser(|meta| {
+        if meta.path.is_ident("crate") && krate.is_none() {
+            let lit: syn::LitStr = meta.value()?.parse()?;
+            krate = Some(lit.parse::<syn::Path>()?);
+            Ok(())
+        } else {
+            Err(meta.error("#[service] takes one argument: `crate = \"path\"`"))
+        }
+    });
+    syn::parse::Parser::parse2(parser, attr)?;
+    Ok(krate.unwrap_or(default))
 }
 
 enum Kind {
@@ -172,7 +207,7 @@ fn parse_method(f: &syn::TraitItemFn) -> syn::Result<Method> {
     })
 }
 
-fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
+fn expand(item: ItemTrait, krate: &TokenStream2) -> syn::Result<TokenStream2> {
     if !item.generics.params.is_empty() {
         return Err(syn::Error::new(
             item.generics.span(),
@@ -191,7 +226,6 @@ fn expand(item: ItemTrait) -> syn::Result<TokenStream2> {
             }
         }
     }
-    let krate = quote!(::coherent_rpc);
     let vis = &item.vis;
     let trait_name = &item.ident;
     let trait_attrs = &item.attrs;

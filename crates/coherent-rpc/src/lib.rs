@@ -66,6 +66,11 @@ pub use service::{
 };
 pub use stream::{ClientStream, Upload};
 
+/// The axum the WebSocket transport is served from: the version of the `Router` and the
+/// upgrade it takes.
+#[cfg(feature = "websocket")]
+pub use axum;
+
 /// Plumbing for the code `#[service]` generates; not a public API.
 #[doc(hidden)]
 pub mod __private {

@@ -140,7 +140,13 @@ pub use coherent_core::plumbing;
 /// trait marked [`rpc::service`] (no caching: every call is a round trip). See the
 /// `coherent-rpc` crate's README.
 #[cfg(feature = "rpc")]
-pub use coherent_rpc as rpc;
+pub mod rpc {
+    pub use coherent_rpc::*;
+    /// Marks a trait as an RPC service: see the `coherent-rpc` crate's `service`. Here the
+    /// generated code reaches the protocol through `::coherent::rpc`, so that a crate that
+    /// depends on this facade alone can use it.
+    pub use coherent_rpc_macros::facade_service as service;
+}
 
 /// Compute services over RPC: [`RemoteServer`](remote::RemoteServer) and
 /// [`RemoteClient`](remote::RemoteClient), client replicas, the HTTP gateway. See the
@@ -153,6 +159,24 @@ pub use coherent_remote as remote;
 /// PostgreSQL `LISTEN`/`NOTIFY` or NATS. See the `coherent-ops` crate's README.
 #[cfg(feature = "ops")]
 pub use coherent_ops as ops;
+
+/// The rusqlite that `ops` links (SQLite allows one per program): the version of the
+/// connection a command's handler gets on SQLite (`Tx::require_sqlite`). Depend on it
+/// through here rather than guess the version to pin.
+#[cfg(feature = "ops")]
+pub use coherent_ops::rusqlite;
+
+/// The tokio-postgres that `ops` uses: the version of the client a command's handler gets
+/// on PostgreSQL, and of its errors.
+#[cfg(feature = "ops")]
+pub use coherent_ops::tokio_postgres as postgres;
+
+/// The axum that the HTTP gateway (`http`) and the WebSocket transport (`websocket`) are
+/// built on: the version of the `Router` they return and take.
+#[cfg(feature = "http")]
+pub use coherent_remote::axum;
+#[cfg(all(feature = "websocket", not(feature = "http")))]
+pub use coherent_rpc::axum;
 
 #[cfg(feature = "metrics")]
 pub mod metrics;

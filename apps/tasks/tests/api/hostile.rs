@@ -2,8 +2,8 @@
 //! not JSON (cross-site request forgery), commands over RPC that skip the HTTP layer's
 //! checks, pages of any size through RPC and the gateway.
 
+use coherent::ops::{CommandClient, ErrorKind};
 use coherent::remote::RemoteClient;
-use coherent_ops::{CommandClient, ErrorKind};
 use coherent_tasks::live::{
     CreateProject, CreateTask, TasksService, TasksServiceClient, UpdateTask,
 };
@@ -70,7 +70,7 @@ async fn commands_sent_over_rpc_are_validated_and_stamped_by_the_host() {
         .await
         .unwrap();
     let commands = CommandClient::new(client.caller());
-    let rejected_field = |e: coherent_ops::CommandError| {
+    let rejected_field = |e: coherent::ops::CommandError| {
         assert_eq!(e.kind(), ErrorKind::Rejected, "{e}");
         serde_json::from_str::<Invalid>(e.message()).unwrap().field
     };
@@ -396,7 +396,7 @@ async fn writes_need_a_login_and_reads_one_when_anonymous_reads_are_off() {
 }
 
 /// Over `/rpc`, a browser's login cookie makes its connection its user's (its
-/// `coherent_rpc::Identity`): it may run commands; without one (or with a forged one) the
+/// `coherent::rpc::Identity`): it may run commands; without one (or with a forged one) the
 /// connection is anonymous and may only read.
 #[tokio::test]
 async fn a_websocket_with_a_login_cookie_runs_commands_as_its_user() {

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use coherent::remote::RemoteClient;
+use coherent::rpc::{Config, Format};
 use coherent::Registry;
-use coherent_rpc::{Config, Format};
 use coherent_tasks::live::{TasksService, TasksServiceClient};
 use hyper::{Method, StatusCode};
 use serde_json::json;

@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use coherent::Registry;
-use coherent_ops::{
+use coherent::ops::{
     Command, CommandError, Commands, CommandsServer, Database, ErrorKind, Handler, Host, Notifier,
     Tx, Via,
 };
-use coherent_rpc::Endpoint;
+use coherent::rpc::Endpoint;
+use coherent::Registry;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;

@@ -6,7 +6,7 @@
 //! Rows (names are stable):
 //!
 //! - `cluster.cached.readers`: reads through the compute method `UserService::get` on hosts
-//!   that are `coherent_ops::Host`s (the command's UPDATE and its operation in one
+//!   that are `coherent::ops::Host`s (the command's UPDATE and its operation in one
 //!   transaction, the invalidation here, `LISTEN`/`NOTIFY` to the others); calls/s summed
 //!   over the three hosts;
 //! - `cluster.direct.readers`: a query per read through a pool (8 connections per host);
@@ -59,8 +59,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use coherent_ops::{CommandClient, Database, Host, Notifier};
-use coherent_rpc::{service, Endpoint, Peer};
+use coherent::ops::{CommandClient, Database, Host, Notifier};
+use coherent::rpc::{service, Endpoint, Peer};
 use serde::{Deserialize, Serialize};
 
 use crate::local::store::{create_users, now_micros, to_i64, Store, PG_UPDATE};

@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use coherent_rpc::frame::{Compression, Header, Kind, MAX_HEADER_LEN};
-use coherent_rpc::handshake::Hello;
-use coherent_rpc::{CompressionSet, Format};
+use coherent::rpc::frame::{Compression, Header, Kind, MAX_HEADER_LEN};
+use coherent::rpc::handshake::Hello;
+use coherent::rpc::{CompressionSet, Format};
 use coherent_tasks::api::ApiError;
 use coherent_tasks::model::ListQuery;
 use parking_lot::Mutex;

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use coherent::remote::RemoteClient;
+use coherent::rpc::{method_id, Blob, Endpoint, Peer};
 use coherent::ComputedState;
-use coherent_remote::RemoteClient;
-use coherent_rpc::{method_id, Blob, Endpoint, Peer};
 use coherent_tasks::live::{TasksService as _, TasksServiceClient};
 use coherent_tasks::model::{ListQuery, Status};
 use http_body_util::{BodyExt as _, Full};
@@ -21,7 +21,7 @@ use tokio::net::TcpStream;
 /// do): the same trait and method names give the same method ids, so a client built from
 /// them speaks to a real server, and can misbehave where `RemoteClient` never would.
 pub(crate) mod protocol {
-    use coherent_rpc::{service, Blob};
+    use coherent::rpc::{service, Blob};
     use serde::{Deserialize, Serialize};
 
     #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use bytes::Bytes;
-use coherent_rpc::{
+use coherent::rpc::{
     service, Blob, ClientStream, Compression, Config, Endpoint, Peer as RpcPeer, ServerStream,
 };
 use futures::StreamExt;

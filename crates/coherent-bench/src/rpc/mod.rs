@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use coherent_rpc::Compression;
+use ::coherent::rpc::Compression;
 use indicatif::ProgressBar;
 
 use crate::report::{percentile, progress, Report, Row};

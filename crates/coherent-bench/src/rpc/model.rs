@@ -78,7 +78,7 @@ pub(crate) fn hello() -> Hello {
 pub(crate) struct Item {
     pub(crate) index: i64,
     /// Decoded as a slice of the received batch, as tonic's `bytes` fields are.
-    pub(crate) data: coherent_rpc::Blob,
+    pub(crate) data: ::coherent::rpc::Blob,
 }
 
 /// The 10 MB payload kinds of the payload cases.

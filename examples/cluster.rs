@@ -2,11 +2,12 @@
 //! host B, which runs in a child process (this example started again). No setup:
 //!
 //! ```sh
-//! cargo run -p coherent-ops --example cluster
+//! cargo run -p coherent-examples --example cluster
 //! ```
 //!
 //! On PostgreSQL the same code runs with `Database::postgres(url)` (and `LISTEN`/`NOTIFY`
-//! instead of polling); see crates/coherent-ops/README.md.
+//! instead of polling); see crates/coherent-ops/README.md. The facade is the only dependency: feature `ops`
+//! brings `coherent::ops`, and `coherent::rusqlite` is the rusqlite it links.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -14,10 +15,10 @@ use std::process::{Command as Process, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use coherent::ops::{Command, CommandError, Database, Handler, Host, Tx};
 use coherent::prelude::*;
-use coherent_ops::{Command, CommandError, Database, Handler, Host, Tx};
+use coherent::rusqlite::{params, Connection};
 use parking_lot::Mutex;
-use rusqlite::{params, Connection};
 use serde::{Deserialize, Serialize};
 
 /// The service every host runs: a user's name, cached.
