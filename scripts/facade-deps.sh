@@ -24,5 +24,5 @@ TOML
 echo 'fn main() {}' > "$dir/src/main.rs"
 # The versions CI tests: the workspace's lock seeds this crate's.
 cp "$root/Cargo.lock" "$dir/Cargo.lock"
-cargo deny "$@" --manifest-path "$dir/Cargo.toml" --exclude-dev \
-  check --config "$root/deny.toml" bans -D duplicate
+cargo deny "$@" --manifest-path "$dir/Cargo.toml" --config "$root/deny.toml" --exclude-dev \
+  check bans -D duplicate

@@ -103,14 +103,10 @@ impl LiveBackend {
         // A command's answer waits until the tiers holding replicas it invalidated have
         // applied that: a read that starts after a write returned sees it, on any tier of
         // this backend.
-        let delivered = remote.clone();
         let mut builder = coherent::ops::Host::builder(db.operations().await?)
             .id("tasks-backend")
             .registry(&registry)
-            .after_invalidate(move || {
-                let remote = delivered.clone();
-                async move { remote.invalidations_delivered().await }
-            });
+            .serve_replicas(&remote);
         if let Some(n) = notifier {
             builder = builder.notifier(n);
         }

@@ -7,6 +7,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use coherent_core::{lease_clock, Registry};
+use coherent_remote::RemoteServer;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -355,16 +356,50 @@ impl HostBuilder {
         self
     }
 
+    /// Serves replicas of this host's compute services through `remote`: a command returns
+    /// (and this host acknowledges another host's operation) only once every client of
+    /// `remote` holding a replica that the invalidation reached has applied it, so that a
+    /// read that starts on any such client after a command returned sees its write.
+    /// Without it, a client's replica is invalidated a moment after the command returns,
+    /// and a read in that moment answers the old value from the client's cache. Call it
+    /// for each `RemoteServer` that exposes this host's services (untrusted connections
+    /// that fall behind are not waited for: see `RemoteServer::invalidations_delivered`).
+    ///
+    /// ```no_run
+    /// # async fn wire(db: coherent_ops::Database) -> Result<(), coherent_ops::CommandError> {
+    /// use coherent_ops::Host;
+    /// use coherent_remote::RemoteServer;
+    /// let remote = RemoteServer::new(); // .expose_service(...) for each service
+    /// let host = Host::builder(db).serve_replicas(&remote).start().await?;
+    /// # let _ = host; Ok(()) }
+    /// ```
+    pub fn serve_replicas(self, remote: &RemoteServer) -> Self {
+        let remote = remote.clone();
+        self.after_invalidate(move || {
+            let remote = remote.clone();
+            async move { remote.invalidations_delivered().await }
+        })
+    }
+
     /// Something [`Host::run`] awaits after a command's invalidation ran here and before it
-    /// returns: typically `RemoteServer::invalidations_delivered`, so that a command's answer
-    /// comes after every client of this host holding a replica it invalidated has applied
-    /// that (a read that starts on any of them after the answer sees the write).
+    /// returns, and this host awaits before it acknowledges another host's operation: a
+    /// wait of your own for whatever holds copies of this host's results. Each call adds
+    /// one; all are awaited, at once. For replicas served by a `RemoteServer`, use
+    /// [`serve_replicas`](Self::serve_replicas).
     pub fn after_invalidate<F, Fut>(mut self, wait: F) -> Self
     where
         F: Fn() -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
-        self.after_invalidate = Some(Arc::new(move || Box::pin(wait())));
+        self.after_invalidate = Some(match self.after_invalidate.take() {
+            None => Arc::new(move || Box::pin(wait())),
+            Some(before) => Arc::new(move || {
+                let (before, now) = (before(), wait());
+                Box::pin(async move {
+                    futures::join!(before, now);
+                })
+            }),
+        });
         self
     }
 

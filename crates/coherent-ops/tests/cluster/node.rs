@@ -89,8 +89,13 @@ pub(crate) async fn host_main() -> i32 {
         reader: Reader::for_db(&db),
     };
     let hang = Arc::new(AtomicBool::new(false));
+    // A command returns once this host's replica clients applied its invalidation (and
+    // this host acknowledges another host's operation only then): the services are exposed
+    // on this server below, its clones sharing the connections.
+    let remote = RemoteServer::new();
     let mut builder = Host::builder(db.clone())
         .registry(&registry)
+        .serve_replicas(&remote)
         .command::<SetValue>(Hooked {
             items: items.clone(),
             hang: hang.clone(),
@@ -179,7 +184,7 @@ pub(crate) async fn host_main() -> i32 {
         });
     }
 
-    let remote = RemoteServer::new()
+    let remote = remote
         .expose(
             "Items.value",
             items.clone(),

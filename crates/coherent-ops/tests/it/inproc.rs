@@ -212,6 +212,108 @@ async fn a_remote_client_runs_commands_and_its_replica_hears_of_them() {
     a.stop().await;
 }
 
+/// A client's cache of `Items.value`: answered from its replica, invalidated by the
+/// server's push.
+#[derive(Clone, coherent::ComputeService)]
+struct Mirror {
+    handle: coherent::ServiceHandle,
+    client: coherent::remote::RemoteClient,
+}
+
+#[coherent::compute_service]
+impl Mirror {
+    #[compute]
+    async fn value(&self, id: i64) -> Result<i64, String> {
+        let answer: Result<i64, String> = self
+            .client
+            .replica("Items.value", (id,))
+            .await
+            .map_err(|e| e.to_string())?;
+        answer
+    }
+}
+
+/// `HostBuilder::serve_replicas`: a read on one client that starts after a command sent by
+/// another client returned sees the command's write, every time. The reading client runs
+/// on a runtime of its own, stalled while the command runs (a busy client: its connection
+/// is not read meanwhile); the read it makes next comes before it reads the push off its
+/// socket. Without the wait for delivery (the host built without `serve_replicas`), 23 of
+/// the 40 reads answered an old value from the client's cache, some of them still after the
+/// next stall; with it, none in 5 runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_on_another_client_after_a_command_returned_sees_its_write() {
+    use coherent::prelude::*;
+    use coherent_ops::{CommandClient, CommandsServer};
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    // The host's wait is for the connections of this server: its clones share them, so the
+    // services may be exposed after the host is built.
+    let remote = RemoteServer::new();
+    let (a, items) = host(&db, |b| b.serve_replicas(&remote)).await;
+    let remote = remote.expose(
+        "Items.value",
+        items.clone(),
+        |s, (id,): (i64,)| async move { s.value_computed(id).await },
+    );
+    let endpoint = Endpoint::builder()
+        .service(remote.service())
+        .service(CommandsServer::new(a.clone()))
+        .build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    let writer = RemoteClient::connect_tcp(addr).await.unwrap();
+    let commands = CommandClient::new(writer.caller());
+
+    // The reader: a client on a one-thread runtime of its own.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let on_reader = runtime.handle().clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let driver = std::thread::spawn(move || runtime.block_on(stopped));
+    let reader = on_reader
+        .spawn(async move {
+            Mirror {
+                handle: ServiceHandle::with_registry(&Registry::new()),
+                client: RemoteClient::connect_tcp(addr).await.unwrap(),
+            }
+        })
+        .await
+        .unwrap();
+    let read = |reader: Mirror| on_reader.spawn(async move { reader.value(7).await });
+
+    let mut stale = Vec::new();
+    for value in 1..=20i64 {
+        let before = read(reader.clone()).await.unwrap();
+        if before != Ok(value - 1) {
+            stale.push((value - 1, before));
+        }
+        // The reader's thread busy for a while, from before the command is sent.
+        let (busy, is_busy) = tokio::sync::oneshot::channel();
+        let stall = on_reader.spawn(async move {
+            let _ = busy.send(());
+            std::thread::sleep(Duration::from_millis(30));
+        });
+        is_busy.await.unwrap();
+        commands.run(&SetValue { id: 7, value }).await.unwrap();
+        let after = read(reader.clone()).await.unwrap();
+        stall.await.unwrap();
+        if after != Ok(value) {
+            stale.push((value, after));
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "stale reads after a command returned: {stale:?}"
+    );
+    let _ = stop.send(());
+    driver.join().unwrap().unwrap();
+    a.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_terminated_listener_flushes_the_cache_and_catches_up_from_the_log() {
     let Some(db) = postgres_db("listener").await else {
