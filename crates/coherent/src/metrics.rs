@@ -41,6 +41,49 @@
 //! | `coherent_remote_sse_feeds_refused_total` | counter | `server` | event feeds refused because the server's limit of open feeds was reached |
 //! | `coherent_remote_client_replicas` | gauge | `client` | replicas this client holds |
 //! | `coherent_remote_client_connections_total` | counter | `client` | connections made (1 plus the reconnections) |
+//! | `coherent_ops_commands_total` | counter | `host` | commands run on this host that committed |
+//! | `coherent_ops_command_errors_total` | counter | `host` | commands run on this host that failed (rolled back, or their outcome unknown) |
+//! | `coherent_ops_operations_applied_notified_total` | counter | `host` | operations of other hosts applied from a notification |
+//! | `coherent_ops_operations_applied_from_log_total` | counter | `host` | operations of other hosts applied from a read of the log |
+//! | `coherent_ops_operations_duplicate_total` | counter | `host` | operations that arrived again and were skipped |
+//! | `coherent_ops_operations_unknown_total` | counter | `host` | operations whose command no handler on this host knows |
+//! | `coherent_ops_operations_undecodable_total` | counter | `host` | operations whose logged command or output did not decode |
+//! | `coherent_ops_replay_panics_total` | counter | `host` | replays of another host's invalidation that panicked (each flushed the cache) |
+//! | `coherent_ops_notifications_implausible_total` | counter | `host` | notifications that did not decode or claimed an implausible position (each only woke the log reader) |
+//! | `coherent_ops_log_reads_total` | counter | `host` | reads of the log |
+//! | `coherent_ops_log_read_errors_total` | counter | `host` | reads of the log that failed |
+//! | `coherent_ops_flushes_total` | counter | `host` | times the host invalidated its whole cache (it may have missed operations or changes) |
+//! | `coherent_ops_trimmed_total` | counter | `host` | operations this host deleted from the log |
+//! | `coherent_ops_batches_total` | counter | `host` | transactions that committed this host's commands |
+//! | `coherent_ops_batches_split_total` | counter | `host` | batches that failed and whose commands ran again one at a time |
+//! | `coherent_ops_fused_total` | counter | `host` | commands sent as one statement with their operation's row |
+//! | `coherent_ops_acks_received_total` | counter | `host` | acknowledgements of this host's operations from other hosts |
+//! | `coherent_ops_ack_timeouts_total` | counter | `host` | commands that answered without every live host's acknowledgement (the wait ran out) |
+//! | `coherent_ops_peers_left_total` | counter | `host` | hosts that said they stopped and were no longer waited for |
+//! | `coherent_ops_fences_total` | counter | `host` | times the host fenced its registries (at start, and when its notifier dropped) |
+//! | `coherent_ops_rejoins_incomplete_total` | counter | `host` | rejoins that lifted the fence without every live host's welcome |
+//! | `coherent_ops_leases_lost_total` | counter | `host` | times the host's lease ran out (it was paused, or its pings stalled) |
+//! | `coherent_ops_commits_retried_total` | counter | `host` | transactions that lost their connection before anything ran and ran again |
+//! | `coherent_ops_lease_waits_total` | counter | `host` | commands that waited out a lease for a host they did not wait for |
+//! | `coherent_ops_notices_dropped_total` | counter | `host` | notices not sent with their operation (the notifying queue full, or too large) |
+//! | `coherent_ops_acks_dropped_total` | counter | `host` | acknowledgements not sent (the notifying queue full) |
+//! | `coherent_ops_peers` | gauge | `host` | other live hosts that commands wait for now |
+//! | `coherent_ops_acks_waiting` | gauge | `host` | this host's commands waiting for acknowledgements now |
+//! | `coherent_ops_horizon` | gauge | `host` | the log position before which everything is applied on this host |
+//! | `coherent_ops_notify_queued` | gauge | `host` | notices and acknowledgements waiting for the notifying task now |
+//! | `coherent_ops_fenced` | gauge | `host` | 1 while the host answers nothing from its cache (fenced: rejoining, or past its lease), else 0 |
+//! | `coherent_ops_notifier_connected` | gauge | `host` | 1 while the host's notifier is connected, else 0 |
+//! | `coherent_ops_feed_leading` | gauge | `host` | 1 while this host runs the change feed (reads the slot), else 0 |
+//! | `coherent_ops_feed_streaming` | gauge | `host` | 1 while the slot is streamed over a replication connection, else 0 |
+//! | `coherent_ops_feed_reads_total` | counter | `host` | reads of the change feed's slot (streamed: starts and batches) |
+//! | `coherent_ops_feed_transactions_total` | counter | `host` | database transactions whose changes the feed logged |
+//! | `coherent_ops_feed_transactions_skipped_total` | counter | `host` | transactions skipped because they also wrote a command's operation |
+//! | `coherent_ops_feed_rows_total` | counter | `host` | rows logged as changed |
+//! | `coherent_ops_feed_tables_total` | counter | `host` | tables logged as changed as a whole (TRUNCATE, or past the row cap) |
+//! | `coherent_ops_feed_operations_total` | counter | `host` | coherent.db_changes operations the feed logged |
+//! | `coherent_ops_feed_slots_created_total` | counter | `host` | times the slot was created or triggers were missing (each flushed every host) |
+//! | `coherent_ops_feed_errors_total` | counter | `host` | reads or logs of the feed that failed (read again) |
+//! | `coherent_ops_feed_undecodable_total` | counter | `host` | messages of the stream that did not decode |
 //!
 //! ```
 //! use coherent::metrics::Observer;
@@ -58,8 +101,8 @@ use coherent_core::Registry;
 
 type Source = Arc<dyn Fn() + Send + Sync>;
 
-/// Reads the counters of the registries, endpoints and remote servers and clients it was
-/// given, and reports them through the [`metrics`] facade (see the [module](self) docs).
+/// Reads the counters of the registries, endpoints, remote servers and clients, and ops
+/// hosts it was given, and reports them through the [`metrics`] facade (see the [module](self) docs).
 ///
 /// It holds a clone of each: a `RemoteClient` given to it stays open (and a server's
 /// exposed services stay alive) as long as the observer does.
@@ -166,6 +209,84 @@ impl Observer {
                 .set(client.replica_count() as f64);
             metrics::counter!("coherent_remote_client_connections_total", &label)
                 .absolute(client.connections());
+        }))
+    }
+
+    /// Reports `host`'s counters (commands, operations applied, log reads, flushes,
+    /// acknowledgements, fences, leases...), its gauges (peers waited for, commands waiting
+    /// for acknowledgements, the horizon, whether it is fenced and its notifier connected)
+    /// and, when it runs a change feed, the feed's, labelled `host = name`. Its registries
+    /// are reported with [`registry`](Self::registry).
+    #[cfg(feature = "ops")]
+    pub fn host(self, name: &str, host: &coherent_ops::Host) -> Self {
+        let (host, name) = (host.clone(), name.to_owned());
+        self.with(Arc::new(move || {
+            let s = host.stats();
+            let label = [("host", name.clone())];
+            metrics::counter!("coherent_ops_commands_total", &label).absolute(s.commands);
+            metrics::counter!("coherent_ops_command_errors_total", &label)
+                .absolute(s.command_errors);
+            metrics::counter!("coherent_ops_operations_applied_notified_total", &label)
+                .absolute(s.applied_notified);
+            metrics::counter!("coherent_ops_operations_applied_from_log_total", &label)
+                .absolute(s.applied_from_log);
+            metrics::counter!("coherent_ops_operations_duplicate_total", &label)
+                .absolute(s.duplicates);
+            metrics::counter!("coherent_ops_operations_unknown_total", &label).absolute(s.unknown);
+            metrics::counter!("coherent_ops_operations_undecodable_total", &label)
+                .absolute(s.undecodable);
+            metrics::counter!("coherent_ops_replay_panics_total", &label).absolute(s.replay_panics);
+            metrics::counter!("coherent_ops_notifications_implausible_total", &label)
+                .absolute(s.implausible);
+            metrics::counter!("coherent_ops_log_reads_total", &label).absolute(s.rounds);
+            metrics::counter!("coherent_ops_log_read_errors_total", &label)
+                .absolute(s.round_errors);
+            metrics::counter!("coherent_ops_flushes_total", &label).absolute(s.flushes);
+            metrics::counter!("coherent_ops_trimmed_total", &label).absolute(s.trimmed);
+            metrics::counter!("coherent_ops_batches_total", &label).absolute(s.batches);
+            metrics::counter!("coherent_ops_batches_split_total", &label).absolute(s.batches_split);
+            metrics::counter!("coherent_ops_fused_total", &label).absolute(s.fused);
+            metrics::counter!("coherent_ops_acks_received_total", &label).absolute(s.acks_received);
+            metrics::counter!("coherent_ops_ack_timeouts_total", &label).absolute(s.ack_timeouts);
+            metrics::counter!("coherent_ops_peers_left_total", &label).absolute(s.peers_left);
+            metrics::counter!("coherent_ops_fences_total", &label).absolute(s.fences);
+            metrics::counter!("coherent_ops_rejoins_incomplete_total", &label)
+                .absolute(s.rejoins_incomplete);
+            metrics::counter!("coherent_ops_leases_lost_total", &label).absolute(s.leases_lost);
+            metrics::counter!("coherent_ops_commits_retried_total", &label)
+                .absolute(s.commits_retried);
+            metrics::counter!("coherent_ops_lease_waits_total", &label).absolute(s.lease_waits);
+            metrics::counter!("coherent_ops_notices_dropped_total", &label)
+                .absolute(s.notices_dropped);
+            metrics::counter!("coherent_ops_acks_dropped_total", &label).absolute(s.acks_dropped);
+            metrics::gauge!("coherent_ops_peers", &label).set(s.peers as f64);
+            metrics::gauge!("coherent_ops_acks_waiting", &label).set(s.acks_waiting as f64);
+            metrics::gauge!("coherent_ops_horizon", &label).set(s.horizon as f64);
+            metrics::gauge!("coherent_ops_notify_queued", &label).set(s.notify_queued as f64);
+            metrics::gauge!("coherent_ops_fenced", &label)
+                .set(f64::from(u8::from(host.is_fenced())));
+            metrics::gauge!("coherent_ops_notifier_connected", &label)
+                .set(f64::from(u8::from(host.notifier_connected())));
+            if let Some(f) = host.feed_stats() {
+                metrics::gauge!("coherent_ops_feed_leading", &label)
+                    .set(f64::from(u8::from(f.leading)));
+                metrics::gauge!("coherent_ops_feed_streaming", &label)
+                    .set(f64::from(u8::from(f.streaming)));
+                metrics::counter!("coherent_ops_feed_reads_total", &label).absolute(f.reads);
+                metrics::counter!("coherent_ops_feed_transactions_total", &label)
+                    .absolute(f.transactions);
+                metrics::counter!("coherent_ops_feed_transactions_skipped_total", &label)
+                    .absolute(f.skipped_commands);
+                metrics::counter!("coherent_ops_feed_rows_total", &label).absolute(f.rows);
+                metrics::counter!("coherent_ops_feed_tables_total", &label).absolute(f.tables);
+                metrics::counter!("coherent_ops_feed_operations_total", &label)
+                    .absolute(f.operations);
+                metrics::counter!("coherent_ops_feed_slots_created_total", &label)
+                    .absolute(f.slots_created);
+                metrics::counter!("coherent_ops_feed_errors_total", &label).absolute(f.errors);
+                metrics::counter!("coherent_ops_feed_undecodable_total", &label)
+                    .absolute(f.undecodable);
+            }
         }))
     }
 

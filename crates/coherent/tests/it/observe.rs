@@ -155,3 +155,69 @@ async fn an_observer_reports_cache_rpc_and_replica_counters() {
         1.0
     );
 }
+
+/// A command that writes nothing and invalidates nothing: enough to count one.
+#[cfg(feature = "ops")]
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Nothing;
+
+#[cfg(feature = "ops")]
+impl coherent::ops::Command for Nothing {
+    const NAME: &'static str = "observe.nothing";
+    type Output = ();
+}
+
+#[cfg(feature = "ops")]
+#[derive(Clone)]
+struct NothingHandler;
+
+#[cfg(feature = "ops")]
+impl coherent::ops::Handler<Nothing> for NothingHandler {
+    async fn execute(
+        &self,
+        _: &Nothing,
+        _: &mut coherent::ops::Tx<'_>,
+    ) -> Result<(), coherent::ops::CommandError> {
+        Ok(())
+    }
+
+    fn invalidate(&self, _: &Nothing, _: &()) {}
+}
+
+#[cfg(feature = "ops")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_reports_an_ops_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = coherent::ops::Database::sqlite(dir.path().join("ops.db")).unwrap();
+    let host = coherent::ops::Host::builder(db)
+        .registry(&Registry::new())
+        .command::<Nothing>(NothingHandler)
+        .start()
+        .await
+        .unwrap();
+    host.run(Nothing).await.unwrap();
+    host.run(Nothing).await.unwrap();
+
+    let observer = Observer::new().host("a", &host);
+    let recorder = DebuggingRecorder::new();
+    metrics::with_local_recorder(&recorder, || observer.record());
+    let recorded = recorder.snapshotter().snapshot().into_vec();
+    assert_eq!(
+        value(&recorded, "coherent_ops_commands_total", ("host", "a")),
+        2.0
+    );
+    assert_eq!(
+        value(
+            &recorded,
+            "coherent_ops_command_errors_total",
+            ("host", "a")
+        ),
+        0.0
+    );
+    assert_eq!(
+        value(&recorded, "coherent_ops_fenced", ("host", "a")),
+        if host.is_fenced() { 1.0 } else { 0.0 }
+    );
+    assert!(value(&recorded, "coherent_ops_horizon", ("host", "a")) >= 0.0);
+    host.stop().await;
+}
