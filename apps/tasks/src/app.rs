@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use coherent::ops::{CommandsServer, Notifier};
+use coherent::ops::{CommandServer, Notifier};
 use coherent::prelude::*;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -113,7 +113,7 @@ impl LiveBackend {
         let host = live::commands(builder, &backend).start().await?;
         let mut endpoint = Endpoint::builder()
             .service(remote.service())
-            .service(CommandsServer::new(host.clone()));
+            .service(CommandServer::new(host.clone()));
         if let Some(auth) = auth {
             endpoint = endpoint.authenticate_with(move |creds| {
                 // A cookie that does not verify (signed under a secret since changed) is

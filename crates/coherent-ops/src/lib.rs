@@ -31,7 +31,7 @@
 //! ordering argument in `db.rs` and ARCHITECTURE.md). Old operations are trimmed once every
 //! live host has passed them.
 //!
-//! Remote clients send commands over Coherent RPC ([`CommandsServer`], [`CommandClient`]);
+//! Remote clients send commands over Coherent RPC ([`CommandServer`], [`CommandClient`]);
 //! the answer returns after the invalidation ran on the host that ran the command, and
 //! the other live hosts acknowledged it.
 //!
@@ -53,7 +53,9 @@ pub use db::{Database, DeferredParam, Tx};
 pub use error::{connection_lost, CommandError, ErrorKind};
 pub use host::{Applied, Host, HostBuilder, HostStats, Via};
 pub use notify::Notifier;
-pub use rpc::{authenticated_or_trusted, CommandClient, Commands, CommandsServer, Guarded};
+pub use rpc::{
+    authenticated_or_trusted, CommandClient, CommandServer, Commands, CommandsServer, Guarded,
+};
 
 /// The rusqlite this crate links (SQLite allows one per program): the version of the
 /// `rusqlite::Connection` that [`Tx::require_sqlite`] hands out.

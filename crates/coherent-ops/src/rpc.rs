@@ -7,7 +7,7 @@ use crate::error::CommandError;
 use crate::host::Host;
 
 /// The RPC service through which remote clients run commands on a host. Serve it with
-/// `CommandsServer::new(host)` on the host's `Endpoint`, beside its `RemoteServer`; call it
+/// `CommandServer::new(host)` on the host's `Endpoint`, beside its `RemoteServer`; call it
 /// with a [`CommandClient`].
 ///
 /// Who may run commands: served over a `Host` as it is, a command from a trusted connection
@@ -15,7 +15,7 @@ use crate::host::Host;
 /// untrusted connection (a browser over WebSocket) runs only if the endpoint's
 /// authentication hook gave that connection an identity; others get
 /// [`ErrorKind::Unauthorized`](crate::ErrorKind::Unauthorized). A policy of your own
-/// (per command, per identity): `CommandsServer::new(Guarded::new(host, policy))`.
+/// (per command, per identity): `CommandServer::new(Guarded::new(host, policy))`.
 #[service]
 pub trait Commands {
     /// Runs the command named `kind`, given as JSON, through the host's pipeline; answers
@@ -24,6 +24,11 @@ pub trait Commands {
     /// is then in the log).
     async fn run(&self, kind: String, command: String) -> Result<String, CommandError>;
 }
+
+/// The server side of [`CommandClient`]: `CommandServer::new(host)` (or a [`Guarded`] host)
+/// serves a host's commands on an `Endpoint`. The name that pairs with the client; the
+/// generated `CommandsServer` is the same type.
+pub type CommandServer<T> = CommandsServer<T>;
 
 impl Commands for Host {
     async fn run(&self, kind: String, command: String) -> Result<String, CommandError> {
@@ -52,8 +57,8 @@ pub fn authenticated_or_trusted(ctx: &CallContext, kind: &str) -> Result<(), Com
 ///
 /// ```
 /// # fn wire(host: coherent_ops::Host) {
-/// use coherent_ops::{authenticated_or_trusted, CommandError, CommandsServer, Guarded};
-/// let commands = CommandsServer::new(Guarded::new(host, |ctx, kind| {
+/// use coherent_ops::{authenticated_or_trusted, CommandError, CommandServer, Guarded};
+/// let commands = CommandServer::new(Guarded::new(host, |ctx, kind| {
 ///     authenticated_or_trusted(ctx, kind)?;
 ///     let admin = ctx.identity().is_some_and(|i| i.name() == "admin");
 ///     let tier = ctx.peer().trust() == coherent_rpc::Trust::Trusted;

@@ -198,7 +198,9 @@ pub mod prelude {
     pub use coherent_remote::{RemoteClient, RemoteServer};
 
     #[cfg(feature = "ops")]
-    pub use coherent_ops::{Command, CommandError, Database, Handler, Host, Tx};
+    pub use coherent_ops::{
+        Command, CommandClient, CommandError, CommandServer, Database, Handler, Host, Tx,
+    };
 }
 
 /// What the macros' generated code names; not a public API.

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use coherent::ops::{
-    Command, CommandError, Commands, CommandsServer, Database, ErrorKind, Handler, Host, Notifier,
+    Command, CommandError, CommandServer, Commands, Database, ErrorKind, Handler, Host, Notifier,
     Tx, Via,
 };
 use coherent::rpc::Endpoint;
@@ -410,13 +410,13 @@ async fn serve(args: &HostArgs, readers: tokio::runtime::Handle) -> anyhow::Resu
                 }
             });
             (
-                builder.service(CommandsServer::new(host.clone())),
+                builder.service(CommandServer::new(host.clone())),
                 spawner(Arc::new(service), checks, readers),
                 Some(host),
             )
         }
         "direct" => (
-            builder.service(CommandsServer::new(Plain {
+            builder.service(CommandServer::new(Plain {
                 store: store.clone(),
                 ttl: None,
             })),
@@ -429,7 +429,7 @@ async fn serve(args: &HostArgs, readers: tokio::runtime::Handle) -> anyhow::Resu
                 .time_to_live(Duration::from_secs(1))
                 .build();
             (
-                builder.service(CommandsServer::new(Plain {
+                builder.service(CommandServer::new(Plain {
                     store: store.clone(),
                     ttl: Some(cache.clone()),
                 })),

@@ -1012,7 +1012,7 @@ enum TxInner<'a> {
 
 impl<'a> Tx<'a> {
     /// Who sent the command being run, when it came over RPC from a connection that the
-    /// endpoint's authentication hook gave an identity (see `CommandsServer`): a handler
+    /// endpoint's authentication hook gave an identity (see `CommandServer`): a handler
     /// can refuse by it or record it. `None` for a command run in this process, or from a
     /// connection without one (a trusted tier that did not authenticate).
     pub fn caller(&self) -> Option<&coherent_rpc::Identity> {

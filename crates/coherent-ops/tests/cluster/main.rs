@@ -11,7 +11,7 @@
 //! (see `harness::HostConfig::command`).
 //!
 //! A host process serves RPC on 127.0.0.1:0 (the compute methods `Items.value` and
-//! `Items.pair` through a `RemoteServer`, and commands through a `CommandsServer`), and is
+//! `Items.pair` through a `RemoteServer`, and commands through a `CommandServer`), and is
 //! driven by the parent over its stdin: one command a line (`read 3`, `set 3 7`,
 //! `wait_applied 5`, ...); each answer is one stdout line holding `@@ ` and the answer
 //! (libtest's own lines are skipped; its `test ... ` may start the first line). When its stdin closes (the parent died) the host exits, and

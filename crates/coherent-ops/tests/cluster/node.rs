@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use coherent::prelude::*;
 use coherent_ops::{
-    Applied, CommandError, CommandsServer, Database, Handler, Host, Notifier, Tx, Via,
+    Applied, CommandError, CommandServer, Database, Handler, Host, Notifier, Tx, Via,
 };
 use coherent_remote::RemoteServer;
 use coherent_rpc::Endpoint;
@@ -197,7 +197,7 @@ pub(crate) async fn host_main() -> i32 {
         );
     let endpoint = Endpoint::builder()
         .service(remote.service())
-        .service(CommandsServer::new(host.clone()))
+        .service(CommandServer::new(host.clone()))
         .build();
     let bind = env("CL_BIND").unwrap_or_else(|| "127.0.0.1:0".to_owned());
     let listener = tokio::net::TcpListener::bind(bind).await.unwrap();

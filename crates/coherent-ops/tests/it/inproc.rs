@@ -170,7 +170,7 @@ async fn postgres_a_failing_handler_rolls_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_client_runs_commands_and_its_replica_hears_of_them() {
     use coherent::prelude::*;
-    use coherent_ops::{CommandClient, CommandsServer};
+    use coherent_ops::{CommandClient, CommandServer};
 
     let dir = tempfile::tempdir().unwrap();
     let db = sqlite_db(&dir).await;
@@ -182,7 +182,7 @@ async fn a_remote_client_runs_commands_and_its_replica_hears_of_them() {
     );
     let endpoint = Endpoint::builder()
         .service(remote.service())
-        .service(CommandsServer::new(a.clone()))
+        .service(CommandServer::new(a.clone()))
         .build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -243,7 +243,7 @@ impl Mirror {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_on_another_client_after_a_command_returned_sees_its_write() {
     use coherent::prelude::*;
-    use coherent_ops::{CommandClient, CommandsServer};
+    use coherent_ops::{CommandClient, CommandServer};
 
     let dir = tempfile::tempdir().unwrap();
     let db = sqlite_db(&dir).await;
@@ -258,7 +258,7 @@ async fn a_read_on_another_client_after_a_command_returned_sees_its_write() {
     );
     let endpoint = Endpoint::builder()
         .service(remote.service())
-        .service(CommandsServer::new(a.clone()))
+        .service(CommandServer::new(a.clone()))
         .build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -476,7 +476,7 @@ async fn hostile_notifications_only_wake_the_log_reader() {
 async fn only_trusted_or_authenticated_clients_run_commands_unless_a_policy_says_otherwise() {
     use coherent::prelude::*;
     use coherent_ops::{
-        authenticated_or_trusted, CommandClient, CommandError, CommandsServer, Guarded,
+        authenticated_or_trusted, CommandClient, CommandError, CommandServer, Guarded,
     };
     use coherent_rpc::{Config, Identity, Trust};
 
@@ -502,7 +502,7 @@ async fn only_trusted_or_authenticated_clients_run_commands_unless_a_policy_says
     let open = serve(
         Endpoint::builder()
             .config(untrusted())
-            .service(CommandsServer::new(a.clone()))
+            .service(CommandServer::new(a.clone()))
             .build(),
     )
     .await;
@@ -521,7 +521,7 @@ async fn only_trusted_or_authenticated_clients_run_commands_unless_a_policy_says
                     _ => Err("unknown token".to_owned()),
                 }
             })
-            .service(CommandsServer::new(a.clone()))
+            .service(CommandServer::new(a.clone()))
             .build(),
     )
     .await;
@@ -539,7 +539,7 @@ async fn only_trusted_or_authenticated_clients_run_commands_unless_a_policy_says
     // Trusted (a tier over TCP, the default): runs.
     let tiers = serve(
         Endpoint::builder()
-            .service(CommandsServer::new(a.clone()))
+            .service(CommandServer::new(a.clone()))
             .build(),
     )
     .await;
@@ -559,7 +559,7 @@ async fn only_trusted_or_authenticated_clients_run_commands_unless_a_policy_says
             .authenticate(|token: String| async move {
                 Ok::<_, String>(Identity::new(token.trim_end_matches("-token").to_owned()))
             })
-            .service(CommandsServer::new(Guarded::new(a.clone(), |ctx, kind| {
+            .service(CommandServer::new(Guarded::new(a.clone(), |ctx, kind| {
                 authenticated_or_trusted(ctx, kind)?;
                 match ctx.identity().map(|i| i.name()) {
                     Some("alice") => Ok(()),
