@@ -1,5 +1,5 @@
 //! A host process of a checked run: the `Registers` service over PostgreSQL, a
-//! [`Host`](coherent::ops::Host) with the commands that write it, readers and writers that
+//! [`Host`] with the commands that write it, readers and writers that
 //! record their history, and a line protocol on stdin/stdout through which the parent
 //! starts and stops the workload and injects the faults that need the host's help.
 //!

@@ -123,7 +123,7 @@ pub struct HostStats {
     /// time its notifier dropped.
     pub fences: u64,
     /// Rejoins that lifted the fence without every live host's welcome, after trying for
-    /// [`REJOIN_GIVE_UP`] (hosts of a release without the handshake never answer).
+    /// ten seconds (hosts of a release without the handshake never answer).
     pub rejoins_incomplete: u64,
     /// Times this host's lease ran out ([`HostBuilder::lease`]): it was paused, or its
     /// pings stalled; each fenced it until it rejoined.

@@ -29,7 +29,7 @@
 //! them instead, and after the reconnect (or a server restart) revalidates every replica it
 //! holds by the hash of its value: unchanged ones stay, changed ones are invalidated.
 //!
-//! With the `persistent` feature, [`RemoteClientBuilder::persist_to`] keeps the last value
+//! With the `persistent` feature, `RemoteClientBuilder::persist_to` keeps the last value
 //! of every replica in a SQLite file: a restarted client answers from it at once and has the
 //! server confirm each value behind the answer, the same way.
 //!
