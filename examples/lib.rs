@@ -30,19 +30,14 @@ pub mod api {
 
     /// Why a read failed. Errors are cached (briefly) like values, so it is `Clone`; they
     /// travel to clients, so it is a serde type; and a client's stub reports a lost
-    /// connection through it, hence `From<RpcError>`.
-    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    /// connection through it, hence `From<RpcError>` (derived: the `#[rpc_error]` variant).
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, FromRpcError)]
     pub enum UsersError {
         /// The server's database failed.
         Database(String),
         /// The server could not be reached.
+        #[rpc_error]
         Unavailable(String),
-    }
-
-    impl From<RpcError> for UsersError {
-        fn from(e: RpcError) -> Self {
-            Self::Unavailable(e.to_string())
-        }
     }
 
     impl std::fmt::Display for UsersError {

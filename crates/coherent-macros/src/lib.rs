@@ -18,6 +18,7 @@
 mod compute_service;
 mod derive;
 mod duration;
+mod from_rpc_error;
 
 use proc_macro::TokenStream;
 
@@ -54,6 +55,27 @@ pub fn compute_service(attr: TokenStream, item: TokenStream) -> TokenStream {
 #[proc_macro_derive(ComputeService, attributes(compute_handle))]
 pub fn derive_compute_service(item: TokenStream) -> TokenStream {
     derive::expand(item.into())
+        .unwrap_or_else(syn::Error::into_compile_error)
+        .into()
+}
+
+/// Implements `From<coherent::rpc::RpcError>` for an error enum, so that it can be the error
+/// of a compute service's trait methods (a client's stub reports a lost connection or a
+/// refused call through it). Mark the variant the RPC failure becomes with `#[rpc_error]`:
+/// it holds the `RpcError` itself, its message (a `String`, or any type `From<String>`), or
+/// nothing.
+///
+/// ```ignore
+/// #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, coherent::FromRpcError)]
+/// pub enum UsersError {
+///     Database(String),
+///     #[rpc_error]
+///     Unavailable(String),
+/// }
+/// ```
+#[proc_macro_derive(FromRpcError, attributes(rpc_error))]
+pub fn derive_from_rpc_error(item: TokenStream) -> TokenStream {
+    from_rpc_error::expand(item.into())
         .unwrap_or_else(syn::Error::into_compile_error)
         .into()
 }

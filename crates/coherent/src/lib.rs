@@ -133,6 +133,24 @@ pub use coherent_core::{
 };
 pub use coherent_macros::{compute_service, ComputeService};
 
+/// Implements `From<coherent::rpc::RpcError>` for an error enum: the variant marked
+/// `#[rpc_error]` is what a lost connection or a refused call becomes (it holds the
+/// `RpcError`, its message, or nothing). The error of a compute service's trait methods
+/// needs it, for its client stub.
+///
+/// ```
+/// #[derive(Debug, Clone, PartialEq, coherent::FromRpcError)]
+/// pub enum UsersError {
+///     Database(String),
+///     #[rpc_error]
+///     Unavailable(String),
+/// }
+/// let e: UsersError = coherent::rpc::RpcError::new(coherent::rpc::ErrorCode::Disconnected, "gone").into();
+/// assert!(matches!(e, UsersError::Unavailable(m) if m.contains("gone")));
+/// ```
+#[cfg(feature = "rpc")]
+pub use coherent_macros::FromRpcError;
+
 #[doc(hidden)]
 pub use coherent_core::plumbing;
 
@@ -191,6 +209,8 @@ pub mod prelude {
     };
     pub use coherent_macros::{compute_service, ComputeService};
 
+    #[cfg(feature = "rpc")]
+    pub use coherent_macros::FromRpcError;
     #[cfg(feature = "rpc")]
     pub use coherent_rpc::{Endpoint, ErrorCode, RpcError};
 

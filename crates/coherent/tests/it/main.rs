@@ -4,6 +4,7 @@
 mod alloc;
 mod cascade;
 mod churn;
+mod errors;
 mod graph;
 mod handles;
 mod observe;
