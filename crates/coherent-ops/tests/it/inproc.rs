@@ -167,26 +167,37 @@ async fn postgres_a_failing_handler_rolls_back() {
     a_failing_handler_writes_nothing_and_logs_nothing(db).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_remote_client_runs_commands_and_its_replica_hears_of_them() {
-    use coherent::prelude::*;
-    use coherent_ops::{CommandClient, CommandServer};
-
-    let dir = tempfile::tempdir().unwrap();
-    let db = sqlite_db(&dir).await;
-    let (a, items) = host(&db, |b| b).await;
-    let remote = RemoteServer::new().expose(
+/// `Items.value` exposed on `remote`, and `host`'s commands, served on one endpoint on a
+/// loopback port: its address.
+async fn serve(
+    remote: coherent::remote::RemoteServer,
+    host: &coherent_ops::Host,
+    items: &crate::support::Items,
+) -> std::net::SocketAddr {
+    let remote = remote.expose(
         "Items.value",
         items.clone(),
         |s, (id,): (i64,)| async move { s.value_computed(id).await },
     );
-    let endpoint = Endpoint::builder()
+    let endpoint = coherent::rpc::Endpoint::builder()
         .service(remote.service())
-        .service(CommandServer::new(a.clone()))
+        .service(coherent_ops::CommandServer::new(host.clone()))
         .build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_client_runs_commands_and_its_replica_hears_of_them() {
+    use coherent::prelude::*;
+    use coherent_ops::CommandClient;
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_db(&dir).await;
+    let (a, items) = host(&db, |b| b).await;
+    let addr = serve(RemoteServer::new(), &a, &items).await;
 
     let client = RemoteClient::connect_tcp(addr).await.unwrap();
     let commands = CommandClient::new(client.caller());
@@ -243,7 +254,7 @@ impl Mirror {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_on_another_client_after_a_command_returned_sees_its_write() {
     use coherent::prelude::*;
-    use coherent_ops::{CommandClient, CommandServer};
+    use coherent_ops::CommandClient;
 
     let dir = tempfile::tempdir().unwrap();
     let db = sqlite_db(&dir).await;
@@ -251,18 +262,7 @@ async fn a_read_on_another_client_after_a_command_returned_sees_its_write() {
     // services may be exposed after the host is built.
     let remote = RemoteServer::new();
     let (a, items) = host(&db, |b| b.serve_replicas(&remote)).await;
-    let remote = remote.expose(
-        "Items.value",
-        items.clone(),
-        |s, (id,): (i64,)| async move { s.value_computed(id).await },
-    );
-    let endpoint = Endpoint::builder()
-        .service(remote.service())
-        .service(CommandServer::new(a.clone()))
-        .build();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    let addr = serve(remote, &a, &items).await;
     let writer = RemoteClient::connect_tcp(addr).await.unwrap();
     let commands = CommandClient::new(writer.caller());
 
