@@ -42,7 +42,9 @@ pub struct Table<K, T> {
 }
 
 /// A cached value found by [`Table::hit`]: deref it, clone what it holds, drop it at once
-/// (it may hold the table's read lock). Not `Send`: the lock is this thread's.
+/// (it may hold the table's read lock). Not `Send`: the lock is this thread's. Never hold it
+/// across an `.await` or `mem::forget` it: every write to the table (a miss, a prune) would
+/// wait for it, and a forgotten one for ever.
 pub struct Hit<'a, K, T> {
     /// Into the computed that `_hold` keeps alive: its value is set once and never changes.
     value: NonNull<T>,

@@ -364,6 +364,9 @@ impl HostBuilder {
     /// and a read in that moment answers the old value from the client's cache. Call it
     /// for each `RemoteServer` that exposes this host's services (untrusted connections
     /// that fall behind are not waited for: see `RemoteServer::invalidations_delivered`).
+    /// The host keeps a clone: it shares the server's connections (services may be exposed
+    /// on the server afterwards) but copies its settings, so set its `delivery_timeout`
+    /// (the longest the wait lasts) before.
     ///
     /// ```no_run
     /// # async fn wire(db: coherent_ops::Database) -> Result<(), coherent_ops::CommandError> {
