@@ -49,7 +49,7 @@ mod rpc;
 
 pub use changes::{watch_table, Change, ChangeFeed, ChangeKind, FeedStats, Row, TableWatch};
 pub use command::{Command, Handler};
-pub use db::{Database, DeferredParam, Tx};
+pub use db::{Database, DeferredParam, PostgresOptions, Tx};
 pub use error::{connection_lost, CommandError, ErrorKind};
 pub use host::{Applied, Host, HostBuilder, HostStats, Via};
 pub use notify::Notifier;

@@ -65,6 +65,41 @@ const SQLITE_NOW: &str = sqlite_now!();
 /// the log, and whatever the application reads through [`Database::postgres_pool`].
 const POOL_SIZE: usize = 16;
 
+/// How [`Database::postgres_with`] connects: the schema every connection works in (default
+/// `public`) and how many connections the pool of commands and reads holds (default 16;
+/// the log's listener, and a change feed, hold one more each). A host runs
+/// [`HostBuilder::transactions`](crate::HostBuilder::transactions) commands at once (8 by
+/// default): keep the pool larger, for the log's reads and the application's own.
+#[derive(Clone, Debug)]
+pub struct PostgresOptions {
+    schema: String,
+    pool_size: usize,
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        Self {
+            schema: "public".to_owned(),
+            pool_size: POOL_SIZE,
+        }
+    }
+}
+
+impl PostgresOptions {
+    /// The schema every connection works in, created if missing (letters, digits and
+    /// `_`): one database can hold several independent clusters.
+    pub fn schema(mut self, schema: &str) -> Self {
+        self.schema = schema.to_owned();
+        self
+    }
+
+    /// How many connections the pool holds at most (at least 1).
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+}
+
 /// Where commands write, and where the operation log lives: one SQLite file shared by the
 /// processes of one machine, or one PostgreSQL database (and schema) shared by every host.
 /// Cloning is cheap and shares the connections.
@@ -274,6 +309,24 @@ impl Database {
     /// PostgreSQL at `url`, every connection working in `schema` (created if missing): one
     /// database can hold several independent clusters, e.g. one per test.
     pub async fn postgres_in_schema(url: &str, schema: &str) -> Result<Self, CommandError> {
+        Self::postgres_with(url, PostgresOptions::default().schema(schema)).await
+    }
+
+    /// PostgreSQL at `url`, with `options` (the schema, the pool's size).
+    ///
+    /// ```no_run
+    /// # async fn open() -> Result<(), coherent_ops::CommandError> {
+    /// use coherent_ops::{Database, PostgresOptions};
+    /// let db = Database::postgres_with(
+    ///     "postgres://app@db.internal/app",
+    ///     PostgresOptions::default().schema("orders").pool_size(32),
+    /// )
+    /// .await?;
+    /// # let _ = db; Ok(()) }
+    /// ```
+    pub async fn postgres_with(url: &str, options: PostgresOptions) -> Result<Self, CommandError> {
+        let PostgresOptions { schema, pool_size } = options;
+        let schema = schema.as_str();
         if schema.is_empty()
             || !schema
                 .bytes()
@@ -316,7 +369,7 @@ impl Database {
             },
         );
         let pool = deadpool_postgres::Pool::builder(manager)
-            .max_size(POOL_SIZE)
+            .max_size(pool_size)
             .build()
             .map_err(|e| CommandError::new(ErrorKind::Database, e.to_string()))?;
         let dbname = config.get_dbname().unwrap_or("postgres");

@@ -22,6 +22,32 @@ pub(crate) async fn postgres_db(test: &str) -> Option<Database> {
     Some(db)
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_options_set_the_schema_and_the_pool_size() {
+    let Some(url) = database_url() else {
+        return;
+    };
+    let schema = fresh_schema("options");
+    let db = Database::postgres_with(
+        &url,
+        coherent_ops::PostgresOptions::default()
+            .schema(&schema)
+            .pool_size(3),
+    )
+    .await
+    .unwrap();
+    let pool = db.postgres_pool().unwrap();
+    assert_eq!(pool.status().max_size, 3);
+    let row = pool
+        .get()
+        .await
+        .unwrap()
+        .query_one("SELECT current_schema()", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), schema);
+}
+
 /// A write on A invalidates B's computed (and the diamond above it); B then reads the new
 /// value. Returns how B applied it.
 async fn write_on_a_reaches_b(db: Database, notifier: Option<Notifier>) -> Via {
