@@ -102,13 +102,6 @@ where
         }
     }
 
-    /// Answers from a consistent cached result, or `None` when the call must go the slow way.
-    /// Allocates nothing (outside a compute body, where it records a dependency).
-    #[inline(always)]
-    pub fn try_hit(&self, key: &K) -> Option<T> {
-        self.hit(key).map(|hit| T::clone(&hit))
-    }
-
     /// A consistent cached result, held for the caller to clone out of it and drop at once:
     /// `if let Some(hit) = table.hit(&key) { return T::clone(&hit); }`. Outside a compute
     /// body it holds the table's read lock (this thread's stripe: a plain store releases

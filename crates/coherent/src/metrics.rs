@@ -223,69 +223,84 @@ impl Observer {
         self.with(Arc::new(move || {
             let s = host.stats();
             let label = [("host", name.clone())];
-            metrics::counter!("coherent_ops_commands_total", &label).absolute(s.commands);
-            metrics::counter!("coherent_ops_command_errors_total", &label)
-                .absolute(s.command_errors);
-            metrics::counter!("coherent_ops_operations_applied_notified_total", &label)
-                .absolute(s.applied_notified);
-            metrics::counter!("coherent_ops_operations_applied_from_log_total", &label)
-                .absolute(s.applied_from_log);
-            metrics::counter!("coherent_ops_operations_duplicate_total", &label)
-                .absolute(s.duplicates);
-            metrics::counter!("coherent_ops_operations_unknown_total", &label).absolute(s.unknown);
-            metrics::counter!("coherent_ops_operations_undecodable_total", &label)
-                .absolute(s.undecodable);
-            metrics::counter!("coherent_ops_replay_panics_total", &label).absolute(s.replay_panics);
-            metrics::counter!("coherent_ops_notifications_implausible_total", &label)
-                .absolute(s.implausible);
-            metrics::counter!("coherent_ops_log_reads_total", &label).absolute(s.rounds);
-            metrics::counter!("coherent_ops_log_read_errors_total", &label)
-                .absolute(s.round_errors);
-            metrics::counter!("coherent_ops_flushes_total", &label).absolute(s.flushes);
-            metrics::counter!("coherent_ops_trimmed_total", &label).absolute(s.trimmed);
-            metrics::counter!("coherent_ops_batches_total", &label).absolute(s.batches);
-            metrics::counter!("coherent_ops_batches_split_total", &label).absolute(s.batches_split);
-            metrics::counter!("coherent_ops_fused_total", &label).absolute(s.fused);
-            metrics::counter!("coherent_ops_acks_received_total", &label).absolute(s.acks_received);
-            metrics::counter!("coherent_ops_ack_timeouts_total", &label).absolute(s.ack_timeouts);
-            metrics::counter!("coherent_ops_peers_left_total", &label).absolute(s.peers_left);
-            metrics::counter!("coherent_ops_fences_total", &label).absolute(s.fences);
-            metrics::counter!("coherent_ops_rejoins_incomplete_total", &label)
-                .absolute(s.rejoins_incomplete);
-            metrics::counter!("coherent_ops_leases_lost_total", &label).absolute(s.leases_lost);
-            metrics::counter!("coherent_ops_commits_retried_total", &label)
-                .absolute(s.commits_retried);
-            metrics::counter!("coherent_ops_lease_waits_total", &label).absolute(s.lease_waits);
-            metrics::counter!("coherent_ops_notices_dropped_total", &label)
-                .absolute(s.notices_dropped);
-            metrics::counter!("coherent_ops_acks_dropped_total", &label).absolute(s.acks_dropped);
-            metrics::gauge!("coherent_ops_peers", &label).set(s.peers as f64);
-            metrics::gauge!("coherent_ops_acks_waiting", &label).set(s.acks_waiting as f64);
-            metrics::gauge!("coherent_ops_horizon", &label).set(s.horizon as f64);
-            metrics::gauge!("coherent_ops_notify_queued", &label).set(s.notify_queued as f64);
-            metrics::gauge!("coherent_ops_fenced", &label)
-                .set(f64::from(u8::from(host.is_fenced())));
-            metrics::gauge!("coherent_ops_notifier_connected", &label)
-                .set(f64::from(u8::from(host.notifier_connected())));
+            let counters = [
+                ("coherent_ops_commands_total", s.commands),
+                ("coherent_ops_command_errors_total", s.command_errors),
+                (
+                    "coherent_ops_operations_applied_notified_total",
+                    s.applied_notified,
+                ),
+                (
+                    "coherent_ops_operations_applied_from_log_total",
+                    s.applied_from_log,
+                ),
+                ("coherent_ops_operations_duplicate_total", s.duplicates),
+                ("coherent_ops_operations_unknown_total", s.unknown),
+                ("coherent_ops_operations_undecodable_total", s.undecodable),
+                ("coherent_ops_replay_panics_total", s.replay_panics),
+                (
+                    "coherent_ops_notifications_implausible_total",
+                    s.implausible,
+                ),
+                ("coherent_ops_log_reads_total", s.rounds),
+                ("coherent_ops_log_read_errors_total", s.round_errors),
+                ("coherent_ops_flushes_total", s.flushes),
+                ("coherent_ops_trimmed_total", s.trimmed),
+                ("coherent_ops_batches_total", s.batches),
+                ("coherent_ops_batches_split_total", s.batches_split),
+                ("coherent_ops_fused_total", s.fused),
+                ("coherent_ops_acks_received_total", s.acks_received),
+                ("coherent_ops_ack_timeouts_total", s.ack_timeouts),
+                ("coherent_ops_peers_left_total", s.peers_left),
+                ("coherent_ops_fences_total", s.fences),
+                (
+                    "coherent_ops_rejoins_incomplete_total",
+                    s.rejoins_incomplete,
+                ),
+                ("coherent_ops_leases_lost_total", s.leases_lost),
+                ("coherent_ops_commits_retried_total", s.commits_retried),
+                ("coherent_ops_lease_waits_total", s.lease_waits),
+                ("coherent_ops_notices_dropped_total", s.notices_dropped),
+                ("coherent_ops_acks_dropped_total", s.acks_dropped),
+            ];
+            for (metric, value) in counters {
+                metrics::counter!(metric, &label).absolute(value);
+            }
+            let flag = |on: bool| f64::from(u8::from(on));
+            let gauges = [
+                ("coherent_ops_peers", s.peers as f64),
+                ("coherent_ops_acks_waiting", s.acks_waiting as f64),
+                ("coherent_ops_horizon", s.horizon as f64),
+                ("coherent_ops_notify_queued", s.notify_queued as f64),
+                ("coherent_ops_fenced", flag(host.is_fenced())),
+                (
+                    "coherent_ops_notifier_connected",
+                    flag(host.notifier_connected()),
+                ),
+            ];
+            for (metric, value) in gauges {
+                metrics::gauge!(metric, &label).set(value);
+            }
             if let Some(f) = host.feed_stats() {
-                metrics::gauge!("coherent_ops_feed_leading", &label)
-                    .set(f64::from(u8::from(f.leading)));
-                metrics::gauge!("coherent_ops_feed_streaming", &label)
-                    .set(f64::from(u8::from(f.streaming)));
-                metrics::counter!("coherent_ops_feed_reads_total", &label).absolute(f.reads);
-                metrics::counter!("coherent_ops_feed_transactions_total", &label)
-                    .absolute(f.transactions);
-                metrics::counter!("coherent_ops_feed_transactions_skipped_total", &label)
-                    .absolute(f.skipped_commands);
-                metrics::counter!("coherent_ops_feed_rows_total", &label).absolute(f.rows);
-                metrics::counter!("coherent_ops_feed_tables_total", &label).absolute(f.tables);
-                metrics::counter!("coherent_ops_feed_operations_total", &label)
-                    .absolute(f.operations);
-                metrics::counter!("coherent_ops_feed_slots_created_total", &label)
-                    .absolute(f.slots_created);
-                metrics::counter!("coherent_ops_feed_errors_total", &label).absolute(f.errors);
-                metrics::counter!("coherent_ops_feed_undecodable_total", &label)
-                    .absolute(f.undecodable);
+                metrics::gauge!("coherent_ops_feed_leading", &label).set(flag(f.leading));
+                metrics::gauge!("coherent_ops_feed_streaming", &label).set(flag(f.streaming));
+                let counters = [
+                    ("coherent_ops_feed_reads_total", f.reads),
+                    ("coherent_ops_feed_transactions_total", f.transactions),
+                    (
+                        "coherent_ops_feed_transactions_skipped_total",
+                        f.skipped_commands,
+                    ),
+                    ("coherent_ops_feed_rows_total", f.rows),
+                    ("coherent_ops_feed_tables_total", f.tables),
+                    ("coherent_ops_feed_operations_total", f.operations),
+                    ("coherent_ops_feed_slots_created_total", f.slots_created),
+                    ("coherent_ops_feed_errors_total", f.errors),
+                    ("coherent_ops_feed_undecodable_total", f.undecodable),
+                ];
+                for (metric, value) in counters {
+                    metrics::counter!(metric, &label).absolute(value);
+                }
             }
         }))
     }
