@@ -357,6 +357,8 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
                 Row::new(format!("{row}_{name}_us"), a.max(b) as f64, "us")
                     .with("reading_host_us", a)
                     .with("other_host_us", b)
+                    .with("reading_host_max_us", reading.max())
+                    .with("other_host_max_us", other.max())
                     .with("samples", reading.len() + other.len()),
             );
         }

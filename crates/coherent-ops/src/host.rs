@@ -99,6 +99,13 @@ pub struct HostStats {
     /// Times this host invalidated its whole cache because it may have missed operations,
     /// or database changes (see [`HostBuilder::watch`]) it could not apply row by row.
     pub flushes: u64,
+    /// Hints of database changes heard from the host that reads the change feed, ahead
+    /// of their operation (see [`HostBuilder::change_feed`]): the first of the pair to
+    /// arrive is applied, the second skipped.
+    pub change_hints: u64,
+    /// Hints, and operations of database changes, not applied because the other of the
+    /// pair was: what the hints saved in double invalidations.
+    pub change_hints_paired: u64,
     /// Operations this host deleted from the log.
     pub trimmed: u64,
     /// Transactions that committed commands of this host (a batch is one; see
@@ -591,6 +598,9 @@ impl HostBuilder {
                 watches: self.watches,
                 registries: registries.clone(),
                 flushes: AtomicU64::new(0),
+                hints: AtomicU64::new(0),
+                paired: AtomicU64::new(0),
+                seen: Default::default(),
             });
             handlers.insert::<DbChanges, _>(ChangesHandler(apply.clone()));
             Some(apply)
@@ -653,6 +663,7 @@ impl HostBuilder {
             }),
             max_batch: self.max_batch,
         };
+        let work = self.db.background_handle();
         let inner = Arc::new(Inner {
             id: id.clone(),
             db: self.db,
@@ -670,6 +681,7 @@ impl HostBuilder {
             after_invalidate: self.after_invalidate,
             batcher,
             runtime: tokio::runtime::Handle::current(),
+            work,
             counters: Counters::default(),
             applied_tx,
             publisher: Mutex::new(Publisher::None),
@@ -718,9 +730,18 @@ impl HostBuilder {
         }
         inner.heartbeat(horizon).await?;
         let host = Host { inner };
-        notify::start(&host, notifier).await?;
+        let work = host.inner.work.clone();
+        {
+            // The notifier's tasks and connections are made where they will run.
+            let host = host.clone();
+            work.spawn(async move { notify::start(&host, notifier).await })
+                .await
+                .map_err(|e| {
+                    CommandError::new(ErrorKind::Unavailable, format!("the notifier's start: {e}"))
+                })??;
+        }
         host.inner.refresh_peers().await?;
-        tokio::spawn(read_loop(
+        work.spawn(read_loop(
             Arc::downgrade(&host.inner),
             host.inner.wake.clone(),
             host.inner.stop.subscribe(),
@@ -729,11 +750,11 @@ impl HostBuilder {
         while host.inner.fenced.load(Ordering::Acquire) && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        tokio::spawn(lease_loop(
+        work.spawn(lease_loop(
             Arc::downgrade(&host.inner),
             host.inner.stop.subscribe(),
         ));
-        tokio::spawn(heartbeat_loop(
+        work.spawn(heartbeat_loop(
             Arc::downgrade(&host.inner),
             host.inner.stop.subscribe(),
         ));
@@ -810,6 +831,11 @@ pub(crate) struct Inner {
     batcher: Batcher,
     /// Where a commit goes on when the command that began it is dropped.
     pub(crate) runtime: tokio::runtime::Handle,
+    /// Where the host's own work runs (its notifier, listener, reads of the log, leases,
+    /// heartbeats, the log of database changes): on PostgreSQL, the database's thread (see
+    /// `db::background`), off the application's runtime, whose queue may be long; on
+    /// SQLite, the runtime the host started on.
+    pub(crate) work: tokio::runtime::Handle,
     counters: Counters,
     applied_tx: broadcast::Sender<Applied>,
     pub(crate) publisher: Mutex<Publisher>,
@@ -1067,6 +1093,12 @@ impl Host {
             Publisher::Postgres { queue, .. } => queue.queued() as u64,
             _ => 0,
         };
+        let changes_stat = |f: fn(&ApplyChanges) -> &AtomicU64| {
+            self.inner
+                .changes
+                .as_ref()
+                .map_or(0, |a| f(a).load(Ordering::Relaxed))
+        };
         HostStats {
             commands: r(&c.commands),
             command_errors: r(&c.command_errors),
@@ -1085,6 +1117,8 @@ impl Host {
                     .changes
                     .as_ref()
                     .map_or(0, |a| a.flushes.load(Ordering::Relaxed)),
+            change_hints: changes_stat(|a| &a.hints),
+            change_hints_paired: changes_stat(|a| &a.paired),
             trimmed: r(&c.trimmed),
             batches: r(&c.batches),
             batches_split: r(&c.batches_split),

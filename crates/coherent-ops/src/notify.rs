@@ -457,6 +457,19 @@ pub(crate) fn ack_channel(base: &str, host: &str) -> String {
     format!("{prefix}.ack.{hash:016x}")
 }
 
+/// The channel of the change feed's hints ([`crate::changes::HintOut`]): every host with
+/// watches of database changes listens on it.
+pub(crate) fn hint_channel(base: &str) -> String {
+    let mut prefix = String::new();
+    for c in base.chars() {
+        if prefix.len() + c.len_utf8() > 40 {
+            break;
+        }
+        prefix.push(c);
+    }
+    format!("{prefix}.changes")
+}
+
 impl Publisher {
     pub(crate) fn channel(&self, db: &Database) -> Option<String> {
         match (self, &*db.inner) {
@@ -1041,10 +1054,14 @@ async fn pg_listen_once(
         ack_channel(channel, &inner.id)
     };
     let acks_here = ack_channel.clone();
-    let own = match host.upgrade() {
-        Some(inner) => packed_head(&inner.id),
+    let (own, hints) = match host.upgrade() {
+        Some(inner) => (
+            packed_head(&inner.id),
+            inner.changes.is_some().then(|| hint_channel(channel)),
+        ),
         None => return Ok(()),
     };
+    let hints_here = hints.clone();
     let (client, mut connection) = config.connect(tokio_postgres::NoTls).await?;
     // Dropped when the connection ends: `rx` then wakes the loop below.
     let (ended, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
@@ -1067,6 +1084,15 @@ async fn pg_listen_once(
                         }
                         continue;
                     }
+                    if hints_here.as_deref() == Some(n.channel()) {
+                        match (serde_json::from_str(n.payload()), &inner.changes) {
+                            (Ok(hint), Some(apply)) => apply.apply_hint(&hint),
+                            (Ok(_), None) => {}
+                            // The operation, logged after, carries the same changes.
+                            (Err(e), _) => tracing::debug!(%e, "an undecodable hint of changes"),
+                        }
+                        continue;
+                    }
                     apply_payload(&inner, &own, n.payload());
                 }
                 Ok(_) => {}
@@ -1079,9 +1105,11 @@ async fn pg_listen_once(
     });
     let quoted = channel.replace('"', "\"\"");
     let acks_quoted = ack_channel.replace('"', "\"\"");
-    client
-        .batch_execute(&format!("LISTEN \"{quoted}\"; LISTEN \"{acks_quoted}\""))
-        .await?;
+    let mut listen = format!("LISTEN \"{quoted}\"; LISTEN \"{acks_quoted}\"");
+    if let Some(hints) = &hints {
+        listen.push_str(&format!("; LISTEN \"{}\"", hints.replace('"', "\"\"")));
+    }
+    client.batch_execute(&listen).await?;
     {
         let Some(inner) = host.upgrade() else {
             return Ok(());

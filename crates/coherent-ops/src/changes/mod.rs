@@ -265,6 +265,66 @@ pub(crate) struct DbChanges {
     /// connections): it does not run the watches again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) applied_by: Option<String>,
+    /// A number the change feed gave these changes when it also sent them to the other
+    /// hosts ahead of their operation (a [`HintOut`]); 0 when it did not. A host applies
+    /// whichever of the two reaches it first and skips the other (see [`SeenHints`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) hint: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// Database changes, sent by the host that reads the change feed to the other hosts
+/// (PostgreSQL `NOTIFY` on [`hint_channel`](crate::notify::hint_channel)) as soon as it
+/// applied them itself, before their operation is logged: a host that hears it applies
+/// them at once. The changes are committed (the feed reads only committed transactions),
+/// so the early invalidation is never wrong; the operation, logged after, stays the
+/// truth for a host that missed the hint. It saves the other hosts the log's commit and
+/// its own `NOTIFY`, each a few wake-ups of other processes on a loaded machine.
+#[derive(Serialize)]
+pub(crate) struct HintOut<'a> {
+    pub(crate) from: &'a str,
+    pub(crate) changes: &'a DbChanges,
+}
+
+/// A [`HintOut`] as heard.
+#[derive(Deserialize)]
+pub(crate) struct HintIn {
+    pub(crate) from: String,
+    pub(crate) changes: DbChanges,
+}
+
+/// The hint numbers a host met once (in a hint or in the operation that carries the same
+/// changes): the second of the pair is skipped, since the first was applied after the
+/// changes committed and every entry computed since read them. Bounded: a number
+/// forgotten early only means the pair is applied twice (an extra invalidation).
+#[derive(Default)]
+pub(crate) struct SeenHints {
+    order: std::collections::VecDeque<u64>,
+    set: std::collections::HashSet<u64>,
+}
+
+impl SeenHints {
+    /// How many numbers are remembered.
+    const MAX: usize = 4_096;
+
+    /// `true` when `hint` was met before (and is forgotten now: the pair is complete);
+    /// else it is remembered.
+    fn second(&mut self, hint: u64) -> bool {
+        if self.set.remove(&hint) {
+            return true;
+        }
+        self.set.insert(hint);
+        self.order.push_back(hint);
+        while self.order.len() > Self::MAX {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+        false
+    }
 }
 
 impl DbChanges {
@@ -286,6 +346,11 @@ pub(crate) struct ApplyChanges {
     pub(crate) registries: Vec<Registry>,
     /// Flushes done here (counted in `HostStats::flushes`).
     pub(crate) flushes: std::sync::atomic::AtomicU64,
+    /// Hints heard here (`HostStats::change_hints`).
+    pub(crate) hints: std::sync::atomic::AtomicU64,
+    /// Hints and operations whose pair was applied already (`HostStats::change_hints_paired`).
+    pub(crate) paired: std::sync::atomic::AtomicU64,
+    pub(crate) seen: parking_lot::Mutex<SeenHints>,
 }
 
 impl ApplyChanges {
@@ -307,11 +372,26 @@ impl ApplyChanges {
         if changes.applied_by.as_deref() == Some(&*self.host) {
             return;
         }
+        if changes.hint != 0 && self.seen.lock().second(changes.hint) {
+            self.paired
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(changes)));
         if ran.is_err() {
             tracing::error!("a watch of database changes panicked");
             self.flush("a watch panicked");
         }
+    }
+
+    /// Applies changes heard in a [`HintOut`] from the host that reads the feed.
+    pub(crate) fn apply_hint(&self, hint: &HintIn) {
+        if hint.from == self.host || hint.changes.hint == 0 {
+            return;
+        }
+        self.hints
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.apply(&hint.changes);
     }
 
     fn run(&self, changes: &DbChanges) {
@@ -632,6 +712,7 @@ impl Batch {
                 .collect(),
             flush: false,
             applied_by: None,
+            hint: 0,
         }
     }
 }

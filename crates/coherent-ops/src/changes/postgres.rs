@@ -24,8 +24,10 @@ use tokio::sync::watch;
 use super::pgoutput::{self, Message, Tuple, Value};
 use super::replication::{self, Frame, StreamError};
 use super::{Batch, Change, ChangeFeed, ChangeKind, DbChanges, Row, Watches};
+use crate::db::{Engine, PG_PAYLOAD_LIMIT};
 use crate::error::{CommandError, ErrorKind};
 use crate::host::{Host, Inner};
+use crate::notify::Publisher;
 
 /// The start of the `application_name` of the feed's connection (in `pg_stat_activity`):
 /// `coherent_changes_feed:<schema>`, at most 63 bytes.
@@ -59,6 +61,9 @@ pub struct FeedStats {
     pub errors: u64,
     /// Messages of the stream that did not decode (each failed its read).
     pub undecodable: u64,
+    /// Batches of changes sent to the other hosts ahead of their operation (PostgreSQL
+    /// notifier only; see [`HostStats::change_hints`](crate::HostStats::change_hints)).
+    pub hints: u64,
 }
 
 #[derive(Default)]
@@ -74,6 +79,7 @@ pub(crate) struct FeedCounters {
     pub(super) slots_created: AtomicU64,
     pub(super) errors: AtomicU64,
     pub(super) undecodable: AtomicU64,
+    pub(super) hints: AtomicU64,
     /// Reads in a row that failed on a message that does not decode, or that the server
     /// refused.
     stuck: AtomicU64,
@@ -94,6 +100,7 @@ impl FeedCounters {
             slots_created: n(&self.slots_created),
             errors: n(&self.errors),
             undecodable: n(&self.undecodable),
+            hints: n(&self.hints),
         }
     }
 }
@@ -413,15 +420,13 @@ pub(crate) async fn run_postgres_feed(
 /// operation committed and ran here (the other hosts apply it from their notifier or the
 /// log; the feed does not wait for their acknowledgements, no caller reads after it).
 ///
-/// It runs on the host's runtime, not the feed thread's: a pool connection opened for the
-/// commit has its driver task on the runtime that opened it, and the feed thread's runtime
-/// ends with the host, which left such connections in the pool, closed (the next user of
-/// the pool got `connection closed`).
+/// It runs where the host's other work runs (`Inner::work`, the database's thread, which
+/// outlives the host), not on the feed thread's runtime, which ends with the host.
 pub(super) async fn log(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, CommandError> {
     let Some(inner) = host.upgrade() else {
         return Ok(false);
     };
-    let runtime = inner.runtime.clone();
+    let runtime = inner.work.clone();
     let host = Host { inner };
     runtime
         .spawn(async move { host.run_unacknowledged(changes).await })
@@ -622,7 +627,7 @@ async fn lead(
                     None
                 } else {
                     wait_visible(&client, &xids).await?;
-                    Some(apply_and_log(host, changes))
+                    Some(apply_and_log(host, feed, &client, changes).await)
                 };
                 if let Some(lsn) = end_lsn {
                     read_upto = read_upto.max(lsn);
@@ -767,7 +772,7 @@ async fn stream_slot(
                     None
                 } else {
                     wait_visible(client, &xids).await?;
-                    Some(apply_and_log(host, changes))
+                    Some(apply_and_log(host, feed, client, changes).await)
                 };
                 if logging.len() >= MAX_LOGGING {
                     let (task, end) = logging.pop_front().expect("not empty");
@@ -1014,18 +1019,62 @@ pub(super) fn visible_in(snapshot: &str, xids: &[u32]) -> Option<bool> {
 }
 
 /// Applies `changes` here at once (they are committed: an early invalidation is never
-/// wrong), then logs them for the other hosts, marked as applied here. A log that fails
-/// is read again and applied here again: harmless.
-fn apply_and_log(host: &Weak<Inner>, mut changes: DbChanges) -> tokio::task::JoinHandle<LogResult> {
+/// wrong), then logs them for the other hosts, marked as applied here, and sends them to
+/// the other hosts ahead of the log ([`super::HintOut`]) on `client`, the feed's own
+/// connection. A log that fails is read again and applied here again: harmless.
+async fn apply_and_log(
+    host: &Weak<Inner>,
+    feed: &PgFeed,
+    client: &tokio_postgres::Client,
+    mut changes: DbChanges,
+) -> tokio::task::JoinHandle<LogResult> {
+    let mut hinted = None;
     if let Some(inner) = host.upgrade() {
         if let Some(apply) = &inner.changes {
             apply.apply(&changes);
         }
         changes.applied_by = Some(inner.id.clone());
+        hinted = hint(&inner, &mut changes);
     }
     let (rows, tables) = (changes.rows.len() as u64, changes.tables.len() as u64);
-    let host = host.clone();
-    tokio::spawn(async move { log(&host, changes).await.map(|ok| (ok, rows, tables)) })
+    let logging = host.clone();
+    let task =
+        tokio::spawn(async move { log(&logging, changes).await.map(|ok| (ok, rows, tables)) });
+    if let Some((channel, payload)) = hinted {
+        // The hint is a shortcut: the operation, logged meanwhile, is the truth.
+        match client
+            .execute("SELECT pg_notify($1, $2)", &[&channel, &payload])
+            .await
+        {
+            Ok(_) => {
+                feed.counters.hints.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => tracing::debug!(%e, "change feed: a hint not sent"),
+        }
+    }
+    task
+}
+
+/// The hint of `changes` (numbering them), when the hosts hear PostgreSQL notifications
+/// and it fits in one: its channel and payload.
+fn hint(inner: &Inner, changes: &mut DbChanges) -> Option<(String, String)> {
+    if !matches!(*inner.publisher.lock(), Publisher::Postgres { .. }) {
+        return None;
+    }
+    let Engine::Postgres(pg) = &*inner.db.inner else {
+        return None;
+    };
+    changes.hint = rand::random::<u64>() | 1;
+    let payload = serde_json::to_string(&super::HintOut {
+        from: &inner.id,
+        changes,
+    })
+    .ok()
+    .filter(|p| p.len() <= PG_PAYLOAD_LIMIT);
+    if payload.is_none() {
+        changes.hint = 0;
+    }
+    Some((crate::notify::hint_channel(&pg.channel), payload?))
 }
 
 /// Waits for a log of changes and counts it: `false` when the host stopped.

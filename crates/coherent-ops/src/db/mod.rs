@@ -16,7 +16,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rusqlite::{params, Connection, OptionalExtension};
 
+mod background;
 mod log;
+
+pub(crate) use background::Background;
 
 pub(crate) use log::{Cursor, Reading};
 
@@ -131,6 +134,9 @@ pub(crate) struct Postgres {
     /// Statements of [`Tx::defer_sql`] that cannot stand in a `WITH` (see
     /// [`Postgres::fused`]): not tried again.
     unfusable: parking_lot::Mutex<std::collections::HashSet<String>>,
+    /// The thread that drives the pool's connections and runs the hosts' own work (see
+    /// [`background`]). Last: dropped after the pool.
+    pub(crate) background: Background,
 }
 
 impl Postgres {
@@ -361,9 +367,17 @@ impl Database {
             config.get_options().unwrap_or("")
         );
         config.options(options.trim_start());
-        let manager = deadpool_postgres::Manager::from_config(
+        let background = Background::start("coherent-pg").map_err(|e| {
+            CommandError::new(
+                ErrorKind::Unavailable,
+                format!("the database's thread: {e}"),
+            )
+        })?;
+        let manager = deadpool_postgres::Manager::from_connect(
             config.clone(),
-            tokio_postgres::NoTls,
+            background::ConnectOnBackground {
+                handle: background.handle().clone(),
+            },
             deadpool_postgres::ManagerConfig {
                 recycling_method: deadpool_postgres::RecyclingMethod::Fast,
             },
@@ -386,6 +400,7 @@ impl Database {
                 schema: schema.to_owned(),
                 channel,
                 unfusable: parking_lot::Mutex::new(std::collections::HashSet::new()),
+                background,
             })),
         })
     }
@@ -404,6 +419,15 @@ impl Database {
         match &*self.inner {
             Engine::Sqlite(s) => Some(&s.path),
             Engine::Postgres(_) => None,
+        }
+    }
+
+    /// Where a host of this database runs its own work: the database's thread on
+    /// PostgreSQL (see [`background`]), the current runtime on SQLite. Call in a runtime.
+    pub(crate) fn background_handle(&self) -> tokio::runtime::Handle {
+        match &*self.inner {
+            Engine::Postgres(pg) => pg.background.handle().clone(),
+            Engine::Sqlite(_) => tokio::runtime::Handle::current(),
         }
     }
 
