@@ -53,6 +53,8 @@
 //! | `coherent_ops_log_reads_total` | counter | `host` | reads of the log |
 //! | `coherent_ops_log_read_errors_total` | counter | `host` | reads of the log that failed |
 //! | `coherent_ops_flushes_total` | counter | `host` | times the host invalidated its whole cache (it may have missed operations or changes) |
+//! | `coherent_ops_change_hints_total` | counter | `host` | hints of database changes heard from the host that reads the change feed |
+//! | `coherent_ops_change_hints_paired_total` | counter | `host` | hints, and operations of database changes, skipped because the other of the pair was applied |
 //! | `coherent_ops_trimmed_total` | counter | `host` | operations this host deleted from the log |
 //! | `coherent_ops_batches_total` | counter | `host` | transactions that committed this host's commands |
 //! | `coherent_ops_batches_split_total` | counter | `host` | batches that failed and whose commands ran again one at a time |
@@ -245,6 +247,11 @@ impl Observer {
                 ("coherent_ops_log_reads_total", s.rounds),
                 ("coherent_ops_log_read_errors_total", s.round_errors),
                 ("coherent_ops_flushes_total", s.flushes),
+                ("coherent_ops_change_hints_total", s.change_hints),
+                (
+                    "coherent_ops_change_hints_paired_total",
+                    s.change_hints_paired,
+                ),
                 ("coherent_ops_trimmed_total", s.trimmed),
                 ("coherent_ops_batches_total", s.batches),
                 ("coherent_ops_batches_split_total", s.batches_split),
