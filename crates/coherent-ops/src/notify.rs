@@ -450,24 +450,29 @@ pub(crate) fn ack_channel(base: &str, host: &str) -> String {
         }
         prefix.push(c);
     }
-    // FNV-1a: the same in every process, unlike std's seeded hashers.
-    let hash = host.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    format!("{prefix}.ack.{hash:016x}")
+    format!("{prefix}.ack.{:016x}", fnv1a(host.as_bytes()))
 }
 
 /// The channel of the change feed's hints ([`crate::changes::HintOut`]): every host with
-/// watches of database changes listens on it.
+/// watches of database changes listens on it. The log's channel, shortened, and a hash of
+/// all of it: clusters of other schemas, or of databases with long names, whose channels
+/// share a prefix, do not hear each other's hints.
 pub(crate) fn hint_channel(base: &str) -> String {
     let mut prefix = String::new();
     for c in base.chars() {
-        if prefix.len() + c.len_utf8() > 40 {
+        if prefix.len() + c.len_utf8() > 38 {
             break;
         }
         prefix.push(c);
     }
-    format!("{prefix}.changes")
+    format!("{prefix}.changes.{:016x}", fnv1a(base.as_bytes()))
+}
+
+/// FNV-1a: the same in every process, unlike std's seeded hashers.
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 impl Publisher {

@@ -300,10 +300,14 @@ pub(crate) struct HintIn {
 /// changes): the second of the pair is skipped, since the first was applied after the
 /// changes committed and every entry computed since read them. Bounded: a number
 /// forgotten early only means the pair is applied twice (an extra invalidation).
+///
+/// A number is remembered with a hash of the changes it came with ([`DbChanges::fingerprint`]):
+/// anyone who may `NOTIFY` can send a hint, and a forged one that reused the number of a
+/// real batch with other changes must not have that batch's operation skipped.
 #[derive(Default)]
 pub(crate) struct SeenHints {
-    order: std::collections::VecDeque<u64>,
-    set: std::collections::HashSet<u64>,
+    order: std::collections::VecDeque<(u64, u64)>,
+    set: std::collections::HashSet<(u64, u64)>,
 }
 
 impl SeenHints {
@@ -312,7 +316,7 @@ impl SeenHints {
 
     /// `true` when `hint` was met before (and is forgotten now: the pair is complete);
     /// else it is remembered.
-    fn second(&mut self, hint: u64) -> bool {
+    fn second(&mut self, hint: (u64, u64)) -> bool {
         if self.set.remove(&hint) {
             return true;
         }
@@ -330,6 +334,13 @@ impl SeenHints {
 impl DbChanges {
     pub(crate) fn is_empty(&self) -> bool {
         self.rows.is_empty() && self.tables.is_empty() && !self.flush
+    }
+
+    /// A hash of what the changes say (rows, tables, flush), the same for a hint and for
+    /// the operation that carries the same changes.
+    pub(crate) fn fingerprint(&self) -> u64 {
+        let body = serde_json::to_vec(&(&self.rows, &self.tables, self.flush)).unwrap_or_default();
+        crate::notify::fnv1a(&body)
     }
 }
 
@@ -372,7 +383,12 @@ impl ApplyChanges {
         if changes.applied_by.as_deref() == Some(&*self.host) {
             return;
         }
-        if changes.hint != 0 && self.seen.lock().second(changes.hint) {
+        if changes.hint != 0
+            && self
+                .seen
+                .lock()
+                .second((changes.hint, changes.fingerprint()))
+        {
             self.paired
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return;
@@ -714,5 +730,97 @@ impl Batch {
             applied_by: None,
             hint: 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    use super::{watch_table, ApplyChanges, Change, ChangeKind, DbChanges, HintIn, Row, Watches};
+
+    fn row_change(id: i64) -> DbChanges {
+        DbChanges {
+            rows: vec![Change {
+                schema: "public".to_owned(),
+                table: "users".to_owned(),
+                kind: ChangeKind::Update,
+                new: Some(Row(vec![("id".to_owned(), Some(id.to_string()))])),
+                old: None,
+            }],
+            applied_by: Some("leader".to_owned()),
+            hint: 77,
+            ..DbChanges::default()
+        }
+    }
+
+    /// A host that counts the rows its watch saw.
+    fn host() -> (ApplyChanges, Arc<AtomicU64>) {
+        let seen = Arc::new(AtomicU64::new(0));
+        let counted = seen.clone();
+        let apply = ApplyChanges {
+            host: "follower".to_owned(),
+            watches: Watches {
+                tables: vec![watch_table("users").on_change(move |_| {
+                    counted.fetch_add(1, Ordering::Relaxed);
+                })],
+            },
+            registries: Vec::new(),
+            flushes: AtomicU64::new(0),
+            hints: AtomicU64::new(0),
+            paired: AtomicU64::new(0),
+            seen: Default::default(),
+        };
+        (apply, seen)
+    }
+
+    fn hint(changes: DbChanges) -> HintIn {
+        // Through JSON, as a hint travels.
+        let json = serde_json::to_string(&super::HintOut {
+            from: "leader",
+            changes: &changes,
+        })
+        .unwrap();
+        serde_json::from_str(&json).unwrap()
+    }
+
+    /// The hint and its operation: the first applies, the second is skipped, whichever
+    /// order they come in.
+    #[test]
+    fn the_second_of_a_hint_and_its_operation_is_skipped() {
+        for hint_first in [true, false] {
+            let (apply, seen) = host();
+            let logged: DbChanges =
+                serde_json::from_str(&serde_json::to_string(&row_change(1)).unwrap()).unwrap();
+            if hint_first {
+                apply.apply_hint(&hint(row_change(1)));
+                apply.apply(&logged);
+            } else {
+                apply.apply(&logged);
+                apply.apply_hint(&hint(row_change(1)));
+            }
+            assert_eq!(seen.load(Ordering::Relaxed), 1, "hint first: {hint_first}");
+            assert_eq!(apply.paired.load(Ordering::Relaxed), 1);
+        }
+    }
+
+    /// Anyone who may `NOTIFY` can send a hint: one that reuses a real batch's number with
+    /// other changes does not have the real operation skipped.
+    #[test]
+    fn a_forged_hint_with_a_real_number_does_not_suppress_the_operation() {
+        let (apply, seen) = host();
+        apply.apply_hint(&hint(row_change(2)));
+        apply.apply(&row_change(1));
+        assert_eq!(seen.load(Ordering::Relaxed), 2, "both ran");
+        assert_eq!(apply.paired.load(Ordering::Relaxed), 0);
+        // A host's own hint, and a hint without a number, are ignored.
+        let mut own = hint(row_change(3));
+        own.from = "follower".to_owned();
+        apply.apply_hint(&own);
+        let mut unnumbered = hint(row_change(3));
+        unnumbered.changes.hint = 0;
+        apply.apply_hint(&unnumbered);
+        assert_eq!(seen.load(Ordering::Relaxed), 2);
     }
 }

@@ -536,6 +536,12 @@ async fn lead(
     if !pay_flush(host, &client, feed, &owed).await? {
         return Ok(());
     }
+    // The hints' statement, prepared once: one round trip per hint, its transaction
+    // committed without waiting for the WAL (a hint is only a head start).
+    let hint_sql = client
+        .prepare(crate::db::NOTIFY_SQL)
+        .await
+        .map_err(feed_error)?;
     // Streaming refused for a while (every WAL sender taken): tried again at this moment.
     let mut stream_again = None;
     if feed.feed.streaming {
@@ -544,6 +550,7 @@ async fn lead(
             host,
             feed,
             &client,
+            &hint_sql,
             &keys,
             &owed,
             &config,
@@ -627,7 +634,7 @@ async fn lead(
                     None
                 } else {
                     wait_visible(&client, &xids).await?;
-                    Some(apply_and_log(host, feed, &client, changes).await)
+                    Some(apply_and_log(host, feed, &client, &hint_sql, changes).await)
                 };
                 if let Some(lsn) = end_lsn {
                     read_upto = read_upto.max(lsn);
@@ -671,6 +678,7 @@ async fn stream_slot(
     host: &Weak<Inner>,
     feed: &PgFeed,
     client: &tokio_postgres::Client,
+    hint_sql: &tokio_postgres::Statement,
     keys: &Keys,
     owed: &str,
     config: &tokio_postgres::Config,
@@ -772,7 +780,7 @@ async fn stream_slot(
                     None
                 } else {
                     wait_visible(client, &xids).await?;
-                    Some(apply_and_log(host, feed, client, changes).await)
+                    Some(apply_and_log(host, feed, client, hint_sql, changes).await)
                 };
                 if logging.len() >= MAX_LOGGING {
                     let (task, end) = logging.pop_front().expect("not empty");
@@ -1026,6 +1034,7 @@ async fn apply_and_log(
     host: &Weak<Inner>,
     feed: &PgFeed,
     client: &tokio_postgres::Client,
+    hint_sql: &tokio_postgres::Statement,
     mut changes: DbChanges,
 ) -> tokio::task::JoinHandle<LogResult> {
     let mut hinted = None;
@@ -1043,7 +1052,7 @@ async fn apply_and_log(
     if let Some((channel, payload)) = hinted {
         // The hint is a shortcut: the operation, logged meanwhile, is the truth.
         match client
-            .execute("SELECT pg_notify($1, $2)", &[&channel, &payload])
+            .execute(hint_sql, &[&vec![channel], &vec![payload]])
             .await
         {
             Ok(_) => {

@@ -134,7 +134,7 @@ pub(crate) struct Postgres {
     /// Statements of [`Tx::defer_sql`] that cannot stand in a `WITH` (see
     /// [`Postgres::fused`]): not tried again.
     unfusable: parking_lot::Mutex<std::collections::HashSet<String>>,
-    /// The thread that drives the pool's connections and runs the hosts' own work (see
+    /// The threads that drive the pool's connections and run the hosts' own work (see
     /// [`background`]). Last: dropped after the pool.
     pub(crate) background: Background,
 }
@@ -320,6 +320,17 @@ impl Database {
 
     /// PostgreSQL at `url`, with `options` (the schema, the pool's size).
     ///
+    /// The `Database` starts two threads, which end when its last clone is dropped:
+    /// `coherent-pg-io` drives every connection of the pool (whichever runtime asks for
+    /// one), `coherent-ops` runs the work of its hosts (listener, notifier, reads of the
+    /// log), so that a busy application runtime does not delay the cluster's
+    /// invalidations. Open one `Database` per database and schema, not one per request; a
+    /// connection taken from [`postgres_pool`](Self::postgres_pool) and kept after the
+    /// last clone is dropped fails with "connection closed". Invalidations of other hosts'
+    /// operations run on `coherent-ops`: a command's `invalidate` and a watch's
+    /// `on_change` must not block (they never await; they must not wait on a lock held
+    /// across a query either).
+    ///
     /// ```no_run
     /// # async fn open() -> Result<(), coherent_ops::CommandError> {
     /// use coherent_ops::{Database, PostgresOptions};
@@ -367,16 +378,16 @@ impl Database {
             config.get_options().unwrap_or("")
         );
         config.options(options.trim_start());
-        let background = Background::start("coherent-pg").map_err(|e| {
+        let background = Background::start().map_err(|e| {
             CommandError::new(
                 ErrorKind::Unavailable,
-                format!("the database's thread: {e}"),
+                format!("the database's threads: {e}"),
             )
         })?;
         let manager = deadpool_postgres::Manager::from_connect(
             config.clone(),
             background::ConnectOnBackground {
-                handle: background.handle().clone(),
+                handle: background.io().clone(),
             },
             deadpool_postgres::ManagerConfig {
                 recycling_method: deadpool_postgres::RecyclingMethod::Fast,
@@ -422,11 +433,12 @@ impl Database {
         }
     }
 
-    /// Where a host of this database runs its own work: the database's thread on
-    /// PostgreSQL (see [`background`]), the current runtime on SQLite. Call in a runtime.
+    /// Where a host of this database runs its own work: the database's `coherent-ops`
+    /// thread on PostgreSQL (see [`background`]), the current runtime on SQLite. Call in a
+    /// runtime.
     pub(crate) fn background_handle(&self) -> tokio::runtime::Handle {
         match &*self.inner {
-            Engine::Postgres(pg) => pg.background.handle().clone(),
+            Engine::Postgres(pg) => pg.background.work().clone(),
             Engine::Sqlite(_) => tokio::runtime::Handle::current(),
         }
     }
@@ -921,7 +933,7 @@ const BATCH_BEGIN: &str = "BEGIN; SET LOCAL lock_timeout = '100ms'";
 /// to reach the disk (`set_config(..., true)` lasts until the statement's own transaction
 /// ends, after its commit record): a notification is only a wake-up (the log is the truth),
 /// so losing one to a crash costs nothing. The `WHERE` makes the setting part of the plan.
-const NOTIFY_SQL: &str = "SELECT count(pg_notify(n.c, n.p)) \
+pub(crate) const NOTIFY_SQL: &str = "SELECT count(pg_notify(n.c, n.p)) \
      FROM (SELECT set_config('synchronous_commit', 'off', true) AS sc) AS s \
      CROSS JOIN unnest($1::text[], $2::text[]) AS n (c, p) WHERE s.sc = 'off'";
 
