@@ -443,14 +443,7 @@ pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), Comm
 /// log's, shortened, and a hash of the host's id (PostgreSQL's names are at most 63 bytes,
 /// and NATS subjects are tokens between dots).
 pub(crate) fn ack_channel(base: &str, host: &str) -> String {
-    let mut prefix = String::new();
-    for c in base.chars() {
-        if prefix.len() + c.len_utf8() > 40 {
-            break;
-        }
-        prefix.push(c);
-    }
-    format!("{prefix}.ack.{:016x}", fnv1a(host.as_bytes()))
+    format!("{}.ack.{:016x}", prefix(base, 40), fnv1a(host.as_bytes()))
 }
 
 /// The channel of the change feed's hints ([`crate::changes::HintOut`]): every host with
@@ -458,14 +451,23 @@ pub(crate) fn ack_channel(base: &str, host: &str) -> String {
 /// all of it: clusters of other schemas, or of databases with long names, whose channels
 /// share a prefix, do not hear each other's hints.
 pub(crate) fn hint_channel(base: &str) -> String {
-    let mut prefix = String::new();
-    for c in base.chars() {
-        if prefix.len() + c.len_utf8() > 38 {
+    format!(
+        "{}.changes.{:016x}",
+        prefix(base, 38),
+        fnv1a(base.as_bytes())
+    )
+}
+
+/// The longest prefix of `base` of at most `max` bytes that ends on a character boundary.
+fn prefix(base: &str, max: usize) -> &str {
+    let mut end = 0;
+    for (i, c) in base.char_indices() {
+        if i + c.len_utf8() > max {
             break;
         }
-        prefix.push(c);
+        end = i + c.len_utf8();
     }
-    format!("{prefix}.changes.{:016x}", fnv1a(base.as_bytes()))
+    &base[..end]
 }
 
 /// FNV-1a: the same in every process, unlike std's seeded hashers.
@@ -1132,7 +1134,27 @@ async fn pg_listen_once(
 
 #[cfg(test)]
 mod tests {
-    use super::{Packed, Packer, PG_PAYLOAD_LIMIT};
+    use super::{ack_channel, hint_channel, Packed, Packer, PG_PAYLOAD_LIMIT};
+
+    /// Channel names fit PostgreSQL's 63 bytes, cut on a character boundary, and two bases
+    /// that share their first bytes get two hint channels.
+    #[test]
+    fn derived_channels_fit_and_stay_apart() {
+        for base in [
+            "coherent_ops.test.public".to_owned(),
+            "é".repeat(31),
+            "a".repeat(63),
+        ] {
+            for name in [hint_channel(&base), ack_channel(&base, "host-1")] {
+                assert!(name.len() <= 63, "{name}: {} bytes", name.len());
+            }
+        }
+        let long = "coherent_ops.a_database_with_a_long_name.";
+        assert_ne!(
+            hint_channel(&format!("{long}orders")),
+            hint_channel(&format!("{long}billing"))
+        );
+    }
     use crate::host::{Ack, Notice, NoticeOp};
 
     /// Every payload is within PostgreSQL's limit, however long the host's id (escapes
