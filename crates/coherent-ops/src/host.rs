@@ -213,7 +213,7 @@ pub(crate) struct Ack {
     pub(crate) ping: u64,
 }
 
-fn is_zero(n: &u64) -> bool {
+pub(crate) fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
@@ -1111,12 +1111,7 @@ impl Host {
             implausible: r(&c.implausible),
             rounds: r(&c.rounds),
             round_errors: r(&c.round_errors),
-            flushes: r(&c.flushes)
-                + self
-                    .inner
-                    .changes
-                    .as_ref()
-                    .map_or(0, |a| a.flushes.load(Ordering::Relaxed)),
+            flushes: r(&c.flushes) + changes_stat(|a| &a.flushes),
             change_hints: changes_stat(|a| &a.hints),
             change_hints_paired: changes_stat(|a| &a.paired),
             trimmed: r(&c.trimmed),

@@ -268,12 +268,8 @@ pub(crate) struct DbChanges {
     /// A number the change feed gave these changes when it also sent them to the other
     /// hosts ahead of their operation (a [`HintOut`]); 0 when it did not. A host applies
     /// whichever of the two reaches it first and skips the other (see [`SeenHints`]).
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "crate::host::is_zero")]
     pub(crate) hint: u64,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
 }
 
 /// Database changes, sent by the host that reads the change feed to the other hosts

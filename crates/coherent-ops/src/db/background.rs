@@ -109,30 +109,25 @@ impl deadpool_postgres::Connect for ConnectOnBackground {
         let config = config.clone();
         let handle = self.handle.clone();
         Box::pin(async move {
-            let connect = {
-                let config = config.clone();
-                async move {
-                    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
-                    let driver = tokio::spawn(async move {
-                        if let Err(e) = connection.await {
-                            tracing::debug!(%e, "a pool connection ended");
-                        }
-                    });
-                    Ok((client, driver))
-                }
-            };
-            match handle.spawn(connect).await {
+            match handle.spawn(connect(config.clone())).await {
                 Ok(made) => made,
                 // The thread's runtime is gone (the `Database` is being dropped while a
                 // caller still asks for a connection): connect here, as a plain pool would.
-                Err(_) => {
-                    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
-                    let driver = tokio::spawn(async move {
-                        let _ = connection.await;
-                    });
-                    Ok((client, driver))
-                }
+                Err(_) => connect(config).await,
             }
         })
     }
+}
+
+/// Connects, and drives the connection on a task of the current runtime.
+async fn connect(
+    config: tokio_postgres::Config,
+) -> Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), tokio_postgres::Error> {
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+    let driver = tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(%e, "a pool connection ended");
+        }
+    });
+    Ok((client, driver))
 }
