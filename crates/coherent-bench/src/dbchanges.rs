@@ -9,6 +9,9 @@
 //! each host with its own cache); each counts `stale_reads`: reads that started more than
 //! 20 ms after a write's commit returned and saw an older version. And the propagation,
 //! from the commit returned to the host's watch invalidating the entry.
+//!
+//! PostgreSQL runs on this machine too: the suite leaves it one core ([`DatabaseCore`]),
+//! so that what is measured is the feed, not readers starving the database's processes.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -205,11 +208,76 @@ async fn cached_host(
 }
 
 pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
+    // Before any thread of the suite starts: they keep the main thread's cores.
+    let left = DatabaseCore::leave();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cores())
         .enable_all()
         .build()?;
-    runtime.block_on(run_async(timing))
+    let mut report = runtime.block_on(run_async(timing))?;
+    drop(runtime);
+    report.note(match &left {
+        Some(left) => format!(
+            "the suite's threads (readers, hosts, feed, writer) keep off core {}, which \
+             PostgreSQL has to itself, as it has a machine of its own in production: with \
+             every core busy with readers, each step of a change's way (the walsender, a \
+             backend's answer, a notification) waits for a core, and the stale reads \
+             measure that (COHERENT_BENCH_SHARE_CORES=1 runs them on every core)",
+            left.core
+        ),
+        None => "the suite's threads share every core with PostgreSQL".to_owned(),
+    });
+    Ok(report)
+}
+
+/// One core kept free of the suite's threads for PostgreSQL, which runs on the same
+/// machine here: the suite's main thread (and so every thread it starts) keeps to the
+/// others until this is dropped. Nothing on a machine of one core, off Linux, or with
+/// `COHERENT_BENCH_SHARE_CORES=1`.
+struct DatabaseCore {
+    #[cfg(target_os = "linux")]
+    saved: libc::cpu_set_t,
+    core: usize,
+}
+
+impl DatabaseCore {
+    #[cfg(target_os = "linux")]
+    fn leave() -> Option<Self> {
+        if std::env::var_os("COHERENT_BENCH_SHARE_CORES").is_some_and(|v| v == "1") {
+            return None;
+        }
+        // SAFETY: `cpu_set_t` is plain data; the calls get and set the calling thread's
+        // mask with the set's own size.
+        unsafe {
+            let mut saved: libc::cpu_set_t = std::mem::zeroed();
+            let size = std::mem::size_of::<libc::cpu_set_t>();
+            if libc::sched_getaffinity(0, size, &mut saved) != 0 {
+                return None;
+            }
+            let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+                .filter(|&c| libc::CPU_ISSET(c, &saved))
+                .collect();
+            let (&core, _) = allowed.split_last().filter(|(_, rest)| !rest.is_empty())?;
+            let mut mask = saved;
+            libc::CPU_CLR(core, &mut mask);
+            (libc::sched_setaffinity(0, size, &mask) == 0).then_some(Self { saved, core })
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn leave() -> Option<Self> {
+        None
+    }
+}
+
+impl Drop for DatabaseCore {
+    fn drop(&mut self) {
+        #[cfg(target_os = "linux")]
+        // SAFETY: as in `leave`: the calling thread's mask, back to what it was.
+        unsafe {
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.saved);
+        }
+    }
 }
 
 async fn run_async(timing: Timing) -> anyhow::Result<Report> {
