@@ -65,6 +65,9 @@ pub fn derive_compute_service(item: TokenStream) -> TokenStream {
 /// it holds the `RpcError` itself, its message (a `String`, or any type `From<String>`), or
 /// nothing.
 ///
+/// Not compiled here (this crate cannot depend on the facade it is used through); the
+/// facade's `coherent::FromRpcError` documentation compiles and runs the same example.
+///
 /// ```ignore
 /// #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, coherent::FromRpcError)]
 /// pub enum UsersError {

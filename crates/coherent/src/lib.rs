@@ -274,3 +274,9 @@ macro_rules! __if_typescript {
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
+
+/// The ops crate's README's code blocks, compiled (and run where they need no database)
+/// as doc tests of the facade, whose paths they use.
+#[cfg(all(doctest, feature = "ops"))]
+#[doc = include_str!("../../coherent-ops/README.md")]
+struct OpsReadmeDoctests;
