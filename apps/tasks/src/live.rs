@@ -192,14 +192,15 @@ impl Command for CreateProject {
     type Output = Project;
 }
 
-/// Store errors as command errors; a field at fault travels as the JSON of [`Invalid`].
+/// Store errors as command errors; a field at fault travels as the error's detail, an
+/// [`Invalid`] (read back by [`api_error`], here or in a remote tier).
 fn command_error(e: StoreError) -> CommandError {
     match e {
         StoreError::Invalid(i) => {
-            CommandError::rejected(serde_json::to_string(&i).unwrap_or_default())
+            CommandError::rejected(format!("{}: {}", i.field, i.message)).with_detail(&i)
         }
         StoreError::Unknown(i) => {
-            CommandError::not_found(serde_json::to_string(&i).unwrap_or_default())
+            CommandError::not_found(format!("{}: {}", i.field, i.message)).with_detail(&i)
         }
         StoreError::Db(m) => CommandError::new(ErrorKind::Database, m),
         StoreError::Unavailable(m) => CommandError::new(ErrorKind::Unavailable, m),
@@ -213,11 +214,12 @@ fn api_error(e: CommandError) -> ApiError {
     }
     match e.kind() {
         ErrorKind::Rejected => ApiError::Invalid(
-            serde_json::from_str(e.message()).unwrap_or_else(|_| Invalid::new("body", e.message())),
+            e.detail::<Invalid>()
+                .unwrap_or_else(|| Invalid::new("body", e.message())),
         ),
-        ErrorKind::NotFound => match serde_json::from_str(e.message()) {
-            Ok(field) => ApiError::Unknown(field),
-            Err(_) => ApiError::NotFound(e.message().to_owned()),
+        ErrorKind::NotFound => match e.detail::<Invalid>() {
+            Some(field) => ApiError::Unknown(field),
+            None => ApiError::NotFound(e.message().to_owned()),
         },
         ErrorKind::Unavailable => ApiError::unavailable(e),
         _ => ApiError::internal(e),
@@ -227,8 +229,8 @@ fn api_error(e: CommandError) -> ApiError {
 /// PostgreSQL's SQLSTATE for a foreign key that finds no row.
 const FOREIGN_KEY_VIOLATION: &str = "23503";
 
-/// A field at fault, as the command's refusal: the JSON of [`Invalid`] (read back by
-/// [`api_error`]).
+/// A field at fault, as the command's refusal, with the [`Invalid`] as its detail (read
+/// back by [`api_error`]).
 fn rejected(i: Invalid) -> CommandError {
     command_error(StoreError::Invalid(i))
 }

@@ -2,10 +2,31 @@
 
 use std::fmt;
 
-use serde::{Deserialize, Serialize};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Why a command failed. It travels to remote callers as it is, so it carries a kind a
-/// program can match on and a message a person can read.
+/// program can match on, a message a person can read and, when the handler gave one, the
+/// application's own error as a typed value ([`with_detail`](Self::with_detail),
+/// [`detail`](Self::detail)).
+///
+/// ```
+/// use coherent_ops::{CommandError, ErrorKind};
+/// use serde::{Deserialize, Serialize};
+///
+/// /// Why the application refuses a rename.
+/// #[derive(Debug, PartialEq, Serialize, Deserialize)]
+/// enum RenameError {
+///     TooLong { max: usize },
+///     Taken,
+/// }
+///
+/// // In the handler:
+/// let e = CommandError::rejected("the name is too long")
+///     .with_detail(&RenameError::TooLong { max: 40 });
+/// // In the caller, here or remote (the detail travels with the error):
+/// assert_eq!(e.kind(), ErrorKind::Rejected);
+/// assert_eq!(e.detail::<RenameError>(), Some(RenameError::TooLong { max: 40 }));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommandError {
     kind: ErrorKind,
@@ -13,6 +34,9 @@ pub struct CommandError {
     /// PostgreSQL's code for the error (SQLSTATE), when the server refused a statement.
     #[serde(default)]
     code: Option<String>,
+    /// The application's own error, as JSON (see [`CommandError::with_detail`]).
+    #[serde(default)]
+    detail: Option<String>,
     /// The connection was lost under the statement (not sent to remote callers).
     #[serde(skip)]
     lost: bool,
@@ -50,8 +74,33 @@ impl CommandError {
             kind,
             message: message.into(),
             code: None,
+            detail: None,
             lost: false,
         }
+    }
+
+    /// Attaches the application's own account of the failure: any serde value, typically
+    /// an enum of the command's refusals. It travels with the error to remote callers (as
+    /// JSON, in either RPC format), where [`detail`](Self::detail) decodes it; the kind and
+    /// the message stay for the callers that do not know the type. A value that does not
+    /// encode as JSON (a map with keys that are not strings) is left out.
+    pub fn with_detail<D: Serialize + ?Sized>(mut self, detail: &D) -> Self {
+        match serde_json::to_string(detail) {
+            Ok(json) => self.detail = Some(json),
+            Err(e) => tracing::warn!(%e, "a command error's detail does not encode; left out"),
+        }
+        self
+    }
+
+    /// The detail given with [`with_detail`](Self::with_detail), decoded as a `D`; `None`
+    /// when there is none or it is not a `D` (see [`detail_json`](Self::detail_json)).
+    pub fn detail<D: DeserializeOwned>(&self) -> Option<D> {
+        serde_json::from_str(self.detail.as_deref()?).ok()
+    }
+
+    /// The detail as the JSON it travels as, whatever its type.
+    pub fn detail_json(&self) -> Option<&str> {
+        self.detail.as_deref()
     }
 
     /// The handler refuses the command.
@@ -132,6 +181,7 @@ impl From<&tokio_postgres::Error> for CommandError {
                 kind: ErrorKind::Database,
                 message: format!("postgres: {} ({})", db.message(), db.code().code()),
                 code: Some(db.code().code().to_owned()),
+                detail: None,
                 lost: false,
             },
             None => Self {

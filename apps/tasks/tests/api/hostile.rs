@@ -72,7 +72,9 @@ async fn commands_sent_over_rpc_are_validated_and_stamped_by_the_host() {
     let commands = CommandClient::new(client.caller());
     let rejected_field = |e: coherent::ops::CommandError| {
         assert_eq!(e.kind(), ErrorKind::Rejected, "{e}");
-        serde_json::from_str::<Invalid>(e.message()).unwrap().field
+        e.detail::<Invalid>()
+            .expect("the field at fault, typed")
+            .field
     };
 
     let e = commands

@@ -35,6 +35,8 @@ function describe(e: ApiError): string {
 interface CommandError {
   kind: string;
   message: string;
+  /** The application's own error, as JSON, when the handler gave one (`with_detail`). */
+  detail?: string | null;
 }
 
 /**

@@ -240,6 +240,13 @@ async fn a_remote_client_runs_commands_and_its_replica_hears_of_them() {
     let err = commands.run(&FailAfterWrite { id: 5 }).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Rejected);
     assert_eq!(err.message(), "refused after writing");
+    // With the handler's own error, typed on this side of the wire too.
+    assert_eq!(
+        err.detail::<crate::support::Refusal>(),
+        Some(crate::support::Refusal::AfterWrite { id: 5 })
+    );
+    assert_eq!(err.detail_json(), Some(r#"{"AfterWrite":{"id":5}}"#));
+    assert_eq!(err.detail::<String>(), None, "not a String");
     let err = commands
         .run(&SetValue { id: 99, value: 1 })
         .await

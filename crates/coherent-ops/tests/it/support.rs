@@ -163,6 +163,12 @@ pub(crate) struct FailAfterWrite {
     pub(crate) id: i64,
 }
 
+/// The application's own error for [`FailAfterWrite`]: the detail its refusal carries.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) enum Refusal {
+    AfterWrite { id: i64 },
+}
+
 impl Command for FailAfterWrite {
     const NAME: &'static str = "test.fail_after_write";
     type Output = ();
@@ -212,7 +218,8 @@ impl Handler<FailAfterWrite> for Items {
                 .execute("UPDATE items SET value = -1 WHERE id = $1", &[&c.id])
                 .await?;
         }
-        Err(CommandError::rejected("refused after writing"))
+        Err(CommandError::rejected("refused after writing")
+            .with_detail(&Refusal::AfterWrite { id: c.id }))
     }
 
     fn invalidate(&self, c: &FailAfterWrite, _: &()) {
