@@ -10,8 +10,9 @@
 //! 20 ms after a write's commit returned and saw an older version. And the propagation,
 //! from the commit returned to the host's watch invalidating the entry.
 //!
-//! PostgreSQL runs on this machine too: the suite leaves it one core ([`DatabaseCore`]),
-//! so that what is measured is the feed, not readers starving the database's processes.
+//! PostgreSQL runs on this machine too (a loopback URL): the suite leaves it one CPU
+//! ([`DatabaseCore`]), so that what is measured is the feed, not readers starving the
+//! database's processes of time slices.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -208,32 +209,69 @@ async fn cached_host(
 }
 
 pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
-    // Before any thread of the suite starts: they keep the main thread's cores.
-    let left = DatabaseCore::leave();
+    // Before any thread of the suite starts: they keep the main thread's CPUs.
+    let left = database_url()
+        .parse::<tokio_postgres::Config>()
+        .ok()
+        .filter(on_this_machine)
+        .and_then(|_| DatabaseCore::leave());
+    // Counted after: the readers and workers are those of the CPUs the suite keeps.
+    let used = cores();
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(cores())
+        .worker_threads(used)
         .enable_all()
         .build()?;
     let mut report = runtime.block_on(run_async(timing))?;
     drop(runtime);
     report.note(match &left {
         Some(left) => format!(
-            "the suite's threads (readers, hosts, feed, writer) keep off core {}, which \
-             PostgreSQL has to itself, as it has a machine of its own in production: with \
-             every core busy with readers, each step of a change's way (the walsender, a \
-             backend's answer, a notification) waits for a core, and the stale reads \
-             measure that (COHERENT_BENCH_SHARE_CORES=1 runs them on every core)",
+            "the suite's threads (readers, hosts, feed, writer) ran on {used} CPU(s), off \
+             CPU {}, which PostgreSQL (on this machine) had free of them, as it has a \
+             machine of its own in production: with every CPU busy with readers, each step \
+             of a change's way (the walsender, a backend's answer, a notification) waits for \
+             a time slice, and the stale reads measure that (COHERENT_BENCH_SHARE_CORES=1 \
+             runs the suite on every CPU)",
             left.core
         ),
-        None => "the suite's threads share every core with PostgreSQL".to_owned(),
+        None => format!(
+            "the suite's threads ran on {used} CPU(s), shared with PostgreSQL if it runs \
+             on this machine"
+        ),
     });
     Ok(report)
 }
 
-/// One core kept free of the suite's threads for PostgreSQL, which runs on the same
+/// The database the suite runs against.
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// Whether `config` names a server on this machine (a loopback address or a Unix socket):
+/// only then do the suite and the server share CPUs.
+fn on_this_machine(config: &tokio_postgres::Config) -> bool {
+    use tokio_postgres::config::Host;
+    let loopback = |name: &str| {
+        name == "localhost"
+            || name
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    };
+    config.get_hostaddrs().iter().all(|a| a.is_loopback())
+        && config.get_hosts().iter().all(|h| match h {
+            Host::Tcp(name) => loopback(name),
+            #[cfg(unix)]
+            Host::Unix(_) => true,
+        })
+}
+
+/// One CPU kept free of the suite's threads for PostgreSQL, which runs on the same
 /// machine here: the suite's main thread (and so every thread it starts) keeps to the
-/// others until this is dropped. Nothing on a machine of one core, off Linux, or with
-/// `COHERENT_BENCH_SHARE_CORES=1`.
+/// others until this is dropped. The last CPU the process may use; nothing when it may
+/// use one only, off Linux, or with `COHERENT_BENCH_SHARE_CORES=1`. (A CPU free of the
+/// suite's threads, not one PostgreSQL is bound to: its processes run where the scheduler
+/// puts them, which is mostly there.)
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 struct DatabaseCore {
     #[cfg(target_os = "linux")]
     saved: libc::cpu_set_t,
@@ -243,7 +281,7 @@ struct DatabaseCore {
 impl DatabaseCore {
     #[cfg(target_os = "linux")]
     fn leave() -> Option<Self> {
-        if std::env::var_os("COHERENT_BENCH_SHARE_CORES").is_some_and(|v| v == "1") {
+        if std::env::var_os("COHERENT_BENCH_SHARE_CORES").is_some_and(|v| v != "0") {
             return None;
         }
         // SAFETY: `cpu_set_t` is plain data; the calls get and set the calling thread's
@@ -282,8 +320,7 @@ impl Drop for DatabaseCore {
 
 async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     let mut report = Report::new("dbchanges");
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let url = database_url();
     let schema = format!("bench_dbchanges_{}", std::process::id());
     let db = match Database::postgres_in_schema(&url, &schema).await {
         Ok(db) => db,
@@ -348,7 +385,7 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
         (best, stale)
     }
 
-    // The mechanism alone: the writer, no readers (2 cores for the feed and the hosts).
+    // The mechanism alone: the writer, no readers (the suite's CPUs for the feed and the hosts).
     bar.set_message("dbchanges.propagation, no readers");
     tokio::time::sleep(timing.warmup).await;
     samples.lock().reset();

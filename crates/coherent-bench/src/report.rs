@@ -195,6 +195,20 @@ pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
+/// Puts the calling thread under SCHED_IDLE: it gets every cycle nothing else wants, and
+/// any other thread that wakes takes the core from it at once. For the threads of a
+/// suite's readers (busy loops that never wait), so that the threads they measure, and
+/// PostgreSQL on the same machine, are not kept waiting for a time slice. A failure leaves
+/// the thread at the normal policy.
+pub(crate) fn sched_idle() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param that outlives the call; on Linux, pid 0 is the
+    // calling thread.
+    unsafe {
+        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
+    }
+}
+
 pub(crate) fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }

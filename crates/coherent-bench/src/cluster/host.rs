@@ -311,14 +311,7 @@ pub(crate) fn main(args: HostArgs) -> anyhow::Result<()> {
     let readers = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cores())
         .thread_name("readers")
-        .on_thread_start(|| {
-            let param = libc::sched_param { sched_priority: 0 };
-            // SAFETY: `param` is a valid sched_param that outlives the call; on Linux, pid 0
-            // is the calling thread. A failure leaves the thread at the normal policy.
-            unsafe {
-                libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
-            }
-        })
+        .on_thread_start(crate::report::sched_idle)
         .enable_all()
         .build()?;
     let service = tokio::runtime::Builder::new_multi_thread()
