@@ -439,8 +439,11 @@ impl Endpoint {
     }
 
     /// Accepts TCP connections until the listener fails, serving each on its own task.
-    /// A connection that fails its handshake is dropped; the others go on.
-    pub async fn serve_tcp(&self, listener: TcpListener) -> io::Result<()> {
+    /// A connection that fails its handshake is dropped; the others go on. A failure to
+    /// accept that is not the kind that passes (too many open files, a connection reset
+    /// before it was accepted: paused and retried, counted in `accept_errors`) ends it,
+    /// as an [`RpcError`] like every other failure of the endpoint's.
+    pub async fn serve_tcp(&self, listener: TcpListener) -> Result<(), RpcError> {
         let inherited = crate::net::nodelay_inherited(&listener);
         let mut backoff = AcceptBackoff::default();
         loop {
@@ -486,9 +489,10 @@ impl Endpoint {
         self.connect_halves(rd, wr, due).await
     }
 
-    /// Accepts Unix domain socket connections until the listener fails.
+    /// Accepts Unix domain socket connections until the listener fails (as
+    /// [`serve_tcp`](Self::serve_tcp)).
     #[cfg(unix)]
-    pub async fn serve_unix(&self, listener: tokio::net::UnixListener) -> io::Result<()> {
+    pub async fn serve_unix(&self, listener: tokio::net::UnixListener) -> Result<(), RpcError> {
         let mut backoff = AcceptBackoff::default();
         loop {
             let (stream, _) = match listener.accept().await {
@@ -511,13 +515,15 @@ impl Endpoint {
         &self,
         backoff: &mut AcceptBackoff,
         e: io::Error,
-    ) -> io::Result<()> {
+    ) -> Result<(), RpcError> {
         self.inner
             .totals
             .refusals()
             .accept_errors
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let pause = backoff.failed(e)?;
+        let pause = backoff
+            .failed(e)
+            .map_err(|e| RpcError::disconnected(format!("the listener failed: {e}")))?;
         if !pause.is_zero() {
             tokio::time::sleep(pause).await;
         }

@@ -2,7 +2,6 @@
 //! Certificates and client-certificate verification are rustls configurations, built by
 //! the application; this module only wires them to an endpoint.
 
-use std::io;
 use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -69,7 +68,7 @@ impl Endpoint {
         &self,
         listener: TcpListener,
         config: Arc<rustls::ServerConfig>,
-    ) -> io::Result<()> {
+    ) -> Result<(), RpcError> {
         let mut backoff = crate::endpoint::AcceptBackoff::default();
         loop {
             let (tcp, _) = match listener.accept().await {
