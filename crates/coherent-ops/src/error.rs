@@ -95,7 +95,13 @@ impl CommandError {
     /// The detail given with [`with_detail`](Self::with_detail), decoded as a `D`; `None`
     /// when there is none or it is not a `D` (see [`detail_json`](Self::detail_json)).
     pub fn detail<D: DeserializeOwned>(&self) -> Option<D> {
-        serde_json::from_str(self.detail.as_deref()?).ok()
+        match serde_json::from_str(self.detail.as_deref()?) {
+            Ok(detail) => Some(detail),
+            Err(e) => {
+                tracing::debug!(%e, "a command error's detail is not of the type asked for");
+                None
+            }
+        }
     }
 
     /// The detail as the JSON it travels as, whatever its type.
@@ -184,10 +190,20 @@ impl From<&tokio_postgres::Error> for CommandError {
                 detail: None,
                 lost: false,
             },
-            None => Self {
-                lost: connection_lost(e),
-                ..Self::new(ErrorKind::Database, format!("postgres: {e}"))
-            },
+            None => {
+                // tokio-postgres says what failed ("error performing TLS handshake"), its
+                // cause why ("invalid peer certificate: UnknownIssuer"): both.
+                let mut message = format!("postgres: {e}");
+                let mut cause = std::error::Error::source(e);
+                while let Some(c) = cause {
+                    message.push_str(&format!(": {c}"));
+                    cause = c.source();
+                }
+                Self {
+                    lost: connection_lost(e),
+                    ..Self::new(ErrorKind::Database, message)
+                }
+            }
         }
     }
 }

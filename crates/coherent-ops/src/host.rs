@@ -630,6 +630,7 @@ impl HostBuilder {
                     feed,
                     watches: apply.watches.clone(),
                     config: pg.config.clone(),
+                    tls: pg.tls.clone(),
                     // Unquoted in the statements that made it: PostgreSQL folded it.
                     schema: pg.schema.to_ascii_lowercase(),
                     counters: Arc::default(),

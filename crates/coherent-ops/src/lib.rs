@@ -63,3 +63,7 @@ pub use rusqlite;
 /// The tokio-postgres this crate uses: the version of the client and the error types that
 /// [`Tx`] hands out on PostgreSQL.
 pub use tokio_postgres;
+/// The rustls this crate speaks TLS to PostgreSQL with (feature `tls`): the version of the
+/// `ClientConfig` that [`PostgresOptions::tls`] takes.
+#[cfg(feature = "tls")]
+pub use tokio_rustls::rustls;

@@ -1054,11 +1054,15 @@ async fn pg_listen_once(
     config: &tokio_postgres::Config,
     channel: &str,
 ) -> Result<(), CommandError> {
-    let ack_channel = {
+    let (ack_channel, tls) = {
         let Some(inner) = host.upgrade() else {
             return Ok(());
         };
-        ack_channel(channel, &inner.id)
+        let tls = match &*inner.db.inner {
+            Engine::Postgres(pg) => pg.tls.clone(),
+            Engine::Sqlite(_) => crate::db::tls::Tls::Plain,
+        };
+        (ack_channel(channel, &inner.id), tls)
     };
     let acks_here = ack_channel.clone();
     let (own, hints) = match host.upgrade() {
@@ -1069,7 +1073,7 @@ async fn pg_listen_once(
         None => return Ok(()),
     };
     let hints_here = hints.clone();
-    let (client, mut connection) = config.connect(tokio_postgres::NoTls).await?;
+    let (client, mut connection) = config.connect(tls).await?;
     // Dropped when the connection ends: `rx` then wakes the loop below.
     let (ended, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
     let listener = host.clone();

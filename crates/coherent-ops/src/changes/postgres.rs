@@ -110,6 +110,8 @@ pub(crate) struct PgFeed {
     pub(crate) feed: ChangeFeed,
     pub(crate) watches: Watches,
     pub(crate) config: tokio_postgres::Config,
+    /// How the feed's connections speak TLS (the database's).
+    pub(crate) tls: crate::db::tls::Tls,
     pub(crate) schema: String,
     pub(crate) counters: Arc<FeedCounters>,
 }
@@ -462,10 +464,7 @@ async fn lead(
     config
         .keepalives(true)
         .keepalives_idle(std::time::Duration::from_secs(5));
-    let (client, connection) = config
-        .connect(tokio_postgres::NoTls)
-        .await
-        .map_err(feed_error)?;
+    let (client, connection) = config.connect(feed.tls.clone()).await.map_err(feed_error)?;
     // The trigger feed's wake-ups come as notifications on this connection.
     let wake = Arc::new(tokio::sync::Notify::new());
     let woken = wake.clone();
@@ -690,7 +689,8 @@ async fn stream_slot(
     // Starts refused because an earlier connection still holds the slot.
     let mut in_use = 0;
     'session: loop {
-        let mut stream = match replication::connect(config, application, &identity).await {
+        let mut stream = match replication::connect(config, &feed.tls, application, &identity).await
+        {
             Ok(stream) => stream,
             Err(e) if e.refused_connection() => return Ok(Some((e.to_string(), e.passing()))),
             Err(e) => return Err(feed_error(format!("the replication connection: {e}"))),

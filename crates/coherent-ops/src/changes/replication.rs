@@ -6,8 +6,8 @@
 //!
 //! tokio-postgres (0.7) has no copy-both mode, which the stream needs, so the connection is
 //! made here, on `postgres-protocol`'s message writers and its password and SCRAM-SHA-256
-//! code; the few backend messages the stream uses are read here. Without TLS, like every
-//! other connection of the ops crate.
+//! code; the few backend messages the stream uses are read here. With TLS as the
+//! database's other connections (`SSLRequest`, then rustls: see `db::tls`).
 
 use std::io;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -119,6 +119,7 @@ pub(super) struct Stream {
 /// connection: a server gone silent fails the stream in seconds.
 pub(super) async fn connect(
     config: &tokio_postgres::Config,
+    tls: &crate::db::tls::Tls,
     application: &str,
     identity: &str,
 ) -> Result<Stream, StreamError> {
@@ -135,6 +136,12 @@ pub(super) async fn connect(
             .or_else(|| ports.first())
             .copied()
             .unwrap_or(5432);
+        // The name a certificate must carry: the host's, else the address's.
+        let name = match (hosts.get(i), addresses.get(i)) {
+            (Some(tokio_postgres::config::Host::Tcp(name)), _) => name.clone(),
+            (_, Some(address)) => address.to_string(),
+            _ => String::new(),
+        };
         let opened = async {
             let tcp = match (addresses.get(i), hosts.get(i)) {
                 (Some(address), _) => tokio::net::TcpStream::connect((*address, port)).await?,
@@ -158,7 +165,16 @@ pub(super) async fn connect(
             let _ = socket.set_tcp_keepalive(&keepalive);
             #[cfg(any(target_os = "linux", target_os = "android"))]
             let _ = socket.set_tcp_user_timeout(Some(Duration::from_secs(10)));
-            Ok::<_, io::Error>(Box::new(tcp) as Box<dyn Io>)
+            #[cfg(feature = "tls")]
+            match tls.open(tcp, config.get_ssl_mode(), &name).await? {
+                Ok(tls) => Ok::<_, io::Error>(Box::new(tls) as Box<dyn Io>),
+                Err(tcp) => Ok(Box::new(tcp) as Box<dyn Io>),
+            }
+            #[cfg(not(feature = "tls"))]
+            {
+                let _ = (tls, &name);
+                Ok::<_, io::Error>(Box::new(tcp) as Box<dyn Io>)
+            }
         };
         let io = match tokio::time::timeout(timeout, opened).await {
             Ok(Ok(io)) => io,

@@ -96,6 +96,7 @@ impl Background {
 /// pool for a connection.
 pub(crate) struct ConnectOnBackground {
     pub(crate) handle: Handle,
+    pub(crate) tls: super::tls::Tls,
 }
 
 impl deadpool_postgres::Connect for ConnectOnBackground {
@@ -107,13 +108,13 @@ impl deadpool_postgres::Connect for ConnectOnBackground {
         Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), tokio_postgres::Error>,
     > {
         let config = config.clone();
-        let handle = self.handle.clone();
+        let (handle, tls) = (self.handle.clone(), self.tls.clone());
         Box::pin(async move {
-            match handle.spawn(connect(config.clone())).await {
+            match handle.spawn(connect(config.clone(), tls.clone())).await {
                 Ok(made) => made,
                 // The thread's runtime is gone (the `Database` is being dropped while a
                 // caller still asks for a connection): connect here, as a plain pool would.
-                Err(_) => connect(config).await,
+                Err(_) => connect(config, tls).await,
             }
         })
     }
@@ -122,8 +123,9 @@ impl deadpool_postgres::Connect for ConnectOnBackground {
 /// Connects, and drives the connection on a task of the current runtime.
 async fn connect(
     config: tokio_postgres::Config,
+    tls: super::tls::Tls,
 ) -> Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), tokio_postgres::Error> {
-    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+    let (client, connection) = config.connect(tls).await?;
     let driver = tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(%e, "a pool connection ended");

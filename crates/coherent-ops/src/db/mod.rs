@@ -18,6 +18,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 mod background;
 mod log;
+pub(crate) mod tls;
 
 pub(crate) use background::Background;
 
@@ -73,10 +74,13 @@ const POOL_SIZE: usize = 16;
 /// the log's listener, and a change feed, hold one more each). A host runs
 /// [`HostBuilder::transactions`](crate::HostBuilder::transactions) commands at once (8 by
 /// default): keep the pool larger, for the log's reads and the application's own.
+///
+/// Connections are plain unless [`tls`](Self::tls) is given (feature `tls`).
 #[derive(Clone, Debug)]
 pub struct PostgresOptions {
     schema: String,
     pool_size: usize,
+    tls: tls::Tls,
 }
 
 impl Default for PostgresOptions {
@@ -84,6 +88,7 @@ impl Default for PostgresOptions {
         Self {
             schema: "public".to_owned(),
             pool_size: POOL_SIZE,
+            tls: tls::Tls::Plain,
         }
     }
 }
@@ -99,6 +104,41 @@ impl PostgresOptions {
     /// How many connections the pool holds at most (at least 1).
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size.max(1);
+        self
+    }
+
+    /// Speaks TLS to the server, with rustls and `config` (its trusted roots, a client
+    /// certificate if the server asks for one): every connection of the `Database` (the
+    /// pool's, the notifier's listener, the change feed's SQL connection and its
+    /// replication stream). The URL's `sslmode` says how much is required: `prefer` (the
+    /// default) goes on in the clear with a server that does not speak TLS, `require`
+    /// refuses it; either way a server that speaks TLS must show a certificate that
+    /// `config`'s roots vouch for, for the URL's host name. Without this, connections are
+    /// plain, and a URL with `sslmode=require` fails to open.
+    ///
+    /// ```no_run
+    /// # async fn open() -> Result<(), Box<dyn std::error::Error>> {
+    /// use coherent_ops::rustls::{pki_types::pem::PemObject, pki_types::CertificateDer};
+    /// use coherent_ops::rustls::{ClientConfig, RootCertStore};
+    /// use coherent_ops::{Database, PostgresOptions};
+    ///
+    /// let mut roots = RootCertStore::empty();
+    /// for cert in CertificateDer::pem_file_iter("/etc/ssl/certs/db-ca.pem")? {
+    ///     roots.add(cert?)?;
+    /// }
+    /// let tls = ClientConfig::builder()
+    ///     .with_root_certificates(roots)
+    ///     .with_no_client_auth();
+    /// let db = Database::postgres_with(
+    ///     "postgres://app@db.internal/app?sslmode=require",
+    ///     PostgresOptions::default().tls(tls),
+    /// )
+    /// .await?;
+    /// # let _ = db; Ok(()) }
+    /// ```
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self, config: tokio_rustls::rustls::ClientConfig) -> Self {
+        self.tls = tls::Tls::rustls(config);
         self
     }
 }
@@ -127,6 +167,8 @@ pub(crate) struct Sqlite {
 pub(crate) struct Postgres {
     pub(crate) pool: deadpool_postgres::Pool,
     pub(crate) config: tokio_postgres::Config,
+    /// How every connection to the server speaks TLS.
+    pub(crate) tls: tls::Tls,
     pub(crate) schema: String,
     /// The `LISTEN`/`NOTIFY` channel: one per schema, so that clusters in other schemas of
     /// the same database never hear each other.
@@ -342,7 +384,11 @@ impl Database {
     /// # let _ = db; Ok(()) }
     /// ```
     pub async fn postgres_with(url: &str, options: PostgresOptions) -> Result<Self, CommandError> {
-        let PostgresOptions { schema, pool_size } = options;
+        let PostgresOptions {
+            schema,
+            pool_size,
+            tls,
+        } = options;
         let schema = schema.as_str();
         if schema.is_empty()
             || !schema
@@ -357,8 +403,9 @@ impl Database {
         let mut config: tokio_postgres::Config = url
             .parse()
             .map_err(|e| CommandError::new(ErrorKind::Database, format!("{url}: {e}")))?;
+        tls.settle(&mut config)?;
         {
-            let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+            let (client, connection) = config.connect(tls.clone()).await?;
             let driver = tokio::spawn(connection);
             client
                 .batch_execute(&format!(
@@ -388,6 +435,7 @@ impl Database {
             config.clone(),
             background::ConnectOnBackground {
                 handle: background.io().clone(),
+                tls: tls.clone(),
             },
             deadpool_postgres::ManagerConfig {
                 recycling_method: deadpool_postgres::RecyclingMethod::Fast,
@@ -408,6 +456,7 @@ impl Database {
             inner: Arc::new(Engine::Postgres(Postgres {
                 pool,
                 config,
+                tls,
                 schema: schema.to_owned(),
                 channel,
                 unfusable: parking_lot::Mutex::new(std::collections::HashSet::new()),

@@ -995,3 +995,138 @@ async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed
     b.0.stop().await;
     drop_slot(&db, &name).await;
 }
+
+/// `PostgresOptions::tls`: every connection of the database speaks TLS (the pool's, each
+/// host's listener, the feed's SQL connection and its replication stream, which this crate
+/// opens by hand), the server's certificate checked against the roots given, and a change
+/// made outside still reaches both hosts. A URL that requires TLS without a configuration,
+/// and a server whose certificate the roots do not vouch for, fail to open with a reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_tls_encrypts_every_connection_and_changes_still_arrive() {
+    use coherent_ops::rustls::pki_types::{pem::PemObject, CertificateDer};
+    use coherent_ops::rustls::{ClientConfig, RootCertStore};
+    use coherent_ops::PostgresOptions;
+
+    let Some(url) = crate::support::database_url() else {
+        return;
+    };
+    let plain = crate::support::connect_in_schema(&url, "public").await;
+    let ssl: String = plain.query_one("SHOW ssl", &[]).await.unwrap().get(0);
+    let cert: String = plain
+        .query_one("SHOW ssl_cert_file", &[])
+        .await
+        .unwrap()
+        .get(0);
+    // Debian's PostgreSQL serves its snakeoil certificate, for `localhost`: trusted here
+    // as a root of its own.
+    let pem = match std::fs::read(&cert) {
+        Ok(pem) if ssl == "on" => pem,
+        _ => {
+            eprintln!("skipped: the server does not serve TLS with a certificate readable here");
+            return;
+        }
+    };
+    let mut roots = RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(&pem) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let trusted = ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let application = format!("coherent_tls_{}", std::process::id());
+    let tls_url = format!(
+        "postgres://{}@localhost:{}/{}?sslmode=require&application_name={application}",
+        config.get_user().unwrap(),
+        config.get_ports().first().copied().unwrap_or(5432),
+        config.get_dbname().unwrap_or("postgres"),
+    );
+
+    // No configuration, TLS required: refused before anything is sent in the clear.
+    let e = Database::postgres_with(&tls_url, PostgresOptions::default())
+        .await
+        .err()
+        .expect("sslmode=require without a TLS configuration");
+    assert!(e.message().contains("PostgresOptions::tls"), "{e}");
+    // Roots that do not vouch for the server's certificate: refused.
+    let e = Database::postgres_with(
+        &tls_url,
+        PostgresOptions::default().tls(
+            ClientConfig::builder()
+                .with_root_certificates(RootCertStore::empty())
+                .with_no_client_auth(),
+        ),
+    )
+    .await
+    .err()
+    .expect("an untrusted certificate");
+    assert!(e.message().to_lowercase().contains("certificate"), "{e}");
+
+    let schema = crate::support::fresh_schema("tls");
+    let db = Database::postgres_with(
+        &tls_url,
+        PostgresOptions::default().schema(&schema).tls(trusted),
+    )
+    .await
+    .unwrap();
+    crate::support::create_items(&db, 10).await;
+    let feed = feed_for(&db, "tls", Mode::Stream).await;
+    let hosts = pair(&db, &feed).await;
+    let two: Vec<_> = {
+        let mut v = Vec::new();
+        for (_, items, _) in &hosts {
+            v.push(items.value_computed(2).await);
+        }
+        v
+    };
+    let outside = crate::support::connect_in_schema(&url, &schema).await;
+    outside
+        .execute("UPDATE items SET value = 70 WHERE id = 2", &[])
+        .await
+        .unwrap();
+    invalidated(&two, "the UPDATE of item 2, over TLS").await;
+    for (_, items, _) in &hosts {
+        assert_eq!(items.value(2).await, Ok(70));
+    }
+
+    // Every connection of the database, by the names they go by: encrypted.
+    let mut names = vec![
+        application.clone(),
+        format!("{}:{schema}", coherent_ops::changes::FEED_APPLICATION),
+    ];
+    for (host, _, _) in &hosts {
+        names.push(format!("coherent-listener:{}", host.id()));
+    }
+    let rows = plain
+        .query(
+            "SELECT a.application_name, a.backend_type, s.ssl \
+             FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.application_name = ANY($1)",
+            &[&names],
+        )
+        .await
+        .unwrap();
+    let seen: Vec<(String, String, bool)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    for name in &names {
+        assert!(
+            seen.iter().any(|(n, _, _)| n == name),
+            "no connection named {name}: {seen:?}"
+        );
+    }
+    assert!(
+        seen.iter().any(|(_, kind, _)| kind == "walsender"),
+        "the feed streams over a replication connection: {seen:?}"
+    );
+    assert!(
+        seen.iter().all(|(_, _, ssl)| *ssl),
+        "a plain connection: {seen:?}"
+    );
+
+    for (host, _, _) in &hosts {
+        host.stop().await;
+    }
+    drop_slot(&db, &feed_name("tls")).await;
+}
