@@ -210,7 +210,11 @@ impl From<&tokio_postgres::Error> for CommandError {
 
 impl From<deadpool_postgres::PoolError> for CommandError {
     fn from(e: deadpool_postgres::PoolError) -> Self {
-        Self::new(ErrorKind::Database, format!("postgres pool: {e}"))
+        match e {
+            // The connection's own error, with its cause (a refused TLS handshake, say).
+            deadpool_postgres::PoolError::Backend(e) => Self::from(&e),
+            e => Self::new(ErrorKind::Database, format!("postgres pool: {e}")),
+        }
     }
 }
 

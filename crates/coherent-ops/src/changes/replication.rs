@@ -37,6 +37,10 @@ pub(super) enum StreamError {
     Io(io::Error),
     /// No host of the configuration is the server of the feed's SQL connection.
     Elsewhere(String),
+    /// The configuration asks for what this connection does not do (channel binding
+    /// required, direct TLS negotiation): a feed reads its slot through SQL instead, on
+    /// connections that do it.
+    Unsupported(String),
 }
 
 impl StreamError {
@@ -53,7 +57,7 @@ impl StreamError {
             Self::Server { code, .. } => {
                 code == "28000" || code == "28P01" || code == "42501" || self.passing()
             }
-            Self::Elsewhere(_) => true,
+            Self::Elsewhere(_) | Self::Unsupported(_) => true,
             Self::Io(_) => false,
         }
     }
@@ -79,6 +83,7 @@ impl std::fmt::Display for StreamError {
                 f,
                 "the replication connection reached another server: {why}"
             ),
+            Self::Unsupported(why) => write!(f, "the replication connection: {why}"),
         }
     }
 }
@@ -123,6 +128,17 @@ pub(super) async fn connect(
     application: &str,
     identity: &str,
 ) -> Result<Stream, StreamError> {
+    use tokio_postgres::config::{ChannelBinding, SslNegotiation};
+    if config.get_channel_binding() == ChannelBinding::Require {
+        return Err(StreamError::Unsupported(
+            "channel_binding=require, and its SCRAM has no channel binding".to_owned(),
+        ));
+    }
+    if config.get_ssl_negotiation() == SslNegotiation::Direct {
+        return Err(StreamError::Unsupported(
+            "sslnegotiation=direct, and it negotiates TLS with an SSLRequest".to_owned(),
+        ));
+    }
     let ports = config.get_ports();
     let (hosts, addresses) = (config.get_hosts(), config.get_hostaddrs());
     let timeout = config
@@ -417,7 +433,8 @@ impl Stream {
                             if !offers_scram {
                                 return Err(StreamError::protocol(
                                     "the server offers no SASL mechanism but SCRAM-SHA-256-PLUS \
-                                     (channel binding needs TLS, which the feed does not use)",
+                                     (channel binding, which the feed's replication stream \
+                                     does not do)",
                                 ));
                             }
                             let state = sasl::ScramSha256::new(

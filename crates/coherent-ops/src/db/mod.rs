@@ -400,9 +400,10 @@ impl Database {
                 format!("schema name {schema:?}: use letters, digits and '_'"),
             ));
         }
+        // The URL stays out of the message: it may hold a password.
         let mut config: tokio_postgres::Config = url
             .parse()
-            .map_err(|e| CommandError::new(ErrorKind::Database, format!("{url}: {e}")))?;
+            .map_err(|e: tokio_postgres::Error| CommandError::from(&e))?;
         tls.settle(&mut config)?;
         {
             let (client, connection) = config.connect(tls.clone()).await?;

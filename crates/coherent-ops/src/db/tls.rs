@@ -5,10 +5,17 @@
 //! Without a TLS configuration ([`PostgresOptions::tls`](super::PostgresOptions::tls)) the
 //! connections are plain, whatever the server offers (`sslmode=prefer`, the default,
 //! becomes `disable`); a URL that asks for `sslmode=require` then fails to open, with a
-//! reason, rather than sending anything in the clear. With one, `prefer` and `require`
-//! mean what they mean to libpq: the server's certificate is checked against the
-//! configuration's roots and the URL's host name (`require` also refuses a server that
-//! does not speak TLS; `prefer` then goes on in the clear).
+//! reason, rather than sending anything in the clear. With one, a server that speaks TLS
+//! must show a certificate that the configuration's roots vouch for, for the URL's host
+//! name (what libpq calls `verify-full`, which tokio-postgres's URLs do not take: write
+//! `require`); `require` also refuses a server that does not speak TLS, `prefer` goes on in
+//! the clear with it (so a man in the middle can choose plain: use `require`).
+//!
+//! The replication stream, which this crate speaks by hand, authenticates with SCRAM
+//! without channel binding (the certificate check is what ties it to the server), and
+//! does the `SSLRequest` of PostgreSQL's own negotiation: with `channel_binding=require`
+//! or `sslnegotiation=direct` in the URL, a change feed reads its slot with SQL instead,
+//! on connections that honour them.
 
 use std::future::Future;
 use std::io;
@@ -71,8 +78,8 @@ impl Tls {
 
     /// Opens `stream`'s TLS session, for a connection this crate speaks by hand (the change
     /// feed's replication stream), as [`tokio_postgres`] does for the others: an
-    /// `SSLRequest`, then the handshake if the server agrees. `None` when the connection is
-    /// to stay plain.
+    /// `SSLRequest`, then the handshake if the server agrees. `Ok(Err(stream))` when the
+    /// connection is to stay plain.
     #[cfg(feature = "tls")]
     pub(crate) async fn open(
         &self,
