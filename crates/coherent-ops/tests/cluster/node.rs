@@ -118,6 +118,7 @@ pub(crate) async fn host_main() -> i32 {
     if let Some(d) = env_ms("CL_EXPIRY_MS") {
         builder = builder.host_expiry(d);
     }
+
     if let Some(slot) = env("CL_FEED") {
         // Issue 34: changes from outside the application invalidate `value` by id.
         let (row, all) = (items.clone(), items.clone());
@@ -271,7 +272,7 @@ pub(crate) async fn host_main() -> i32 {
                 let s = host.stats();
                 format!(
                     "stats commands={} notified={} from_log={} duplicates={} flushes={} \
-                     trimmed={} horizon={} connected={}",
+                     trimmed={} horizon={} connected={} fences={} leases_lost={}",
                     s.commands,
                     s.applied_notified,
                     s.applied_from_log,
@@ -279,7 +280,9 @@ pub(crate) async fn host_main() -> i32 {
                     s.flushes,
                     s.trimmed,
                     s.horizon,
-                    u8::from(host.notifier_connected())
+                    u8::from(host.notifier_connected()),
+                    s.fences,
+                    s.leases_lost
                 )
             }
             Some("feed") => match host.feed_stats() {
