@@ -615,7 +615,7 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             tokio::spawn(pg_listen(
                 std::sync::Arc::downgrade(inner),
                 inner.stop.subscribe(),
-                config,
+                (config, pg.tls.clone()),
                 channel,
             ));
         }
@@ -1019,7 +1019,7 @@ fn apply_payload(inner: &Inner, own: &str, payload: &str) {
 async fn pg_listen(
     host: Weak<Inner>,
     mut stop: watch::Receiver<bool>,
-    config: tokio_postgres::Config,
+    connect: (tokio_postgres::Config, crate::db::tls::Tls),
     channel: String,
 ) {
     let mut failures: u32 = 0;
@@ -1027,7 +1027,7 @@ async fn pg_listen(
         if *stop.borrow() {
             return;
         }
-        match pg_listen_once(&host, &mut stop, &config, &channel).await {
+        match pg_listen_once(&host, &mut stop, &connect, &channel).await {
             Ok(()) => failures = 0,
             Err(e) => {
                 failures = failures.saturating_add(1);
@@ -1051,18 +1051,14 @@ async fn pg_listen(
 async fn pg_listen_once(
     host: &Weak<Inner>,
     stop: &mut watch::Receiver<bool>,
-    config: &tokio_postgres::Config,
+    (config, tls): &(tokio_postgres::Config, crate::db::tls::Tls),
     channel: &str,
 ) -> Result<(), CommandError> {
-    let (ack_channel, tls) = {
+    let ack_channel = {
         let Some(inner) = host.upgrade() else {
             return Ok(());
         };
-        let tls = match &*inner.db.inner {
-            Engine::Postgres(pg) => pg.tls.clone(),
-            Engine::Sqlite(_) => crate::db::tls::Tls::Plain,
-        };
-        (ack_channel(channel, &inner.id), tls)
+        ack_channel(channel, &inner.id)
     };
     let acks_here = ack_channel.clone();
     let (own, hints) = match host.upgrade() {
@@ -1073,7 +1069,7 @@ async fn pg_listen_once(
         None => return Ok(()),
     };
     let hints_here = hints.clone();
-    let (client, mut connection) = config.connect(tls).await?;
+    let (client, mut connection) = config.connect(tls.clone()).await?;
     // Dropped when the connection ends: `rx` then wakes the loop below.
     let (ended, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
     let listener = host.clone();

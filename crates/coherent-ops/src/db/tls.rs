@@ -36,24 +36,17 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) enum Tls {
     /// Plain connections.
     Plain,
-    /// rustls, with the application's client configuration (the connector of the
-    /// connections tokio-postgres makes, and the configuration for the stream made here).
+    /// rustls, with the application's client configuration: the connector of the
+    /// connections tokio-postgres makes, and of the stream made here.
     #[cfg(feature = "tls")]
-    Rustls {
-        make: tokio_postgres_rustls::MakeRustlsConnect,
-        config: std::sync::Arc<tokio_rustls::rustls::ClientConfig>,
-    },
+    Rustls(tokio_postgres_rustls::MakeRustlsConnect),
 }
 
 impl Tls {
     /// TLS with `config` (its roots, its client certificate if any).
     #[cfg(feature = "tls")]
     pub(crate) fn rustls(config: tokio_rustls::rustls::ClientConfig) -> Self {
-        let config = std::sync::Arc::new(config);
-        Tls::Rustls {
-            make: tokio_postgres_rustls::MakeRustlsConnect::new((*config).clone()),
-            config,
-        }
+        Tls::Rustls(tokio_postgres_rustls::MakeRustlsConnect::new(config))
     }
 
     /// Checks `config`'s `sslmode` against this: a plain setup turns `prefer` into
@@ -72,7 +65,7 @@ impl Tls {
                 }
             },
             #[cfg(feature = "tls")]
-            Tls::Rustls { .. } => Ok(()),
+            Tls::Rustls(_) => Ok(()),
         }
     }
 
@@ -87,10 +80,13 @@ impl Tls {
         mode: SslMode,
         host: &str,
     ) -> io::Result<
-        Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, tokio::net::TcpStream>,
-    > {
+        Result<
+            <tokio_postgres_rustls::MakeRustlsConnect as MakeTlsConnect<tokio::net::TcpStream>>::Stream,
+            tokio::net::TcpStream,
+        >,
+    >{
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let Tls::Rustls { config, .. } = self else {
+        let Tls::Rustls(make) = self else {
             return Ok(Err(stream));
         };
         if mode == SslMode::Disable {
@@ -109,12 +105,14 @@ impl Tls {
             }
             return Ok(Err(stream));
         }
-        let name = tokio_rustls::rustls::pki_types::ServerName::try_from(host.to_owned())
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{host:?}: {e}")))?;
-        let tls = tokio_rustls::TlsConnector::from(config.clone())
-            .connect(name, stream)
-            .await?;
-        Ok(Ok(tls))
+        let connect = match MakeTlsConnect::<tokio::net::TcpStream>::make_tls_connect(
+            &mut make.clone(),
+            host,
+        ) {
+            Ok(connect) => connect,
+            Err(never) => match never {},
+        };
+        Ok(Ok(connect.connect(stream).await?))
     }
 }
 
@@ -123,7 +121,7 @@ impl std::fmt::Debug for Tls {
         match self {
             Tls::Plain => f.write_str("Plain"),
             #[cfg(feature = "tls")]
-            Tls::Rustls { .. } => f.write_str("Rustls"),
+            Tls::Rustls(_) => f.write_str("Rustls"),
         }
     }
 }
@@ -139,12 +137,10 @@ impl MakeTlsConnect<Socket> for Tls {
         match self {
             Tls::Plain => Ok(Connect::Plain),
             #[cfg(feature = "tls")]
-            Tls::Rustls { make, .. } => {
-                match MakeTlsConnect::<Socket>::make_tls_connect(make, domain) {
-                    Ok(connect) => Ok(Connect::Rustls(connect)),
-                    Err(never) => match never {},
-                }
-            }
+            Tls::Rustls(make) => match MakeTlsConnect::<Socket>::make_tls_connect(make, domain) {
+                Ok(connect) => Ok(Connect::Rustls(connect)),
+                Err(never) => match never {},
+            },
         }
     }
 }
