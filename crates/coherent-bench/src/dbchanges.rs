@@ -210,7 +210,7 @@ async fn cached_host(
 
 pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
     // Before any thread of the suite starts: they keep the main thread's CPUs.
-    let left = database_url()
+    let left = crate::report::database_url()
         .parse::<tokio_postgres::Config>()
         .ok()
         .filter(on_this_machine)
@@ -239,12 +239,6 @@ pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
         ),
     });
     Ok(report)
-}
-
-/// The database the suite runs against.
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
 }
 
 /// Whether `config` names a server on this machine (a loopback address or a Unix socket):
@@ -320,7 +314,7 @@ impl Drop for DatabaseCore {
 
 async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     let mut report = Report::new("dbchanges");
-    let url = database_url();
+    let url = crate::report::database_url();
     let schema = format!("bench_dbchanges_{}", std::process::id());
     let db = match Database::postgres_in_schema(&url, &schema).await {
         Ok(db) => db,

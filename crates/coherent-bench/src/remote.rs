@@ -155,8 +155,7 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     let mut report = Report::new("remote");
     let bar = progress(timing.runs as u64 + 1);
     let dir = tempfile::tempdir()?;
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let url = crate::report::database_url();
     let store = match Store::postgres(&url, cores() * 4).await {
         Ok(Some(pg)) => {
             report.note("store: PostgreSQL (tokio-postgres through a deadpool pool)");

@@ -209,6 +209,12 @@ pub(crate) fn sched_idle() {
     }
 }
 
+/// The PostgreSQL the suites run against: `DATABASE_URL`, else the local server.
+pub(crate) fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
 pub(crate) fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }

@@ -42,8 +42,7 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let url = crate::report::database_url();
     let schema = format!("bench_tasks_{}", std::process::id());
     let pg = DbConfig::Postgres {
         url: url.clone(),

@@ -490,8 +490,7 @@ pub(crate) fn run(timing: Timing, only: &str) -> anyhow::Result<Report> {
 
 async fn run_async(timing: Timing, only: &str) -> anyhow::Result<Report> {
     let mut report = Report::new("cluster");
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let url = crate::report::database_url();
     let nats = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?

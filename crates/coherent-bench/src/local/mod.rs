@@ -425,8 +425,7 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
         path.display()
     ));
 
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let url = crate::report::database_url();
     match Store::postgres(&url, cores() * 4).await {
         Ok(Some(postgres)) => {
             store_rows(
