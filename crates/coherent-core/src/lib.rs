@@ -53,7 +53,7 @@ pub use node::CallbackKey;
 #[cfg(not(loom))]
 pub use options::{ComputeOptions, OutputKind, TransientError};
 #[cfg(not(loom))]
-pub use registry::{lease_clock, Registry, RegistryBuilder};
+pub use registry::{lease_clock, Lease, Registry, RegistryBuilder};
 #[cfg(not(loom))]
 pub use service::{ComputeService, ServiceHandle, MAX_METHODS};
 #[cfg(not(loom))]

@@ -47,8 +47,12 @@ pub(crate) struct RegistryInner {
     /// How many holders fence the registry now ([`Registry::fence`]); read by every hit,
     /// written only when a fence goes up or down, so it sits with the read-only fields.
     fences: AtomicUsize,
-    /// Until when (on [`lease_clock`]) the cache may answer; `u64::MAX`: no lease.
+    /// Until when (on [`lease_clock`]) the cache may answer: the earliest of the holders'
+    /// leases; `u64::MAX`: no lease.
     lease_until: std::sync::atomic::AtomicU64,
+    /// Each holder's lease (holder, until): 0 is [`Registry::set_lease`]'s, the others
+    /// [`Lease`]s. Written only when a lease is renewed or dropped.
+    leases: parking_lot::Mutex<Vec<(u64, u64)>>,
     pub(crate) counters: Arc<Counters>,
     len: CachePadded<AtomicIsize>,
     inserts_since_prune: CachePadded<AtomicUsize>,
@@ -120,6 +124,7 @@ impl RegistryBuilder {
                 capacity: self.capacity,
                 fences: AtomicUsize::new(0),
                 lease_until: std::sync::atomic::AtomicU64::new(u64::MAX),
+                leases: parking_lot::Mutex::new(Vec::new()),
                 counters: Arc::new(Counters::default()),
                 len: CachePadded::new(AtomicIsize::new(0)),
                 inserts_since_prune: CachePadded::new(AtomicUsize::new(0)),
@@ -229,21 +234,64 @@ impl Registry {
     /// cluster, whose peers stop waiting for it after a deadline): a process paused past
     /// its lease (SIGSTOP, a stalled VM) answers nothing from its cache when it resumes,
     /// before it has run anything else. A hit pays a coarse clock read while a lease is
-    /// set. A lease never moves back.
+    /// set. A lease never moves back. This is the registry's own lease; another holder
+    /// takes one of its own with [`lease`](Self::lease), and the cache answers only while
+    /// every holder's lease runs.
     pub fn set_lease(&self, until: u64) {
-        self.inner.lease_until.fetch_max(until, Ordering::SeqCst);
-        // `fetch_max` would keep `u64::MAX` (no lease) for ever: replace it.
-        let _ = self.inner.lease_until.compare_exchange(
-            u64::MAX,
-            until,
-            Ordering::SeqCst,
-            Ordering::SeqCst,
-        );
+        self.renew_lease(0, until);
     }
 
-    /// Drops the lease: the cache answers without one (see [`set_lease`](Self::set_lease)).
+    /// Drops the lease of [`set_lease`](Self::set_lease): the cache answers without it
+    /// (other holders' leases still count).
     pub fn clear_lease(&self) {
-        self.inner.lease_until.store(u64::MAX, Ordering::SeqCst);
+        self.drop_lease(0);
+    }
+
+    /// A lease of its own on this registry, beside the registry's own
+    /// ([`set_lease`](Self::set_lease)) and other holders': the cache answers only while
+    /// every holder's lease runs. It starts unset (it bounds nothing until renewed) and
+    /// is dropped with the [`Lease`]. For two things that each must prove they still hear
+    /// about every write, in one registry: a cluster host and a replica client whose
+    /// computeds share it.
+    pub fn lease(&self) -> Lease {
+        static HOLDERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Lease {
+            registry: self.clone(),
+            holder: HOLDERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    /// How long the cache may still answer, in nanoseconds on [`lease_clock`]: 0 while a
+    /// fence stands or a lease ran out, `None` when neither a fence nor a lease bounds it.
+    pub fn lease_left(&self) -> Option<u64> {
+        if self.inner.fences.load(Ordering::SeqCst) != 0 {
+            return Some(0);
+        }
+        match self.inner.lease_until.load(Ordering::SeqCst) {
+            u64::MAX => None,
+            until => Some(until.saturating_sub(lease_clock())),
+        }
+    }
+
+    fn renew_lease(&self, holder: u64, until: u64) {
+        let mut leases = self.inner.leases.lock();
+        match leases.iter_mut().find(|(h, _)| *h == holder) {
+            Some((_, at)) => *at = (*at).max(until),
+            None => leases.push((holder, until)),
+        }
+        self.store_lease(&leases);
+    }
+
+    fn drop_lease(&self, holder: u64) {
+        let mut leases = self.inner.leases.lock();
+        leases.retain(|(h, _)| *h != holder);
+        self.store_lease(&leases);
+    }
+
+    /// Publishes the earliest lease (under the lock, so that the last writer's is right).
+    fn store_lease(&self, leases: &[(u64, u64)]) {
+        let earliest = leases.iter().map(|(_, at)| *at).min().unwrap_or(u64::MAX);
+        self.inner.lease_until.store(earliest, Ordering::SeqCst);
     }
 
     pub(crate) fn register_table(&self, table: Weak<dyn Prunable>) {
@@ -325,6 +373,42 @@ impl Registry {
 impl Default for Registry {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// One holder's lease on a [`Registry`] ([`Registry::lease`]): the registry's cache answers
+/// only until the time this lease was last renewed to (and every other holder's). Dropping
+/// it takes the lease away.
+pub struct Lease {
+    registry: Registry,
+    holder: u64,
+}
+
+impl Lease {
+    /// Lets the cache answer until `until` (nanoseconds on [`lease_clock`]) as far as this
+    /// holder is concerned. A lease never moves back.
+    pub fn renew(&self, until: u64) {
+        self.registry.renew_lease(self.holder, until);
+    }
+
+    /// Takes this holder's lease away until it is renewed again: the cache answers as far
+    /// as this holder is concerned.
+    pub fn clear(&self) {
+        self.registry.drop_lease(self.holder);
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.registry.drop_lease(self.holder);
+    }
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("holder", &self.holder)
+            .finish()
     }
 }
 

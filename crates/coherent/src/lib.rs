@@ -127,9 +127,9 @@
 //! See the README for a tour and ARCHITECTURE.md for how it works.
 
 pub use coherent_core::{
-    invalidate, untracked, BoxFuture, CallbackKey, ComputeOptions, ComputeService, Computed,
-    ComputedState, ComputedStateBuilder, ConsistencyState, Metrics, MutableState, OutputKind,
-    Registry, RegistryBuilder, ServiceHandle, TransientError, MAX_METHODS,
+    invalidate, lease_clock, untracked, BoxFuture, CallbackKey, ComputeOptions, ComputeService,
+    Computed, ComputedState, ComputedStateBuilder, ConsistencyState, Lease, Metrics, MutableState,
+    OutputKind, Registry, RegistryBuilder, ServiceHandle, TransientError, MAX_METHODS,
 };
 pub use coherent_macros::{compute_service, ComputeService};
 

@@ -53,3 +53,53 @@ async fn a_fenced_call_does_not_join_a_computation_begun_before_it() {
     registry.unfence();
     assert_eq!(s.value(1).await, 1);
 }
+
+/// Two holders of a lease on one registry (a cluster host's own, `set_lease`, and a replica
+/// client's, `Registry::lease`): the cache answers only while both run, one renewing does
+/// not lift the other's, and a dropped lease bounds nothing.
+#[test]
+fn a_registry_answers_only_while_every_holders_lease_runs() {
+    let registry = Registry::new();
+    let now = coherent::lease_clock();
+    let hour = 3_600_000_000_000;
+    assert_eq!(registry.lease_left(), None, "no lease, no fence");
+    registry.set_lease(now + hour);
+    let client = registry.lease();
+    assert!(
+        !registry.is_fenced(),
+        "a lease not renewed yet bounds nothing"
+    );
+    client.renew(now.saturating_sub(1));
+    assert!(registry.is_fenced(), "the client's lease ran out");
+    assert_eq!(registry.lease_left(), Some(0));
+    // The host renewing its own does not lift the client's.
+    registry.set_lease(now + 2 * hour);
+    assert!(registry.is_fenced());
+    client.renew(now + hour);
+    assert!(!registry.is_fenced());
+    let left = registry.lease_left().unwrap();
+    assert!(
+        left <= hour && left > hour / 2,
+        "the earliest lease: {left}"
+    );
+    // A lease never moves back.
+    client.renew(now);
+    assert!(!registry.is_fenced());
+    // The host's lease runs out: fenced whatever the client's says.
+    registry.clear_lease();
+    registry.set_lease(now.saturating_sub(1));
+    assert!(registry.is_fenced());
+    registry.clear_lease();
+    assert!(!registry.is_fenced());
+    // Dropped: bounds nothing. A fence still counts.
+    drop(client);
+    assert_eq!(registry.lease_left(), None);
+    registry.fence();
+    assert_eq!(registry.lease_left(), Some(0));
+    registry.unfence();
+    let gone = registry.lease();
+    gone.renew(now.saturating_sub(1));
+    assert!(registry.is_fenced());
+    gone.clear();
+    assert!(!registry.is_fenced());
+}
