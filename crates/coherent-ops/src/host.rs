@@ -298,6 +298,9 @@ pub struct HostBuilder {
     registries: Vec<Registry>,
     handlers: Handlers,
     after_invalidate: Option<AfterInvalidate>,
+    /// Replica servers whose clients' lease this host's registries bound
+    /// ([`serve_replicas`](Self::serve_replicas)).
+    lease_to: Vec<RemoteServer>,
     transactions: usize,
     max_batch: usize,
     acknowledgements: Option<Duration>,
@@ -375,6 +378,12 @@ impl HostBuilder {
     /// on the server afterwards) but copies its settings, so set its `delivery_timeout`
     /// (the longest the wait lasts) before.
     ///
+    /// The server's trusted clients also get this host's lease: a client answers from its
+    /// replicas no longer than the host could answer from its registries when the client
+    /// last heard from it (`RemoteServer::lease_from`), so a host that cannot tell whether
+    /// its cache is current (fenced, paused, past its lease) takes its tiers' replicas
+    /// with it.
+    ///
     /// ```no_run
     /// # async fn wire(db: coherent_ops::Database) -> Result<(), coherent_ops::CommandError> {
     /// use coherent_ops::Host;
@@ -383,8 +392,9 @@ impl HostBuilder {
     /// let host = Host::builder(db).serve_replicas(&remote).start().await?;
     /// # let _ = host; Ok(()) }
     /// ```
-    pub fn serve_replicas(self, remote: &RemoteServer) -> Self {
+    pub fn serve_replicas(mut self, remote: &RemoteServer) -> Self {
         let remote = remote.clone();
+        self.lease_to.push(remote.clone());
         self.after_invalidate(move || {
             let remote = remote.clone();
             async move { remote.invalidations_delivered().await }
@@ -589,6 +599,11 @@ impl HostBuilder {
         } else {
             self.registries
         };
+        for remote in &self.lease_to {
+            for r in &registries {
+                remote.lease_from(r);
+            }
+        }
         let mut handlers = self.handlers;
         let changes = if self.watches.tables.is_empty() {
             None
@@ -937,6 +952,7 @@ impl Host {
             registries: Vec::new(),
             handlers: Handlers::default(),
             after_invalidate: None,
+            lease_to: Vec::new(),
             transactions: 8,
             max_batch: 64,
             acknowledgements: Some(Duration::from_millis(500)),

@@ -143,10 +143,15 @@ impl ReplicaSink for Sink {
 /// meanwhile, and those are invalidated. When reconnecting fails for good, or after
 /// [`close`](Self::close), every replica is invalidated either way.
 ///
-/// What this does not cover: a client process that is paused (SIGSTOP, a frozen VM) for
-/// longer than the server's delivery timeout may answer a read from a replica in the moment
-/// after it resumes, before its tasks have read the closed connection. (A cluster host's
-/// registry lease closes that window for its own cache; replicas have no lease yet.)
+/// The client holds a *lease* on its registry ([`coherent::Registry::lease`]), renewed by
+/// each liveness ping: the registry answers from its cache only while the client has heard
+/// from the server within the liveness timeout, and no longer than the server itself could
+/// answer from its caches (a cluster host's server bounds it by the host's own lease: see
+/// `RemoteServer::lease_from`). So a client process paused (SIGSTOP, a frozen VM) past its
+/// lease answers nothing from its replicas when it resumes, before it has read what the
+/// server sent meanwhile: the reads go to the server. Give the client the registry of the
+/// services that read its replicas ([`RemoteClientBuilder::registry`]): the lease fences
+/// every cache of that registry while it is out.
 #[derive(Clone)]
 pub struct RemoteClient {
     inner: Arc<Inner>,
@@ -163,6 +168,9 @@ struct Inner {
     policy: Policy,
     /// Bumped after each reconnect's revalidation.
     revalidated: watch::Sender<u64>,
+    /// This client's lease on the registry of its replicas (see [`RemoteClientBuilder::liveness`]);
+    /// `None` without liveness pings or when replicas are kept through disconnects.
+    lease: Option<coherent::Lease>,
     /// The keys the file held when the client started, until each is first read: the
     /// file answers only those reads (later ones come from the server or from memory).
     #[cfg(feature = "persistent")]
@@ -228,6 +236,9 @@ impl RemoteClientBuilder {
     /// timeout (5 s by default), and a write returns; this client must have stopped
     /// answering from its replicas by then. Keep it below the server's delivery timeout,
     /// with a second or more to spare for scheduling.
+    ///
+    /// The same pings renew the client's lease (see [`RemoteClient`]): `None` turns the
+    /// lease off with the pings.
     pub fn liveness(mut self, timeout: Option<std::time::Duration>) -> Self {
         self.liveness = timeout.map(|t| t.max(std::time::Duration::from_millis(4)));
         self
@@ -430,6 +441,8 @@ impl RemoteClient {
         #[cfg(feature = "persistent")] from_disk: std::collections::HashSet<(u32, Blob)>,
     ) -> Result<Self, RpcError> {
         let first = connection.peer().await?;
+        let lease = (policy.liveness.is_some() && !policy.keep_through_disconnects)
+            .then(|| tokens.handle.registry().lease());
         let client = Self {
             inner: Arc::new(Inner {
                 host: ReplicaHostClient::new(connection.clone()),
@@ -440,6 +453,7 @@ impl RemoteClient {
                 closed: AtomicBool::new(false),
                 policy,
                 revalidated: watch::Sender::new(0),
+                lease,
                 #[cfg(feature = "persistent")]
                 from_disk: Mutex::new(from_disk),
             }),
@@ -683,32 +697,118 @@ struct Policy {
     keep_through_disconnects: bool,
 }
 
-/// Pings the server every quarter of `timeout`, and closes a connection whose answer takes
-/// longer than `timeout` (the supervisor then invalidates and reconnects). Holds the
-/// connection only while a ping is out, so that dropping the client still closes it.
+/// Renews the client's lease (see [`RemoteClientBuilder::liveness`]) every quarter of
+/// `timeout`, or sooner when the server's own caches have less left, and closes a
+/// connection that answered nothing sent in the last `timeout` (the supervisor then
+/// invalidates and reconnects): when the lease runs out, not half a renewal later. Holds the connection only while a call is out, so that dropping the
+/// client still closes it.
 async fn watch_liveness(client: std::sync::Weak<Inner>, timeout: std::time::Duration) {
+    let _ended = LivenessEnded(client.clone());
+    // The first renewal at once: until then the replicas are not bounded by a lease.
+    let mut wait = std::time::Duration::ZERO;
+    // When the last answered call was sent: the connection is taken for dead once nothing
+    // sent since has been answered for `timeout` (the lease runs out at the same moment).
+    let (mut answered, mut on) = (0, None);
     loop {
-        tokio::time::sleep(timeout / 4).await;
+        tokio::time::sleep(wait).await;
+        wait = timeout / 4;
         let Some(inner) = client.upgrade() else {
             return;
         };
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
+        // Reconnecting: the supervisor renews the lease on the next connection.
         let Some(peer) = inner.connection.current() else {
             continue;
         };
         drop(inner);
-        if tokio::time::timeout(timeout, peer.ping()).await.is_err() {
-            tracing::warn!(
-                ?timeout,
-                "no answer from the server to a liveness ping: closing the connection, \
-                 invalidating the replicas, reconnecting"
-            );
-            peer.close_because(format!(
-                "no answer to a liveness ping within {timeout:?}: the server looks gone"
-            ));
+        let sent = coherent::lease_clock();
+        // A new connection gets a whole `timeout` from its first call.
+        if on != Some(peer.id()) {
+            on = Some(peer.id());
+            answered = sent;
         }
+        let due = std::time::Duration::from_nanos(
+            answered
+                .saturating_add(timeout.as_nanos() as u64)
+                .saturating_sub(sent),
+        )
+        .max(LEASE_RENEWAL_MIN);
+        match tokio::time::timeout(due, renew_lease(&client, &peer, timeout)).await {
+            Err(_) => {
+                tracing::warn!(
+                    ?timeout,
+                    "no answer from the server to a liveness ping: closing the connection, \
+                     invalidating the replicas, reconnecting"
+                );
+                peer.close_because(format!(
+                    "no answer to a liveness ping within {timeout:?}: the server looks gone"
+                ));
+            }
+            // Closed meanwhile: the supervisor invalidates and reconnects.
+            Ok(None) => {}
+            // Renewed well before it runs out: at a third of what the server had left.
+            Ok(Some(left)) => {
+                answered = sent;
+                let soon = std::time::Duration::from_nanos(left / 3);
+                wait = wait.min(soon.max(LEASE_RENEWAL_MIN));
+            }
+        }
+    }
+}
+
+/// Asks the server over `peer` how long its caches may still answer, and renews the
+/// client's lease with it: every push the server queued before it read the call was
+/// applied here before the answer came, so the replicas are current as of the moment
+/// the call was sent, for as long as the server could answer from its own caches (and
+/// the liveness timeout at most). Answers what the lease was renewed by, or `None` when
+/// the connection closed or the client is gone.
+async fn renew_lease(
+    client: &std::sync::Weak<Inner>,
+    peer: &Peer,
+    timeout: std::time::Duration,
+) -> Option<u64> {
+    let sent = coherent::lease_clock();
+    let left = lease_left(peer).await.ok()?;
+    let left = left.min(timeout.as_nanos() as u64);
+    let inner = client.upgrade()?;
+    if let Some(lease) = &inner.lease {
+        lease.renew(sent.saturating_add(left));
+    }
+    Some(left)
+}
+
+/// Held by the liveness task: when the task ends while the client lives (its runtime
+/// shut down), nothing renews the lease or hears the server any more. The replicas are
+/// invalidated (nothing would tell them of a write) and the lease is dropped, so that
+/// the computeds the client's registry holds (which keep the client alive) do not keep
+/// it fenced for good.
+struct LivenessEnded(std::sync::Weak<Inner>);
+
+impl Drop for LivenessEnded {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.upgrade() {
+            invalidate_all(
+                &inner,
+                "the client's liveness task ended (its runtime shut down)",
+            );
+        }
+    }
+}
+
+/// The shortest time between two renewals of a client's lease (a server whose caches are
+/// fenced answers 0 left until they are not).
+const LEASE_RENEWAL_MIN: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// Asks the server how long its caches may still answer (`ReplicaHost::lease`, answered
+/// once this client acknowledged every push queued before it); a server of a release
+/// without it is pinged instead (its answer follows every frame sent before it), and
+/// bounds nothing.
+async fn lease_left(peer: &Peer) -> Result<u64, RpcError> {
+    match ReplicaHostClient::new(peer.clone()).lease().await {
+        Err(e) if e.code() == ErrorCode::UnknownMethod => peer.ping().await.map(|()| u64::MAX),
+        answer => answer,
     }
 }
 
@@ -831,6 +931,11 @@ async fn supervise(
                 }
             }
         };
+        // The lease of the new connection before anything is answered from it (it ran
+        // out while the client was away; the old connection's cannot be renewed).
+        if let Some(timeout) = client.upgrade().and_then(|i| i.policy.liveness) {
+            let _ = tokio::time::timeout(timeout, renew_lease(&client, &next, timeout)).await;
+        }
         let Some(inner) = client.upgrade() else {
             return;
         };
@@ -884,10 +989,16 @@ async fn supervise(
     }
 }
 
+/// Invalidates every replica: the client is disconnected (or closed), and reads go to the
+/// server. Its lease is dropped meanwhile (no replica is left for it to bound; it would
+/// only keep the rest of the registry from answering) until the next connection renews it.
 fn invalidate_all(inner: &Inner, why: &str) {
     let all: Vec<u64> = inner.tokens.live.replicas.lock().keys().copied().collect();
     tracing::debug!(count = all.len(), why, "invalidating every replica");
     inner.tokens.invalidate(all, false);
+    if let Some(lease) = &inner.lease {
+        lease.clear();
+    }
 }
 
 /// Tells the server about dropped replicas, in batches, until the client is dropped.

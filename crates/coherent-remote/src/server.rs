@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
-use coherent::{CallbackKey, Computed};
+use coherent::{CallbackKey, Computed, Registry};
 use coherent_rpc::{method_id, Blob, CallContext, Format, Peer, Service, Trust};
 use futures::stream::{FuturesOrdered, StreamExt as _};
 use parking_lot::Mutex;
@@ -102,6 +102,9 @@ pub struct RemoteServer {
     /// Shared by every service made from this server, and by its stats.
     connections: Connections,
     pub(crate) counters: Arc<Counters>,
+    /// The registries whose lease bounds what this server's trusted clients may answer
+    /// from their replicas ([`lease_from`](RemoteServer::lease_from)); shared by clones.
+    lease_sources: Arc<Mutex<Vec<Registry>>>,
 }
 
 type Connections = Arc<Mutex<HashMap<u64, Arc<Connection>>>>;
@@ -188,6 +191,7 @@ impl RemoteServer {
             gateway_limits: crate::gateway::Limits::default(),
             connections: Arc::default(),
             counters: Arc::default(),
+            lease_sources: Arc::default(),
         }
     }
 
@@ -490,7 +494,19 @@ impl RemoteServer {
                 counters: self.counters.clone(),
             },
             connections: self.connections.clone(),
+            lease_sources: self.lease_sources.clone(),
         })
+    }
+
+    /// Bounds the lease of this server's trusted clients by `registry`'s: a client answers
+    /// from its replicas no longer than this server could answer from the registry when it
+    /// last heard from it (see `RemoteClient`'s liveness). For a server whose computeds
+    /// live in a registry that is itself leased or fenced (a cluster host's:
+    /// `HostBuilder::serve_replicas` calls it): while the host cannot tell whether its
+    /// cache is current, neither can its replicas. Shared by this server's clones; each
+    /// call adds one registry.
+    pub fn lease_from(&self, registry: &Registry) {
+        self.lease_sources.lock().push(registry.clone());
     }
 }
 
@@ -506,6 +522,7 @@ struct Host {
     limits: ReplicaLimits,
     push: PushSettings,
     connections: Connections,
+    lease_sources: Arc<Mutex<Vec<Registry>>>,
 }
 
 /// What a connection's pusher needs from the server.
@@ -1006,6 +1023,36 @@ impl ReplicaHost for Host {
             .format();
         let (value, _) = fetch(args, format).await?;
         Ok(value)
+    }
+
+    async fn lease(&self) -> u64 {
+        let Some(ctx) = CallContext::current() else {
+            return 0;
+        };
+        // An untrusted client is promised nothing by writes (they never wait for it): no
+        // bound from here.
+        if ctx.peer().trust() != Trust::Trusted {
+            return u64::MAX;
+        }
+        // Answered only once the client acknowledged every invalidation this connection
+        // had queued when the call came: the client renews its lease with the answer, so
+        // its replicas are current as of the call (a push still in the pusher's hands
+        // would otherwise be overtaken by the answer).
+        let connection = self.connections.lock().get(&ctx.peer().id()).cloned();
+        if let Some(c) = connection {
+            let upto = c.invalidated.lock().queued;
+            let mut delivered = c.delivered.subscribe();
+            drop(c);
+            if delivered.wait_for(|&d| d >= upto).await.is_err() {
+                return 0;
+            }
+        }
+        self.lease_sources
+            .lock()
+            .iter()
+            .filter_map(Registry::lease_left)
+            .min()
+            .unwrap_or(u64::MAX)
     }
 
     async fn release(&self, replicas: Vec<u64>) {

@@ -77,6 +77,13 @@ pub(crate) trait ReplicaHost {
     /// The client no longer holds these replicas: stop watching them.
     #[oneway]
     async fn release(&self, replicas: Vec<u64>);
+    /// How long, in nanoseconds from now, the server's caches may still answer (0 while
+    /// they cannot tell whether they are current: a cluster host fenced, or past its
+    /// lease; `u64::MAX`: unbounded, or an untrusted connection). Answered once the
+    /// client acknowledged every push this connection had queued when the call came, so
+    /// the client renews its replicas' lease with it (see `RemoteClient`'s liveness). A
+    /// server of an older release answers `UnknownMethod`.
+    async fn lease(&self) -> u64;
 }
 
 /// Served by the client: where the server pushes invalidations.

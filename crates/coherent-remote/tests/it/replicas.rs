@@ -42,8 +42,12 @@ impl View {
 
 impl View {
     fn new(remote: RemoteClient) -> Self {
+        Self::in_registry(remote, coherent::Registry::global())
+    }
+
+    fn in_registry(remote: RemoteClient, registry: &coherent::Registry) -> Self {
         Self {
-            handle: ServiceHandle::new(),
+            handle: ServiceHandle::with_registry(registry),
             remote,
             log: Arc::default(),
         }
@@ -376,8 +380,16 @@ async fn a_connection_dead_without_a_word_is_dropped_before_a_write_stops_waitin
     let upstream = listener.local_addr().unwrap();
     tokio::spawn(async move { endpoint.serve_tcp(listener).await });
     let proxy = Proxy::to(upstream).await;
-    let remote = RemoteClient::connect_tcp(proxy.addr).await.unwrap();
-    let view = View::new(remote.clone());
+    // A registry of its own: the client's lease on it runs out while the connection is a
+    // black hole, and fences every cache of that registry until the client drops the
+    // connection (the other tests' caches are in the global one).
+    let registry = coherent::Registry::new();
+    let remote = RemoteClient::builder()
+        .registry(&registry)
+        .connect_tcp(proxy.addr)
+        .await
+        .unwrap();
+    let view = View::in_registry(remote.clone(), &registry);
     assert_eq!(view.greeting(1).await, "hello, ann");
     let greeting = view.greeting_computed(1).await;
 
@@ -395,9 +407,68 @@ async fn a_connection_dead_without_a_word_is_dropped_before_a_write_stops_waitin
 }
 
 #[tokio::test]
+async fn a_clients_replicas_answer_no_longer_than_its_servers_cache_could() {
+    // The server's results live in a registry of their own, which bounds its clients'
+    // lease (what a cluster host's server does with the host's registry).
+    let server_registry = coherent::Registry::new();
+    let users = Users::in_registry(&server_registry);
+    let server = remote_server(&users);
+    server.lease_from(&server_registry);
+    let endpoint = Endpoint::builder().service(server.service()).build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    let client_registry = coherent::Registry::new();
+    let remote = RemoteClient::builder()
+        .registry(&client_registry)
+        .connect_tcp(addr)
+        .await
+        .unwrap();
+    let view = View::in_registry(remote.clone(), &client_registry);
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    view.take_log();
+
+    // A write the server did not hear of, and its cache fenced (a host whose notifier is
+    // down, or that is past its lease): it cannot tell what is current, so neither can
+    // its client. Reads go to the server from the next renewal of the client's lease on.
+    users.rename_unheard(1, "anna");
+    server_registry.fence();
+    within("the client's replica to be read anew", async {
+        while view.greeting(1).await != "hello, anna" {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(
+        client_registry.is_fenced(),
+        "the client's lease is out while the server's cache is fenced"
+    );
+
+    // Lifted: the client renews its lease, and answers from its replicas again.
+    server_registry.unfence();
+    within("the client's lease to be renewed", async {
+        while client_registry.is_fenced() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert_eq!(view.greeting(1).await, "hello, anna");
+    view.take_log();
+    assert_eq!(view.greeting(1).await, "hello, anna");
+    assert!(
+        view.take_log().is_empty(),
+        "answered from the client's cache"
+    );
+}
+
+#[tokio::test]
 async fn plain_calls_make_a_round_trip_every_time() {
     let users = Users::new();
-    let remote = RemoteClient::connect_tcp(serve(&users).await)
+    // Without liveness pings, whose lease renewals are calls too: the count below is the
+    // test's calls alone.
+    let remote = RemoteClient::builder()
+        .liveness(None)
+        .connect_tcp(serve(&users).await)
         .await
         .unwrap();
     let calls = remote.connection().unwrap().stats().calls_out;

@@ -44,6 +44,19 @@ impl Users {
         }
     }
 
+    /// The same, its results in `registry`.
+    pub(crate) fn in_registry(registry: &coherent::Registry) -> Self {
+        Self {
+            handle: ServiceHandle::with_registry(registry),
+            ..Self::new()
+        }
+    }
+
+    /// A write this server does not hear of (made elsewhere): nothing is invalidated.
+    pub(crate) fn rename_unheard(&self, id: u64, name: &str) {
+        self.names.lock().insert(id, name.to_owned());
+    }
+
     /// Another instance over the same names, with a cache of its own: what a second server
     /// over the same database runs. Its writes invalidate its own cache only.
     pub(crate) fn sharing_data(&self) -> Self {

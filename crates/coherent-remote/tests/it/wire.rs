@@ -60,8 +60,12 @@ impl Cards {
 
 impl Cards {
     fn new(remote: RemoteClient) -> Self {
+        Self::in_registry(remote, coherent::Registry::global())
+    }
+
+    fn in_registry(remote: RemoteClient, registry: &coherent::Registry) -> Self {
         Self {
-            handle: ServiceHandle::new(),
+            handle: ServiceHandle::with_registry(registry),
             remote,
             log: Arc::default(),
         }
@@ -179,14 +183,18 @@ async fn a_client_that_stops_reading_is_cut_off_and_its_replicas_released_while_
     let accepting = server.clone();
     tokio::spawn(async move { accepting.accept(a).await });
     let stopped = Arc::new(AtomicBool::new(false));
+    // A registry of its own: a client that stops reading stops renewing its lease, which
+    // fences its registry until the client takes the connection for dead.
+    let registry = coherent::Registry::new();
     let slow = RemoteClient::builder()
+        .registry(&registry)
         .connect(Stoppable {
             inner: b,
             stopped: stopped.clone(),
         })
         .await
         .unwrap();
-    let slow_cards = Cards::new(slow.clone());
+    let slow_cards = Cards::in_registry(slow.clone(), &registry);
     for id in 1..=1200 {
         slow_cards.name(id).await.unwrap();
     }
