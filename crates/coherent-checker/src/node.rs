@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::history::{now_ns, Read, Recorder, Write};
+use crate::tier::{Proxy, Tier};
 
 /// Set (to anything) in a host process's environment: [`main`] runs.
 pub const NODE_MODE: &str = "COHERENT_CHECKER_NODE";
@@ -162,6 +163,9 @@ pub struct Node {
     pub readers: u32,
     /// Writer tasks.
     pub writers: u32,
+    /// `CHK_TIER_READERS`: reader tasks of the tier (replicas of this host's registers,
+    /// recorded in the history [`tier_history`] names, as a host of its own).
+    pub tier_readers: u32,
     /// `CHK_READ_BATCH`: reads between two pauses of 1 ms of a reader.
     pub read_batch: u32,
     /// `CHK_NEXT_RELEASE`: this host knows [`IncrementNext`] and writes it half the time.
@@ -185,6 +189,7 @@ impl Node {
             keys: num("CHK_KEYS", 32)?,
             readers: num("CHK_READERS", 2)?,
             writers: num("CHK_WRITERS", 2)?,
+            tier_readers: num("CHK_TIER_READERS", 2)?,
             read_batch: num("CHK_READ_BATCH", 8)?,
             next_release: var("CHK_NEXT_RELEASE").is_some(),
             clock_skew_ms: var("CHK_CLOCK_SKEW_MS").map_or(Ok(0), |v| v.parse())?,
@@ -201,6 +206,7 @@ impl Node {
             ("CHK_KEYS", self.keys.to_string()),
             ("CHK_READERS", self.readers.to_string()),
             ("CHK_WRITERS", self.writers.to_string()),
+            ("CHK_TIER_READERS", self.tier_readers.to_string()),
             ("CHK_READ_BATCH", self.read_batch.to_string()),
             ("CHK_CLOCK_SKEW_MS", self.clock_skew_ms.to_string()),
         ];
@@ -212,6 +218,11 @@ impl Node {
         }
         env
     }
+}
+
+/// The history of the tier of the host whose history is `host`.
+pub fn tier_history(host: &std::path::Path) -> std::path::PathBuf {
+    host.with_extension("tier.bin")
 }
 
 fn say(line: &str) {
@@ -226,6 +237,8 @@ fn say(line: &str) {
 struct Counts {
     reads: AtomicU64,
     read_errors: AtomicU64,
+    tier_reads: AtomicU64,
+    tier_read_errors: AtomicU64,
     writes: AtomicU64,
     write_errors: AtomicU64,
 }
@@ -268,15 +281,31 @@ async fn serve() -> anyhow::Result<()> {
     if node.clock_skew_ms != 0 {
         builder = builder.clock_skew(node.clock_skew_ms.saturating_mul(1000));
     }
+    // The registers exposed to the tier; a command returns once the tier applied its
+    // invalidation (and the tier's replicas hold this host's lease).
+    let remote = RemoteServer::new().expose(
+        "Registers.value",
+        registers.clone(),
+        |r: Registers, (key,): (i64,)| async move { r.value_computed(key).await },
+    );
+    builder = builder.serve_replicas(&remote);
     let host = builder.start().await?;
+    let endpoint = Endpoint::builder().service(remote.service()).build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let served = listener.local_addr()?;
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    let proxy = Proxy::start(served).await?;
+    let tier = Tier::connect(proxy.addr()).await?;
     let recorder = Arc::new(Recorder::create(&node.history)?);
+    let tier_recorder = Arc::new(Recorder::create(&tier_history(&node.history))?);
     let counts = Arc::new(Counts::default());
     {
-        let recorder = recorder.clone();
+        let (recorder, tier_recorder) = (recorder.clone(), tier_recorder.clone());
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 let _ = recorder.flush();
+                let _ = tier_recorder.flush();
             }
         });
     }
@@ -290,7 +319,13 @@ async fn serve() -> anyhow::Result<()> {
         match words.as_slice() {
             ["start"] => {
                 if workload.is_none() {
-                    workload = Some(start(&node, &host, &registers, &recorder, &counts));
+                    let readers = Readers {
+                        registers: &registers,
+                        recorder: &recorder,
+                        tier: &tier,
+                        tier_recorder: &tier_recorder,
+                    };
+                    workload = Some(start(&node, &host, &readers, &counts));
                 }
                 say("started");
             }
@@ -314,6 +349,14 @@ async fn serve() -> anyhow::Result<()> {
                 }));
                 say("slow started");
             }
+            ["tier_cut"] => {
+                proxy.cut();
+                say("tier cut");
+            }
+            ["tier_half_open"] => {
+                proxy.half_open();
+                say("tier half-open");
+            }
             ["stop"] => {
                 if let Some(w) = workload.take() {
                     w.stop.store(true, Ordering::Relaxed);
@@ -325,6 +368,7 @@ async fn serve() -> anyhow::Result<()> {
                     let _ = t.await;
                 }
                 recorder.flush()?;
+                tier_recorder.flush()?;
                 say("stopped");
             }
             ["final"] => {
@@ -338,16 +382,34 @@ async fn serve() -> anyhow::Result<()> {
                 }
                 say(&format!("final {}", values.join(" ")));
             }
+            ["final_tier"] => {
+                // Caught up (`final` first): once the tier applied what the host pushed,
+                // it answers what the host does.
+                host.catch_up().await?;
+                remote.invalidations_delivered().await;
+                let mut values = Vec::new();
+                for key in 1..=i64::from(node.keys) {
+                    values.push(match tier.value(key).await {
+                        Ok(v) => v.to_string(),
+                        Err(_) => "err".to_owned(),
+                    });
+                }
+                say(&format!("final {}", values.join(" ")));
+            }
             ["stats"] => {
                 let s = host.stats();
                 let c = &counts;
                 let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
                 say(&format!(
-                    "stats reads={} read_errors={} writes={} write_errors={} unknown={} \
+                    "stats reads={} read_errors={} tier_reads={} tier_read_errors={} \
+                     tier_connections={} writes={} write_errors={} unknown={} \
                      undecodable={} replay_panics={} flushes={} ack_timeouts={} duplicates={} \
                      applied_notified={} applied_from_log={}",
                     r(&c.reads),
                     r(&c.read_errors),
+                    r(&c.tier_reads),
+                    r(&c.tier_read_errors),
+                    tier.connections(),
                     r(&c.writes),
                     r(&c.write_errors),
                     s.unknown,
@@ -363,6 +425,7 @@ async fn serve() -> anyhow::Result<()> {
             ["quit"] => {
                 host.stop().await;
                 recorder.flush()?;
+                tier_recorder.flush()?;
                 say("bye");
                 return Ok(());
             }
@@ -408,55 +471,101 @@ async fn write_once(node: &Node, host: &Host, key: i64, i: u64) -> Result<i64, C
     }
 }
 
-fn start(
+/// What the readers read through, and where they record it.
+struct Readers<'a> {
+    registers: &'a Registers,
+    recorder: &'a Arc<Recorder>,
+    tier: &'a Tier,
+    tier_recorder: &'a Arc<Recorder>,
+}
+
+/// A reader's loop: `read` a random key, record what it saw, until `stop`.
+fn reader<F, Fut>(
     node: &Node,
-    host: &Host,
-    registers: &Registers,
+    reader: u32,
+    stop: &Arc<AtomicBool>,
     recorder: &Arc<Recorder>,
     counts: &Arc<Counts>,
-) -> Workload {
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut tasks = Vec::new();
-    for reader in 0..node.readers {
-        let (stop, registers, recorder, counts) = (
-            stop.clone(),
-            registers.clone(),
-            recorder.clone(),
-            counts.clone(),
-        );
-        let (keys, batch) = (node.keys, node.read_batch.max(1));
-        tasks.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                for _ in 0..batch {
-                    let key = rand::random_range(1..=keys);
-                    let start = now_ns();
-                    let answer = registers.value(i64::from(key)).await;
-                    let end = now_ns();
-                    match answer {
-                        Ok(seen) => {
-                            counts.reads.fetch_add(1, Ordering::Relaxed);
-                            recorder.read(&Read {
-                                key,
-                                seen,
-                                start,
-                                end,
-                                reader,
-                            });
-                        }
-                        Err(_) => {
-                            counts.read_errors.fetch_add(1, Ordering::Relaxed);
-                        }
+    tier: bool,
+    read: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: Fn(i64) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<i64, String>> + Send,
+{
+    let (stop, recorder, counts) = (stop.clone(), recorder.clone(), counts.clone());
+    let (keys, batch) = (node.keys, node.read_batch.max(1));
+    tokio::spawn(async move {
+        let (reads, errors) = if tier {
+            (&counts.tier_reads, &counts.tier_read_errors)
+        } else {
+            (&counts.reads, &counts.read_errors)
+        };
+        while !stop.load(Ordering::Relaxed) {
+            for _ in 0..batch {
+                let key = rand::random_range(1..=keys);
+                let start = now_ns();
+                let answer = read(i64::from(key)).await;
+                let end = now_ns();
+                match answer {
+                    Ok(seen) => {
+                        reads.fetch_add(1, Ordering::Relaxed);
+                        recorder.read(&Read {
+                            key,
+                            seen,
+                            start,
+                            end,
+                            reader,
+                        });
+                    }
+                    Err(_) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                tokio::time::sleep(Duration::from_millis(1)).await;
             }
-        }));
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+}
+
+fn start(node: &Node, host: &Host, readers: &Readers<'_>, counts: &Arc<Counts>) -> Workload {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for r in 0..node.readers {
+        let registers = readers.registers.clone();
+        tasks.push(reader(
+            node,
+            r,
+            &stop,
+            readers.recorder,
+            counts,
+            false,
+            move |key| {
+                let registers = registers.clone();
+                async move { registers.value(key).await }
+            },
+        ));
+    }
+    for r in 0..node.tier_readers {
+        let tier = readers.tier.clone();
+        tasks.push(reader(
+            node,
+            r,
+            &stop,
+            readers.tier_recorder,
+            counts,
+            true,
+            move |key| {
+                let tier = tier.clone();
+                async move { tier.value(key).await }
+            },
+        ));
     }
     for _ in 0..node.writers {
         let (stop, host, recorder, counts, node) = (
             stop.clone(),
             host.clone(),
-            recorder.clone(),
+            readers.recorder.clone(),
             counts.clone(),
             node.clone(),
         );

@@ -12,7 +12,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout};
 
 use crate::check::{check, Checked, Explained, Violation};
 use crate::history::decode;
-use crate::node::{create_registers, Node};
+use crate::node::{create_registers, tier_history, Node};
 
 /// A fault the run injects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -38,6 +38,13 @@ pub enum Fault {
     /// A host is replaced by one whose wall clock is an hour ahead or behind (in turn):
     /// its liveness, its heartbeats and the log's trimming must not depend on it.
     Skew,
+    /// A host's tier loses its connection to the host at once (both ends closed): it
+    /// reconnects and revalidates its replicas.
+    TierCut,
+    /// A host's tier's connection goes half-open: nothing passes either way and neither
+    /// end is told (a NAT that forgot it). The host stops waiting for the tier after its
+    /// delivery timeout; the tier must stop answering from its replicas before then.
+    TierHalfOpen,
 }
 
 impl Fault {
@@ -52,6 +59,8 @@ impl Fault {
             Fault::Deploy => "deploy",
             Fault::NatsRestart => "nats_restart",
             Fault::Skew => "clock_skew",
+            Fault::TierCut => "tier_cut",
+            Fault::TierHalfOpen => "tier_half_open",
         }
     }
 }
@@ -75,6 +84,8 @@ pub struct Config {
     pub readers: u32,
     /// Writer tasks per host.
     pub writers: u32,
+    /// Reader tasks of each host's tier (replicas of the host's registers).
+    pub tier_readers: u32,
     /// Reads between two 1 ms pauses of a reader.
     pub read_batch: u32,
 }
@@ -90,6 +101,8 @@ impl Config {
             Fault::Kill,
             Fault::Deploy,
             Fault::Skew,
+            Fault::TierCut,
+            Fault::TierHalfOpen,
         ];
         if nats {
             faults.push(Fault::NatsRestart);
@@ -103,6 +116,7 @@ impl Config {
             keys: 32,
             readers: 2,
             writers: 2,
+            tier_readers: 2,
             read_batch: 8,
         }
     }
@@ -324,6 +338,11 @@ pub async fn run(config: &Config, spawn: &Spawn) -> anyhow::Result<Outcome> {
     result
 }
 
+/// How the tier of host `id` is named in the histories.
+fn tier_name(id: &str) -> String {
+    format!("{id}/tier")
+}
+
 fn tempfile_dir(name: &str) -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("coherent-checker-{name}"));
     std::fs::create_dir_all(&dir)?;
@@ -359,6 +378,7 @@ async fn run_in(
         keys: config.keys,
         readers: config.readers,
         writers: config.writers,
+        tier_readers: config.tier_readers,
         read_batch: config.read_batch,
         next_release,
         clock_skew_ms,
@@ -444,6 +464,12 @@ async fn run_in(
                 started += 1;
                 finished.push(replace(&mut hosts[i], new).await?);
             }
+            Fault::TierCut => {
+                hosts[i].cmd("tier_cut").await?;
+            }
+            Fault::TierHalfOpen => {
+                hosts[i].cmd("tier_half_open").await?;
+            }
             Fault::NatsRestart => {
                 if let Some(nats) = nats.as_mut() {
                     nats.stop();
@@ -469,16 +495,18 @@ async fn run_in(
     let mut not_converged = Vec::new();
     let (mut read_errors, mut write_errors, mut unknown, mut ack_timeouts) = (0, 0, 0, 0);
     for h in &mut hosts {
-        let answer = h.cmd("final").await?;
-        for (k, seen) in answer.split_whitespace().skip(1).enumerate() {
-            let seen: i64 = seen.parse().unwrap_or(-1);
-            if seen != stored[k] {
-                not_converged.push(Violation::NotConverged {
-                    host: h.id.clone(),
-                    key: k as u32 + 1,
-                    seen,
-                    stored: stored[k],
-                });
+        for (line, who) in [("final", h.id.clone()), ("final_tier", tier_name(&h.id))] {
+            let answer = h.cmd(line).await?;
+            for (k, seen) in answer.split_whitespace().skip(1).enumerate() {
+                let seen: i64 = seen.parse().unwrap_or(-1);
+                if seen != stored[k] {
+                    not_converged.push(Violation::NotConverged {
+                        host: who.clone(),
+                        key: k as u32 + 1,
+                        seen,
+                        stored: stored[k],
+                    });
+                }
             }
         }
         let stats = h.cmd("stats").await?;
@@ -486,7 +514,7 @@ async fn run_in(
             let (k, v) = kv.split_once('=').unwrap_or((kv, "0"));
             let v: u64 = v.parse().unwrap_or(0);
             match k {
-                "read_errors" => read_errors += v,
+                "read_errors" | "tier_read_errors" => read_errors += v,
                 "write_errors" => write_errors += v,
                 "unknown" => unknown += v,
                 "ack_timeouts" => ack_timeouts += v,
@@ -503,6 +531,10 @@ async fn run_in(
     for (id, path) in &finished {
         let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
         histories.push(decode(id, &bytes)?);
+        // The tier's reads: a reader of its own (its reads never go backwards either).
+        let tier = tier_history(path);
+        let bytes = std::fs::read(&tier).with_context(|| format!("{}", tier.display()))?;
+        histories.push(decode(&tier_name(id), &bytes)?);
     }
     let mut checked = check(&histories);
     checked.violations.extend(not_converged);

@@ -1,0 +1,164 @@
+//! A tier inside a host process: a [`RemoteClient`] that reads the host's registers as
+//! replicas (as an application's HTTP tier reads its backend's), through a [`Proxy`] the
+//! parent can cut or turn half-open.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use coherent::prelude::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// The registers as a tier sees them: each key's value a replica of the host's
+/// `Registers.value`, invalidated by the host's push.
+#[derive(Clone, ComputeService)]
+pub struct Tier {
+    handle: ServiceHandle,
+    client: RemoteClient,
+}
+
+#[compute_service]
+impl Tier {
+    /// A register's version, from the tier's replica of the host's.
+    #[compute]
+    pub async fn value(&self, key: i64) -> Result<i64, String> {
+        match self
+            .client
+            .replica::<_, Result<i64, String>>("Registers.value", (key,))
+            .await
+        {
+            Ok(answer) => answer,
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+impl Tier {
+    /// A tier of its own registry, connected to `addr`.
+    pub async fn connect(addr: SocketAddr) -> anyhow::Result<Tier> {
+        let registry = Registry::new();
+        let client = RemoteClient::builder()
+            .registry(&registry)
+            .connect_tcp(addr)
+            .await?;
+        Ok(Tier {
+            handle: ServiceHandle::with_registry(&registry),
+            client,
+        })
+    }
+
+    /// How many times the client connected.
+    pub fn connections(&self) -> u64 {
+        self.client.connections()
+    }
+}
+
+/// One proxied connection: its two copying tasks, and whether it is dead (half-open:
+/// whatever either side sends is dropped, and neither learns of it from here).
+struct Link {
+    dead: Arc<AtomicBool>,
+    tasks: [JoinHandle<()>; 2],
+}
+
+/// A TCP proxy in front of a server: a link can be cut (both sockets closed) or left
+/// half-open (bytes dropped both ways, sockets kept: what a NAT that forgot a connection
+/// or a vanished host leaves behind).
+pub struct Proxy {
+    addr: SocketAddr,
+    links: Arc<Mutex<Vec<Link>>>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Listens on a port of its own; each connection is forwarded to `target`.
+    pub async fn start(target: SocketAddr) -> anyhow::Result<Proxy> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let links: Arc<Mutex<Vec<Link>>> = Arc::default();
+        let accept = {
+            let links = links.clone();
+            tokio::spawn(async move {
+                while let Ok((inbound, _)) = listener.accept().await {
+                    let Ok(outbound) = TcpStream::connect(target).await else {
+                        continue;
+                    };
+                    let _ = (inbound.set_nodelay(true), outbound.set_nodelay(true));
+                    let dead = Arc::new(AtomicBool::new(false));
+                    let (ir, iw) = inbound.into_split();
+                    let (or, ow) = outbound.into_split();
+                    let tasks = [
+                        tokio::spawn(copy(ir, ow, dead.clone())),
+                        tokio::spawn(copy(or, iw, dead.clone())),
+                    ];
+                    let mut links = links.lock().unwrap();
+                    links.retain(|l| !l.tasks.iter().all(JoinHandle::is_finished));
+                    links.push(Link { dead, tasks });
+                }
+            })
+        };
+        Ok(Proxy {
+            addr,
+            links,
+            accept,
+        })
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Closes every connection now (both sockets): the client knows at once.
+    pub fn cut(&self) {
+        for link in self.links.lock().unwrap().drain(..) {
+            for t in link.tasks {
+                t.abort();
+            }
+        }
+    }
+
+    /// Leaves every connection open now half-open for good: nothing goes through either
+    /// way, and neither side is told. New connections work.
+    pub fn half_open(&self) {
+        for link in self.links.lock().unwrap().iter() {
+            link.dead.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+/// Copies `from` to `to` while the link lives; once it is dead, reads and drops. An end
+/// of `from` is passed on only while it lives.
+async fn copy(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    dead: Arc<AtomicBool>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if dead.load(Ordering::SeqCst) {
+            continue;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    if dead.load(Ordering::SeqCst) {
+        // Half-open: the other side never hears of this end. Hold the socket until the
+        // link is cut.
+        std::future::pending::<()>().await;
+    }
+    let _ = to.shutdown().await;
+}
