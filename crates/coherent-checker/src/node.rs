@@ -402,7 +402,7 @@ async fn serve() -> anyhow::Result<()> {
                 let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
                 say(&format!(
                     "stats reads={} read_errors={} tier_reads={} tier_read_errors={} \
-                     tier_connections={} writes={} write_errors={} unknown={} \
+                     tier_connections={} tier_leases_lost={} writes={} write_errors={} unknown={} \
                      undecodable={} replay_panics={} flushes={} ack_timeouts={} duplicates={} \
                      applied_notified={} applied_from_log={}",
                     r(&c.reads),
@@ -410,6 +410,7 @@ async fn serve() -> anyhow::Result<()> {
                     r(&c.tier_reads),
                     r(&c.tier_read_errors),
                     tier.connections(),
+                    tier.leases_lost(),
                     r(&c.writes),
                     r(&c.write_errors),
                     s.unknown,

@@ -53,6 +53,11 @@ impl Tier {
     pub fn connections(&self) -> u64 {
         self.client.connections()
     }
+
+    /// How many times the client's lease was renewed after it ran out.
+    pub fn leases_lost(&self) -> u64 {
+        self.client.leases_lost()
+    }
 }
 
 /// One proxied connection: its two copying tasks, and whether it is dead (half-open:

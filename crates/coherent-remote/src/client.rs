@@ -171,6 +171,10 @@ struct Inner {
     /// This client's lease on the registry of its replicas (see [`RemoteClientBuilder::liveness`]);
     /// `None` without liveness pings or when replicas are kept through disconnects.
     lease: Option<coherent::Lease>,
+    /// Until when the lease runs (on `lease_clock`; 0: not renewed since it was dropped).
+    lease_until: AtomicU64,
+    /// Times a renewal came after the lease had run out.
+    leases_lost: AtomicU64,
     /// The keys the file held when the client started, until each is first read: the
     /// file answers only those reads (later ones come from the server or from memory).
     #[cfg(feature = "persistent")]
@@ -454,6 +458,8 @@ impl RemoteClient {
                 policy,
                 revalidated: watch::Sender::new(0),
                 lease,
+                lease_until: AtomicU64::new(0),
+                leases_lost: AtomicU64::new(0),
                 #[cfg(feature = "persistent")]
                 from_disk: Mutex::new(from_disk),
             }),
@@ -658,6 +664,14 @@ impl RemoteClient {
         hosts.address_of(&peer)
     }
 
+    /// How many times a renewal of the client's lease came after it had run out (see
+    /// [`RemoteClient`]): meanwhile every cache of its registry answered nothing from
+    /// itself. A count that grows while the connection lives says the server (or this
+    /// client's runtime) answers more slowly than the lease allows.
+    pub fn leases_lost(&self) -> u64 {
+        self.inner.leases_lost.load(Ordering::Relaxed)
+    }
+
     /// How many connections were made so far (1 plus the reconnections).
     pub fn connections(&self) -> u64 {
         self.inner.connection.connections()
@@ -774,7 +788,13 @@ async fn renew_lease(
     let left = left.min(timeout.as_nanos() as u64);
     let inner = client.upgrade()?;
     if let Some(lease) = &inner.lease {
-        lease.renew(sent.saturating_add(left));
+        let until = sent.saturating_add(left);
+        let before = inner.lease_until.fetch_max(until, Ordering::AcqRel);
+        let now = coherent::lease_clock();
+        if before != 0 && now > before {
+            inner.leases_lost.fetch_add(1, Ordering::Relaxed);
+        }
+        lease.renew(until);
     }
     Some(left)
 }
@@ -998,6 +1018,7 @@ fn invalidate_all(inner: &Inner, why: &str) {
     inner.tokens.invalidate(all, false);
     if let Some(lease) = &inner.lease {
         lease.clear();
+        inner.lease_until.store(0, Ordering::Release);
     }
 }
 

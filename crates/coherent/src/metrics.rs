@@ -41,6 +41,7 @@
 //! | `coherent_remote_sse_feeds_refused_total` | counter | `server` | event feeds refused because the server's limit of open feeds was reached |
 //! | `coherent_remote_client_replicas` | gauge | `client` | replicas this client holds |
 //! | `coherent_remote_client_connections_total` | counter | `client` | connections made (1 plus the reconnections) |
+//! | `coherent_remote_client_leases_lost_total` | counter | `client` | renewals of the client's lease that came after it ran out (its registry answered nothing from its cache meanwhile) |
 //! | `coherent_ops_commands_total` | counter | `host` | commands run on this host that committed |
 //! | `coherent_ops_command_errors_total` | counter | `host` | commands run on this host that failed (rolled back, or their outcome unknown) |
 //! | `coherent_ops_operations_applied_notified_total` | counter | `host` | operations of other hosts applied from a notification |
@@ -211,6 +212,8 @@ impl Observer {
                 .set(client.replica_count() as f64);
             metrics::counter!("coherent_remote_client_connections_total", &label)
                 .absolute(client.connections());
+            metrics::counter!("coherent_remote_client_leases_lost_total", &label)
+                .absolute(client.leases_lost());
         }))
     }
 

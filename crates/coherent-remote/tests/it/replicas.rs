@@ -443,6 +443,12 @@ async fn a_clients_replicas_answer_no_longer_than_its_servers_cache_could() {
         client_registry.is_fenced(),
         "the client's lease is out while the server's cache is fenced"
     );
+    within("a renewal after the lease ran out, counted", async {
+        while remote.leases_lost() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
 
     // Lifted: the client renews its lease, and answers from its replicas again.
     server_registry.unfence();

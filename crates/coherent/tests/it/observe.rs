@@ -154,6 +154,14 @@ async fn an_observer_reports_cache_rpc_and_replica_counters() {
         ),
         1.0
     );
+    assert_eq!(
+        value(
+            &recorded,
+            "coherent_remote_client_leases_lost_total",
+            ("client", "meter")
+        ),
+        0.0
+    );
 }
 
 /// A command that writes nothing and invalidates nothing: enough to count one.
