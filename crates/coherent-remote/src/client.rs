@@ -120,6 +120,12 @@ impl ReplicaSink for Sink {
     async fn invalidated(&self, replicas: Vec<u64>) {
         tracing::debug!(count = replicas.len(), "replicas invalidated by the server");
         self.tokens.invalidate(replicas, true);
+        // Acknowledged once the persistent cache forgot them too: a client that crashes
+        // after the acknowledgement must not find the old values in its file.
+        #[cfg(feature = "persistent")]
+        if let Some(disk) = &self.tokens.live.disk {
+            disk.flush().await;
+        }
     }
 }
 

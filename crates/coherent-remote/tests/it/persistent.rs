@@ -75,3 +75,42 @@ async fn a_restarted_client_answers_from_disk_and_the_server_confirms_or_overrul
     within("the pushed invalidation", one.when_invalidated()).await;
     assert_eq!(names.name(1).await.unwrap().as_deref(), Some("anna"));
 }
+
+/// A push is acknowledged (and the writer told it reached this client) only once the
+/// file forgot the value too: a client that crashed right after would otherwise find it
+/// there and answer it again at its next start.
+#[tokio::test]
+async fn a_push_is_acknowledged_only_once_the_file_forgot_the_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("replicas.db");
+    let users = Users::new();
+    let server = remote_server(&users);
+    let endpoint = coherent_rpc::Endpoint::builder()
+        .service(server.service())
+        .build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    let (remote, names) = client(addr, &file).await;
+    let stored = || -> i64 {
+        let db = rusqlite::Connection::open(&file).unwrap();
+        db.query_row("SELECT count(*) FROM replicas", [], |r| r.get(0))
+            .unwrap()
+    };
+    for round in 0..20 {
+        assert!(names.name(1).await.unwrap().is_some());
+        remote.flush_cache().await;
+        assert_eq!(stored(), 1, "round {round}: the value is in the file");
+        users.rename(1, &format!("ann {round}"));
+        within(
+            "the push's acknowledgement",
+            server.invalidations_delivered(),
+        )
+        .await;
+        assert_eq!(
+            stored(),
+            0,
+            "round {round}: acknowledged, and still in the file"
+        );
+    }
+}
