@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::history::{now_ns, Read, Recorder, Write};
-use crate::tier::{Proxy, Tier};
+use crate::tier::{Proxy, Tier, TierRuntime};
 
 /// Set (to anything) in a host process's environment: [`main`] runs.
 pub const NODE_MODE: &str = "COHERENT_CHECKER_NODE";
@@ -295,7 +295,15 @@ async fn serve() -> anyhow::Result<()> {
     let served = listener.local_addr()?;
     tokio::spawn(async move { endpoint.serve_tcp(listener).await });
     let proxy = Proxy::start(served).await?;
-    let tier = Tier::connect(proxy.addr()).await?;
+    // The tier runs on a thread of its own (the run freezes it alone: `tier_pause`).
+    let tier_runtime = TierRuntime::start()?;
+    let tier = {
+        let addr = proxy.addr();
+        tier_runtime
+            .handle()
+            .spawn(async move { Tier::connect(addr).await })
+            .await??
+    };
     let recorder = Arc::new(Recorder::create(&node.history)?);
     let tier_recorder = Arc::new(Recorder::create(&tier_history(&node.history))?);
     let counts = Arc::new(Counts::default());
@@ -324,6 +332,7 @@ async fn serve() -> anyhow::Result<()> {
                         recorder: &recorder,
                         tier: &tier,
                         tier_recorder: &tier_recorder,
+                        tier_runtime: tier_runtime.handle(),
                     };
                     workload = Some(start(&node, &host, &readers, &counts));
                 }
@@ -352,6 +361,11 @@ async fn serve() -> anyhow::Result<()> {
             ["tier_cut"] => {
                 proxy.cut();
                 say("tier cut");
+            }
+            ["tier_pause", ms] => {
+                let ms: u64 = ms.parse()?;
+                tier_runtime.freeze(Duration::from_millis(ms));
+                say("tier paused");
             }
             ["tier_half_open"] => {
                 proxy.half_open();
@@ -478,10 +492,13 @@ struct Readers<'a> {
     recorder: &'a Arc<Recorder>,
     tier: &'a Tier,
     tier_recorder: &'a Arc<Recorder>,
+    tier_runtime: &'a tokio::runtime::Handle,
 }
 
-/// A reader's loop: `read` a random key, record what it saw, until `stop`.
+/// A reader's loop on `on`: `read` a random key, record what it saw, until `stop`.
+#[allow(clippy::too_many_arguments)]
 fn reader<F, Fut>(
+    on: &tokio::runtime::Handle,
     node: &Node,
     reader: u32,
     stop: &Arc<AtomicBool>,
@@ -496,7 +513,7 @@ where
 {
     let (stop, recorder, counts) = (stop.clone(), recorder.clone(), counts.clone());
     let (keys, batch) = (node.keys, node.read_batch.max(1));
-    tokio::spawn(async move {
+    on.spawn(async move {
         let (reads, errors) = if tier {
             (&counts.tier_reads, &counts.tier_read_errors)
         } else {
@@ -535,6 +552,7 @@ fn start(node: &Node, host: &Host, readers: &Readers<'_>, counts: &Arc<Counts>) 
     for r in 0..node.readers {
         let registers = readers.registers.clone();
         tasks.push(reader(
+            &tokio::runtime::Handle::current(),
             node,
             r,
             &stop,
@@ -550,6 +568,7 @@ fn start(node: &Node, host: &Host, readers: &Readers<'_>, counts: &Arc<Counts>) 
     for r in 0..node.tier_readers {
         let tier = readers.tier.clone();
         tasks.push(reader(
+            readers.tier_runtime,
             node,
             r,
             &stop,

@@ -41,6 +41,10 @@ pub enum Fault {
     /// A host's tier loses its connection to the host at once (both ends closed): it
     /// reconnects and revalidates its replicas.
     TierCut,
+    /// A host's tier is frozen for 800 ms (its thread sleeps: no task of it runs, no timer
+    /// fires), past its host's acknowledgement deadline, as a paused tier process would be;
+    /// its host runs on, and its host's peers stop waiting for it.
+    TierPause,
     /// A host's tier's connection goes half-open: nothing passes either way and neither
     /// end is told (a NAT that forgot it). The host stops waiting for the tier after its
     /// delivery timeout; the tier must stop answering from its replicas before then.
@@ -60,6 +64,7 @@ impl Fault {
             Fault::NatsRestart => "nats_restart",
             Fault::Skew => "clock_skew",
             Fault::TierCut => "tier_cut",
+            Fault::TierPause => "tier_pause",
             Fault::TierHalfOpen => "tier_half_open",
         }
     }
@@ -102,6 +107,7 @@ impl Config {
             Fault::Deploy,
             Fault::Skew,
             Fault::TierCut,
+            Fault::TierPause,
             Fault::TierHalfOpen,
         ];
         if nats {
@@ -466,6 +472,9 @@ async fn run_in(
             }
             Fault::TierCut => {
                 hosts[i].cmd("tier_cut").await?;
+            }
+            Fault::TierPause => {
+                hosts[i].cmd("tier_pause 800").await?;
             }
             Fault::TierHalfOpen => {
                 hosts[i].cmd("tier_half_open").await?;

@@ -35,6 +35,42 @@ impl Tier {
     }
 }
 
+/// The tier's runtime: one thread of its own, so that the run can freeze the tier whole
+/// (its readers, its client's reader and its liveness task) as a paused tier process would
+/// be, while its host runs on.
+pub struct TierRuntime {
+    handle: tokio::runtime::Handle,
+}
+
+impl TierRuntime {
+    /// Starts the thread and its runtime (which lives as long as the process).
+    pub fn start() -> anyhow::Result<TierRuntime> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("checker-tier".to_owned())
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("the tier's runtime");
+                let _ = tx.send(runtime.handle().clone());
+                runtime.block_on(std::future::pending::<()>());
+            })?;
+        Ok(TierRuntime { handle: rx.recv()? })
+    }
+
+    /// Where the tier's tasks run.
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+
+    /// Freezes the tier for `d`: its thread sleeps, nothing of it runs (no timer either),
+    /// then everything it missed is there at once, as after SIGCONT.
+    pub fn freeze(&self, d: std::time::Duration) {
+        self.handle.spawn(async move { std::thread::sleep(d) });
+    }
+}
+
 impl Tier {
     /// A tier of its own registry, connected to `addr`.
     pub async fn connect(addr: SocketAddr) -> anyhow::Result<Tier> {
