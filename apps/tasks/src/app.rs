@@ -191,10 +191,15 @@ impl LiveBackend {
 /// The HTTP router of a `coherent` tier connected to the backends at `addrs` (it fails
 /// over between them).
 pub async fn live_router(addrs: &[SocketAddr]) -> anyhow::Result<axum::Router> {
-    let client = coherent::remote::RemoteClient::connect_tcp_any(addrs.to_vec())
+    // One registry for the tier's views and the client's replicas: the client's lease on
+    // it stops the views answering from the cache while the backend cannot vouch for them.
+    let registry = Registry::new();
+    let client = coherent::remote::RemoteClient::builder()
+        .registry(&registry)
+        .connect_tcp_any(addrs.to_vec())
         .await
         .context("connecting to the Coherent backend")?;
-    let tier = LiveTier::new(client, &Registry::new());
+    let tier = LiveTier::new(client, &registry);
     Ok(api::router(Arc::new(tier)))
 }
 

@@ -146,6 +146,11 @@ pub struct Outcome {
     pub unknown: u64,
     /// Acknowledgement waits that ran out, summed likewise.
     pub ack_timeouts: u64,
+    /// Tier reads answered from the tier's cache (replicas), and those that fetched from
+    /// the host, summed over the hosts up at the end.
+    pub tier_hits: u64,
+    /// See `tier_hits`.
+    pub tier_misses: u64,
 }
 
 impl Outcome {
@@ -503,6 +508,7 @@ async fn run_in(
         .collect();
     let mut not_converged = Vec::new();
     let (mut read_errors, mut write_errors, mut unknown, mut ack_timeouts) = (0, 0, 0, 0);
+    let (mut tier_hits, mut tier_misses) = (0, 0);
     for h in &mut hosts {
         for (line, who) in [("final", h.id.clone()), ("final_tier", tier_name(&h.id))] {
             let answer = h.cmd(line).await?;
@@ -527,6 +533,8 @@ async fn run_in(
                 "write_errors" => write_errors += v,
                 "unknown" => unknown += v,
                 "ack_timeouts" => ack_timeouts += v,
+                "tier_hits" => tier_hits += v,
+                "tier_misses" => tier_misses += v,
                 _ => {}
             }
         }
@@ -555,5 +563,7 @@ async fn run_in(
         write_errors,
         unknown,
         ack_timeouts,
+        tier_hits,
+        tier_misses,
     })
 }

@@ -90,6 +90,13 @@ impl Tier {
         self.client.connections()
     }
 
+    /// Reads of the tier answered from its cache, and those that computed (a fetch from
+    /// the host): without enough of the first, a run without stale reads shows nothing.
+    pub fn hits_and_misses(&self) -> (u64, u64) {
+        let m = self.handle.registry().metrics();
+        (m.hits, m.misses)
+    }
+
     /// How many times the client's lease was renewed after it ran out.
     pub fn leases_lost(&self) -> u64 {
         self.client.leases_lost()

@@ -46,7 +46,8 @@ fn report(what: &str, outcome: &Outcome) {
     let c = &outcome.checked;
     eprintln!(
         "{what}: reads_checked={} reads_after_a_write={} writes={} violations={} faults={:?} \
-         hosts_started={} read_errors={} write_errors={} unknown={} ack_timeouts={}",
+         hosts_started={} read_errors={} write_errors={} unknown={} ack_timeouts={} \
+         tier_hits={} tier_misses={}",
         c.reads,
         c.reads_after_a_write,
         c.writes,
@@ -57,6 +58,8 @@ fn report(what: &str, outcome: &Outcome) {
         outcome.write_errors,
         outcome.unknown,
         outcome.ack_timeouts,
+        outcome.tier_hits,
+        outcome.tier_misses,
     );
 }
 
@@ -81,6 +84,14 @@ async fn checked(nats: bool) {
         outcome.explain(10)
     );
     assert!(outcome.checked.reads_after_a_write > 0);
+    // The tiers answered mostly from their replicas: reads that all went through to the
+    // hosts (a lease always out) could not be stale, and would show nothing.
+    assert!(
+        outcome.tier_hits > outcome.tier_misses,
+        "tier hits {} against misses {}",
+        outcome.tier_hits,
+        outcome.tier_misses
+    );
     for fault in &config.faults {
         assert!(
             outcome.faults.get(fault.name()).copied().unwrap_or(0) >= 3,

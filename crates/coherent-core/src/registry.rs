@@ -273,6 +273,19 @@ impl Registry {
         }
     }
 
+    /// How long the cache may still answer by its own lease ([`set_lease`](Self::set_lease))
+    /// and its fences, leaving out other holders' ([`lease`](Self::lease)): 0 while fenced
+    /// or past it, `None` when neither bounds it. What a replica server bounds its clients
+    /// by: a client's own lease on the registry its server reads would bound itself.
+    pub fn own_lease_left(&self) -> Option<u64> {
+        if self.inner.fences.load(Ordering::SeqCst) != 0 {
+            return Some(0);
+        }
+        let leases = self.inner.leases.lock();
+        let (_, until) = leases.iter().find(|(h, _)| *h == 0)?;
+        Some(until.saturating_sub(lease_clock()))
+    }
+
     fn renew_lease(&self, holder: u64, until: u64) {
         let mut leases = self.inner.leases.lock();
         match leases.iter_mut().find(|(h, _)| *h == holder) {

@@ -181,6 +181,8 @@ struct Inner {
     lease_until: AtomicU64,
     /// Times a renewal came after the lease had run out.
     leases_lost: AtomicU64,
+    /// Whether the last renewal's answer left the lease any time.
+    lease_granted: AtomicBool,
     /// The keys the file held when the client started, until each is first read: the
     /// file answers only those reads (later ones come from the server or from memory).
     #[cfg(feature = "persistent")]
@@ -451,6 +453,8 @@ impl RemoteClient {
         #[cfg(feature = "persistent")] from_disk: std::collections::HashSet<(u32, Blob)>,
     ) -> Result<Self, RpcError> {
         let first = connection.peer().await?;
+        // Renewed once before the client is handed out (below); until a renewal, a value
+        // fetched is answered only once one came (`replica_by_id`).
         let lease = (policy.liveness.is_some() && !policy.keep_through_disconnects)
             .then(|| tokens.handle.registry().lease());
         let client = Self {
@@ -466,6 +470,7 @@ impl RemoteClient {
                 lease,
                 lease_until: AtomicU64::new(0),
                 leases_lost: AtomicU64::new(0),
+                lease_granted: AtomicBool::new(false),
                 #[cfg(feature = "persistent")]
                 from_disk: Mutex::new(from_disk),
             }),
@@ -475,7 +480,12 @@ impl RemoteClient {
             first.when_closed(),
         ));
         if let Some(timeout) = policy.liveness {
-            tokio::spawn(watch_liveness(Arc::downgrade(&client.inner), timeout));
+            let weak = Arc::downgrade(&client.inner);
+            let first_left = tokio::time::timeout(timeout, renew_lease(&weak, &first, timeout))
+                .await
+                .ok()
+                .flatten();
+            tokio::spawn(watch_liveness(weak, timeout, first_left));
         }
         tokio::spawn(release(
             Arc::downgrade(&client.inner),
@@ -563,27 +573,48 @@ impl RemoteClient {
         };
         let hash = value_hash(&value);
         let live = &inner.tokens.live;
-        let mut replicas = live.replicas.lock();
-        match replicas.get_mut(&replica) {
-            Some(r) => {
-                r.hash = Some(hash);
-                // Written while still live, under the lock: an invalidation that comes
-                // later removes it again, in order.
-                #[cfg(feature = "persistent")]
-                if let Some(disk) = &live.disk {
-                    disk.put(method, args, value.clone(), hash, format);
+        {
+            let mut replicas = live.replicas.lock();
+            match replicas.get_mut(&replica) {
+                Some(r) => {
+                    r.hash = Some(hash);
+                    // Written while still live, under the lock: an invalidation that comes
+                    // later removes it again, in order.
+                    #[cfg(feature = "persistent")]
+                    if let Some(disk) = &live.disk {
+                        disk.put(method, args, value.clone(), hash, format);
+                    }
+                    #[cfg(not(feature = "persistent"))]
+                    drop(args);
                 }
-                #[cfg(not(feature = "persistent"))]
-                drop(args);
-            }
-            // Dropped or invalidated meanwhile: the server may have started watching after
-            // the release went out, so release it again.
-            None => {
-                drop(args);
-                live.release(replica);
+                // Dropped or invalidated meanwhile: the server may have started watching after
+                // the release went out, so release it again.
+                None => {
+                    drop(args);
+                    live.release(replica);
+                }
             }
         }
-        drop(replicas);
+        // No lease since a disconnect (or none renewed yet): this value, fetched on a new
+        // connection, is answered (and kept) only under one renewed after it came.
+        if let (Some(lease), Some(timeout)) = (&inner.lease, inner.policy.liveness) {
+            if inner.lease_until.load(Ordering::Acquire) == 0 {
+                let renewed = match inner.connection.current() {
+                    Some(peer) => tokio::time::timeout(
+                        timeout,
+                        renew_lease(&Arc::downgrade(&self.inner), &peer, timeout),
+                    )
+                    .await
+                    .ok()
+                    .flatten(),
+                    None => None,
+                };
+                if renewed.is_none() {
+                    // Not renewed: the registry answers nothing until it is.
+                    lease.renew(0);
+                }
+            }
+        }
         format.decode_bytes(value.into_bytes())
     }
 
@@ -722,13 +753,22 @@ struct Policy {
 /// connection that answered nothing sent in the last `timeout` (the supervisor then
 /// invalidates and reconnects): when the lease runs out, not half a renewal later. Holds the connection only while a call is out, so that dropping the
 /// client still closes it.
-async fn watch_liveness(client: std::sync::Weak<Inner>, timeout: std::time::Duration) {
+async fn watch_liveness(
+    client: std::sync::Weak<Inner>,
+    timeout: std::time::Duration,
+    first_left: Option<u64>,
+) {
     let _ended = LivenessEnded(client.clone());
-    // The first renewal at once: until then the replicas are not bounded by a lease.
-    let mut wait = std::time::Duration::ZERO;
+    // After the renewal the client made as it connected (at once if it had no answer).
+    let mut wait = match first_left {
+        Some(left) if left > 0 => (timeout / 4).min(std::time::Duration::from_nanos(left / 3)),
+        _ => std::time::Duration::ZERO,
+    };
     // When the last answered call was sent: the connection is taken for dead once nothing
     // sent since has been answered for `timeout` (the lease runs out at the same moment).
     let (mut answered, mut on) = (0, None);
+    // The wait between renewals while the server answers that nothing is left.
+    let mut idle = std::time::Duration::ZERO;
     loop {
         tokio::time::sleep(wait).await;
         wait = timeout / 4;
@@ -751,12 +791,18 @@ async fn watch_liveness(client: std::sync::Weak<Inner>, timeout: std::time::Dura
         }
         let due = std::time::Duration::from_nanos(
             answered
-                .saturating_add(timeout.as_nanos() as u64)
+                .saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX))
                 .saturating_sub(sent),
         )
         .max(LEASE_RENEWAL_MIN);
         match tokio::time::timeout(due, renew_lease(&client, &peer, timeout)).await {
             Err(_) => {
+                // The lease ran out with it.
+                if let Some(inner) = client.upgrade() {
+                    if inner.lease_granted.swap(false, Ordering::AcqRel) {
+                        inner.leases_lost.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 tracing::warn!(
                     ?timeout,
                     "no answer from the server to a liveness ping: closing the connection, \
@@ -771,8 +817,16 @@ async fn watch_liveness(client: std::sync::Weak<Inner>, timeout: std::time::Dura
             // Renewed well before it runs out: at a third of what the server had left.
             Ok(Some(left)) => {
                 answered = sent;
-                let soon = std::time::Duration::from_nanos(left / 3);
-                wait = wait.min(soon.max(LEASE_RENEWAL_MIN));
+                if left == 0 {
+                    // The server's caches are fenced: ask again soon, backing off while
+                    // they stay so (every renewal is a call on a server in trouble).
+                    idle = (idle * 2).clamp(LEASE_RENEWAL_MIN, timeout / 4);
+                    wait = idle;
+                } else {
+                    idle = std::time::Duration::ZERO;
+                    let soon = std::time::Duration::from_nanos(left / 3);
+                    wait = wait.min(soon.max(LEASE_RENEWAL_MIN));
+                }
             }
         }
     }
@@ -791,13 +845,16 @@ async fn renew_lease(
 ) -> Option<u64> {
     let sent = coherent::lease_clock();
     let left = lease_left(peer).await.ok()?;
-    let left = left.min(timeout.as_nanos() as u64);
+    let left = left.min(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
     let inner = client.upgrade()?;
     if let Some(lease) = &inner.lease {
         let until = sent.saturating_add(left);
         let before = inner.lease_until.fetch_max(until, Ordering::AcqRel);
-        let now = coherent::lease_clock();
-        if before != 0 && now > before {
+        // Lost: a lease the server had granted ran out before this renewal. One it
+        // answered with nothing left (its own caches fenced) is no loss, nor are the
+        // renewals while it stays so.
+        let granted = inner.lease_granted.swap(left > 0, Ordering::AcqRel);
+        if granted && before != 0 && coherent::lease_clock() > before {
             inner.leases_lost.fetch_add(1, Ordering::Relaxed);
         }
         lease.renew(until);
@@ -834,6 +891,9 @@ const LEASE_RENEWAL_MIN: std::time::Duration = std::time::Duration::from_millis(
 async fn lease_left(peer: &Peer) -> Result<u64, RpcError> {
     match ReplicaHostClient::new(peer.clone()).lease().await {
         Err(e) if e.code() == ErrorCode::UnknownMethod => peer.ping().await.map(|()| u64::MAX),
+        // Refused (overloaded, say) but not gone: the connection lives if a ping comes
+        // back, and the lease is not extended.
+        Err(e) if e.code() != ErrorCode::Disconnected => peer.ping().await.map(|()| 0),
         answer => answer,
     }
 }
@@ -1017,7 +1077,8 @@ async fn supervise(
 
 /// Invalidates every replica: the client is disconnected (or closed), and reads go to the
 /// server. Its lease is dropped meanwhile (no replica is left for it to bound; it would
-/// only keep the rest of the registry from answering) until the next connection renews it.
+/// only keep the rest of the registry from answering); a value fetched on the next
+/// connection is answered only once that connection renewed it (`replica_by_id`).
 fn invalidate_all(inner: &Inner, why: &str) {
     let all: Vec<u64> = inner.tokens.live.replicas.lock().keys().copied().collect();
     tracing::debug!(count = all.len(), why, "invalidating every replica");

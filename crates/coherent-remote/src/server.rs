@@ -498,9 +498,11 @@ impl RemoteServer {
         })
     }
 
-    /// Bounds the lease of this server's trusted clients by `registry`'s: a client answers
-    /// from its replicas no longer than this server could answer from the registry when it
-    /// last heard from it (see `RemoteClient`'s liveness). For a server whose computeds
+    /// Bounds the lease of this server's trusted clients by `registry`'s own (its fences
+    /// and [`Registry::set_lease`], a cluster host's; not other holders' leases, which may
+    /// be this server's own clients'): a client answers from its replicas no longer than
+    /// this server could answer from the registry when it last heard from it (see
+    /// `RemoteClient`'s liveness). For a server whose computeds
     /// live in a registry that is itself leased or fenced (a cluster host's:
     /// `HostBuilder::serve_replicas` calls it): while the host cannot tell whether its
     /// cache is current, neither can its replicas. Shared by this server's clones; each
@@ -1034,25 +1036,44 @@ impl ReplicaHost for Host {
         if ctx.peer().trust() != Trust::Trusted {
             return u64::MAX;
         }
+        // What the server's caches have left as the call arrives, as a deadline: a lease
+        // of the host renewed while this call waits covers notices applied after it came,
+        // whose pushes the answer does not wait for.
+        let now = coherent::lease_clock();
+        let until = self
+            .lease_sources
+            .lock()
+            .iter()
+            .filter_map(Registry::own_lease_left)
+            // Nothing bounds the caches: half the delivery timeout, after which writes
+            // stop waiting for this client (the client's liveness timeout may be longer).
+            .chain(std::iter::once(
+                u64::try_from(self.push.delivery_timeout.as_nanos()).unwrap_or(u64::MAX) / 2,
+            ))
+            .min()
+            .map_or(u64::MAX, |left| now.saturating_add(left));
         // Answered only once the client acknowledged every invalidation this connection
-        // had queued when the call came: the client renews its lease with the answer, so
-        // its replicas are current as of the call (a push still in the pusher's hands
-        // would otherwise be overtaken by the answer).
+        // had queued when the call came, and the fetches in flight then registered their
+        // watches (one that computed its value before an invalidation queues its push at
+        // once): the client renews its lease with the answer, so its replicas are current
+        // as of the call.
         let connection = self.connections.lock().get(&ctx.peer().id()).cloned();
         if let Some(c) = connection {
-            let upto = c.invalidated.lock().queued;
             let mut delivered = c.delivered.subscribe();
+            if let Some(mut gone) = c.retire_fetches_in_flight() {
+                let mut closed = delivered.clone();
+                tokio::select! {
+                    _ = gone.changed() => {}
+                    _ = closed.wait_for(|d| *d == u64::MAX) => {}
+                }
+            }
+            let upto = c.invalidated.lock().queued;
             drop(c);
             if delivered.wait_for(|&d| d >= upto).await.is_err() {
                 return 0;
             }
         }
-        self.lease_sources
-            .lock()
-            .iter()
-            .filter_map(Registry::lease_left)
-            .min()
-            .unwrap_or(u64::MAX)
+        until.saturating_sub(coherent::lease_clock())
     }
 
     async fn release(&self, replicas: Vec<u64>) {

@@ -309,9 +309,14 @@ async fn a_read_on_another_client_after_a_command_returned_sees_its_write() {
     let driver = std::thread::spawn(move || runtime.block_on(stopped));
     let reader = on_reader
         .spawn(async move {
+            let registry = Registry::new();
             Mirror {
-                handle: ServiceHandle::with_registry(&Registry::new()),
-                client: RemoteClient::connect_tcp(addr).await.unwrap(),
+                handle: ServiceHandle::with_registry(&registry),
+                client: RemoteClient::builder()
+                    .registry(&registry)
+                    .connect_tcp(addr)
+                    .await
+                    .unwrap(),
             }
         })
         .await
