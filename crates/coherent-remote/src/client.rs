@@ -481,10 +481,7 @@ impl RemoteClient {
         ));
         if let Some(timeout) = policy.liveness {
             let weak = Arc::downgrade(&client.inner);
-            let first_left = tokio::time::timeout(timeout, renew_lease(&weak, &first, timeout))
-                .await
-                .ok()
-                .flatten();
+            let first_left = renew_within(&weak, &first, timeout).await;
             tokio::spawn(watch_liveness(weak, timeout, first_left));
         }
         tokio::spawn(release(
@@ -600,13 +597,7 @@ impl RemoteClient {
         if let (Some(lease), Some(timeout)) = (&inner.lease, inner.policy.liveness) {
             if inner.lease_until.load(Ordering::Acquire) == 0 {
                 let renewed = match inner.connection.current() {
-                    Some(peer) => tokio::time::timeout(
-                        timeout,
-                        renew_lease(&Arc::downgrade(&self.inner), &peer, timeout),
-                    )
-                    .await
-                    .ok()
-                    .flatten(),
+                    Some(peer) => renew_within(&Arc::downgrade(&self.inner), &peer, timeout).await,
                     None => None,
                 };
                 if renewed.is_none() {
@@ -751,8 +742,8 @@ struct Policy {
 /// Renews the client's lease (see [`RemoteClientBuilder::liveness`]) every quarter of
 /// `timeout`, or sooner when the server's own caches have less left, and closes a
 /// connection that answered nothing sent in the last `timeout` (the supervisor then
-/// invalidates and reconnects): when the lease runs out, not half a renewal later. Holds the connection only while a call is out, so that dropping the
-/// client still closes it.
+/// invalidates and reconnects): when the lease runs out, not half a renewal later. Holds
+/// the connection only while a call is out, so that dropping the client still closes it.
 async fn watch_liveness(
     client: std::sync::Weak<Inner>,
     timeout: std::time::Duration,
@@ -791,7 +782,7 @@ async fn watch_liveness(
         }
         let due = std::time::Duration::from_nanos(
             answered
-                .saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX))
+                .saturating_add(crate::wire::nanos(timeout))
                 .saturating_sub(sent),
         )
         .max(LEASE_RENEWAL_MIN);
@@ -845,7 +836,7 @@ async fn renew_lease(
 ) -> Option<u64> {
     let sent = coherent::lease_clock();
     let left = lease_left(peer).await.ok()?;
-    let left = left.min(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
+    let left = left.min(crate::wire::nanos(timeout));
     let inner = client.upgrade()?;
     if let Some(lease) = &inner.lease {
         let until = sent.saturating_add(left);
@@ -860,6 +851,18 @@ async fn renew_lease(
         lease.renew(until);
     }
     Some(left)
+}
+
+/// [`renew_lease`], given up after `timeout` (the liveness timeout).
+async fn renew_within(
+    client: &std::sync::Weak<Inner>,
+    peer: &Peer,
+    timeout: std::time::Duration,
+) -> Option<u64> {
+    tokio::time::timeout(timeout, renew_lease(client, peer, timeout))
+        .await
+        .ok()
+        .flatten()
 }
 
 /// Held by the liveness task: when the task ends while the client lives (its runtime
@@ -886,8 +889,8 @@ const LEASE_RENEWAL_MIN: std::time::Duration = std::time::Duration::from_millis(
 
 /// Asks the server how long its caches may still answer (`ReplicaHost::lease`, answered
 /// once this client acknowledged every push queued before it); a server of a release
-/// without it is pinged instead (its answer follows every frame sent before it), and
-/// bounds nothing.
+/// without it is pinged instead (its answer follows every frame sent before it) and
+/// bounds the lease by nothing but the liveness timeout.
 async fn lease_left(peer: &Peer) -> Result<u64, RpcError> {
     match ReplicaHostClient::new(peer.clone()).lease().await {
         Err(e) if e.code() == ErrorCode::UnknownMethod => peer.ping().await.map(|()| u64::MAX),
@@ -1020,7 +1023,7 @@ async fn supervise(
         // The lease of the new connection before anything is answered from it (it ran
         // out while the client was away; the old connection's cannot be renewed).
         if let Some(timeout) = client.upgrade().and_then(|i| i.policy.liveness) {
-            let _ = tokio::time::timeout(timeout, renew_lease(&client, &next, timeout)).await;
+            renew_within(&client, &next, timeout).await;
         }
         let Some(inner) = client.upgrade() else {
             return;

@@ -449,14 +449,10 @@ impl RemoteServer {
                 // value before the write and register its watch after it: its client gets
                 // that value and, right behind it, the push its watch queues at once. Wait
                 // for it to be done (or the connection gone), then for that push too.
-                let mut closed = rx.clone();
-                let done = async {
-                    tokio::select! {
-                        _ = gone.changed() => {}
-                        _ = closed.wait_for(|delivered| *delivered == u64::MAX) => {}
-                    }
-                };
-                if tokio::time::timeout_at(deadline, done).await.is_ok() {
+                if tokio::time::timeout_at(deadline, fetches_done(&mut gone, &rx))
+                    .await
+                    .is_ok()
+                {
                     queued = c.invalidated.lock().queued;
                 } else {
                     // A slow computation is not the client's fault: not closed for it.
@@ -731,6 +727,16 @@ fn refused(counters: &Counters, limit: Limit) -> Failure {
     counter.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(limit = n, "a replica refused: too many held");
     Failure::TooManyReplicas(n)
+}
+
+/// Until the fetches of a generation retired by `Connection::retire_fetches_in_flight`
+/// (`gone`) are done, or the connection is gone (its `delivered` set to `u64::MAX`).
+async fn fetches_done(gone: &mut watch::Receiver<()>, delivered: &watch::Receiver<u64>) {
+    let mut closed = delivered.clone();
+    tokio::select! {
+        _ = gone.changed() => {}
+        _ = closed.wait_for(|d| *d == u64::MAX) => {}
+    }
 }
 
 /// Sends each batch of invalidated replica ids in one message, until the connection closes;
@@ -1048,7 +1054,7 @@ impl ReplicaHost for Host {
             // Nothing bounds the caches: half the delivery timeout, after which writes
             // stop waiting for this client (the client's liveness timeout may be longer).
             .chain(std::iter::once(
-                u64::try_from(self.push.delivery_timeout.as_nanos()).unwrap_or(u64::MAX) / 2,
+                crate::wire::nanos(self.push.delivery_timeout) / 2,
             ))
             .min()
             .map_or(u64::MAX, |left| now.saturating_add(left));
@@ -1061,11 +1067,7 @@ impl ReplicaHost for Host {
         if let Some(c) = connection {
             let mut delivered = c.delivered.subscribe();
             if let Some(mut gone) = c.retire_fetches_in_flight() {
-                let mut closed = delivered.clone();
-                tokio::select! {
-                    _ = gone.changed() => {}
-                    _ = closed.wait_for(|d| *d == u64::MAX) => {}
-                }
+                fetches_done(&mut gone, &delivered).await;
             }
             let upto = c.invalidated.lock().queued;
             drop(c);

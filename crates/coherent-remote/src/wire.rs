@@ -48,6 +48,11 @@ pub(crate) struct Held {
     pub(crate) hash: u64,
 }
 
+/// A duration in nanoseconds, as leases count them (`u64::MAX` past 584 years).
+pub(crate) fn nanos(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// 64-bit FNV-1a of an encoded value: what a revalidation compares.
 pub(crate) fn value_hash(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
