@@ -729,6 +729,11 @@ fn refused(counters: &Counters, limit: Limit) -> Failure {
     Failure::TooManyReplicas(n)
 }
 
+/// The longest a `lease` call waits for the fetches in flight when it came (a slow
+/// computation) before it answers that nothing is left: well below a client's liveness
+/// timeout (2 s by default).
+const LEASE_FETCH_WAIT: Duration = Duration::from_millis(500);
+
 /// Until the fetches of a generation retired by `Connection::retire_fetches_in_flight`
 /// (`gone`) are done, or the connection is gone (its `delivered` set to `u64::MAX`).
 async fn fetches_done(gone: &mut watch::Receiver<()>, delivered: &watch::Receiver<u64>) {
@@ -1067,7 +1072,13 @@ impl ReplicaHost for Host {
         if let Some(c) = connection {
             let mut delivered = c.delivered.subscribe();
             if let Some(mut gone) = c.retire_fetches_in_flight() {
-                fetches_done(&mut gone, &delivered).await;
+                // A slow computation is not the client's silence: answered in time (with
+                // nothing left, so the lease is not extended) rather than let the
+                // client's liveness timeout close a healthy connection.
+                let done = fetches_done(&mut gone, &delivered);
+                if tokio::time::timeout(LEASE_FETCH_WAIT, done).await.is_err() {
+                    return 0;
+                }
             }
             let upto = c.invalidated.lock().queued;
             drop(c);

@@ -510,3 +510,47 @@ async fn unknown_methods_and_bad_arguments_are_clear_errors() {
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::BadArguments, "{err}");
 }
+
+/// A compute method that takes a while.
+#[derive(Clone, ComputeService)]
+struct Slow {
+    handle: ServiceHandle,
+}
+
+#[compute_service]
+impl Slow {
+    #[compute]
+    async fn wait(&self, ms: u64) -> u64 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        ms
+    }
+}
+
+/// A lease renewal waits for the fetches in flight when it came, but not for a slow
+/// computation: the client is answered in time, and its connection is not taken for dead.
+#[tokio::test]
+async fn a_slow_fetch_does_not_make_the_client_drop_a_live_connection() {
+    let slow = Slow {
+        handle: ServiceHandle::with_registry(&coherent::Registry::new()),
+    };
+    let server = coherent_remote::RemoteServer::new().expose(
+        "Slow.wait",
+        slow.clone(),
+        |s: Slow, (ms,): (u64,)| async move { s.wait_computed(ms).await },
+    );
+    let endpoint = Endpoint::builder().service(server.service()).build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    let remote = RemoteClient::builder()
+        .registry(&coherent::Registry::new())
+        .connect_tcp(addr)
+        .await
+        .unwrap();
+    // Longer than the liveness timeout (2 s), with renewals every half second meanwhile.
+    let fetched: u64 = within("the slow fetch", remote.replica("Slow.wait", (3_000u64,)))
+        .await
+        .unwrap();
+    assert_eq!(fetched, 3_000);
+    assert_eq!(remote.connections(), 1, "the connection was kept");
+}
