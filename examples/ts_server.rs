@@ -106,6 +106,10 @@ struct Cli {
     /// The stream window `/rpc` grants uploads (its `HelloAck`'s `stream_window`).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     stream_window: u32,
+    /// Treat `/rpc`'s connections as untrusted (a browser's: writes do not wait for them,
+    /// and their lease has no bound) instead of trusted (a Node.js tier's).
+    #[arg(long)]
+    untrusted: bool,
 }
 
 fn parse_initial(s: &str) -> Result<(String, i64), String> {
@@ -121,14 +125,17 @@ fn parse_initial(s: &str) -> Result<(String, i64), String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let config = Config::default()
+        .max_message_size(cli.max_message_size)
+        .stream_window(cli.stream_window);
     let server = TestServer::new(Options {
         token: cli.token,
         initial: cli.initial,
-        config: trusted(
-            Config::default()
-                .max_message_size(cli.max_message_size)
-                .stream_window(cli.stream_window),
-        ),
+        config: if cli.untrusted {
+            config.trust(coherent::rpc::Trust::Untrusted)
+        } else {
+            trusted(config)
+        },
     });
     let listener = tokio::net::TcpListener::bind(cli.listen).await?;
     let addr = listener.local_addr()?;

@@ -53,6 +53,21 @@ export interface ClientOptions extends ConnectionOptions {
    * watching it (default 5 s), so a page that navigates back finds it still current.
    */
   releaseDelayMs?: number;
+  /**
+   * How long the client answers from its replicas without hearing from the server (default
+   * 2 s; `null`: as long as the connection is open). The client holds a lease: every quarter
+   * of this (sooner when the server has less left) it calls `ReplicaHost.lease`, which a
+   * server answers once the client applied every invalidation it had sent, with how long
+   * its own caches may still answer; {@link Replica.get} answers from a replica only until
+   * the renewal's send time plus the least of the two, and a connection that answered no
+   * renewal sent in this long is closed (the client reconnects and revalidates). So a
+   * client whose connection went half-open, or whose process was paused, answers no value
+   * the server stopped vouching for: a write waits for a trusted client (a Node.js tier)
+   * at most its delivery timeout (5 s), and the lease runs out before that. A server that
+   * promises nothing to this connection (a browser's: writes never wait for it) or one
+   * that predates leases answers without bound; the client then stops renewing.
+   */
+  livenessMs?: number | null;
 }
 
 const REPLICA_HOST = {
@@ -60,7 +75,14 @@ const REPLICA_HOST = {
   call: methodId("ReplicaHost.call"),
   revalidate: methodId("ReplicaHost.revalidate"),
   release: methodId("ReplicaHost.release"),
+  lease: methodId("ReplicaHost.lease"),
 };
+/** The shortest wait between two lease renewals (a server whose caches are fenced answers 0 left). */
+const LEASE_RENEWAL_MIN_MS = 5;
+/** Nanoseconds from which a lease answer means "no bound" (the server answers 2^64 - 1). */
+const UNBOUNDED_NS = 2 ** 63;
+/** Monotonic milliseconds (they count a paused process's time too). */
+const now = (): number => performance.now();
 const INVALIDATED = methodId("ReplicaSink.invalidated");
 const NIL = encode(null);
 
@@ -153,21 +175,25 @@ export class Replica<T> implements Observable {
   }
 
   /**
-   * The current value: at once when it is current and the client is live; otherwise once
-   * the client is live again and has checked it, or after the fetch this starts. Rejects
+   * The current value: at once when it is current, the client is live and its lease runs
+   * ({@link ClientOptions.livenessMs}); otherwise once the client is live again and has
+   * checked it (or renewed its lease), or after the fetch this starts. Rejects
    * with the server's error when the replica is in `"error"` (see {@link refresh}).
    */
   get(): Promise<T> {
     if (this.state === "error") return Promise.reject(this.failure);
-    if (this.state === "current" && this.client.isLive) return Promise.resolve(this.current as T);
+    if (this.state === "current" && this.client.answersFromReplicas) return Promise.resolve(this.current as T);
     const p = new Promise<T>((resolve, reject) => this.waiters.push({ resolve, reject }));
     this.client.touch(this);
     return p;
   }
 
-  /** @internal Resolves the waiters of `get()` when the value is current and the client live. */
+  /**
+   * @internal Resolves the waiters of `get()` when the value is current, the client live
+   * and its lease running.
+   */
   confirm(): void {
-    if (this.state !== "current" || !this.client.isLive) return;
+    if (this.state !== "current" || !this.client.answersFromReplicas) return;
     const w = this.waiters;
     this.waiters = [];
     for (const x of w) x.resolve(this.current as T);
@@ -272,11 +298,22 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
   private toRelease: number[] = [];
   private wakeRetry: (() => void) | undefined;
   private readonly handlers = new Map<number, Handler>();
+  private readonly livenessMs: number | null;
+  /** Until when (monotonic ms) replicas may answer: `Infinity` when unbounded, 0 when out. */
+  private leaseUntil = 0;
+  /** Whether the last renewal granted time (a later lapse of it is a lease lost). */
+  private leaseGranted = false;
+  private lostLeases = 0;
 
   constructor(url: string, options: ClientOptions = {}) {
     this.url = url;
     this.options = options;
     this.releaseDelayMs = options.releaseDelayMs ?? 5_000;
+    const liveness = options.livenessMs === undefined ? 2_000 : options.livenessMs;
+    if (liveness !== null && !(liveness > 0)) {
+      throw new RangeError(`livenessMs must be a positive number of milliseconds or null, not ${liveness}`);
+    }
+    this.livenessMs = liveness;
     this.handlers.set(INVALIDATED, (payload) => this.onInvalidated(payload));
     void this.run();
   }
@@ -295,6 +332,19 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
   /** Whether the client is `live` (read without recording a dependency). */
   get isLive(): boolean {
     return this.currentState === "live";
+  }
+
+  /**
+   * Whether a current replica answers {@link Replica.get} at once: the client is live and
+   * its lease runs ({@link ClientOptions.livenessMs}).
+   */
+  get answersFromReplicas(): boolean {
+    return this.currentState === "live" && (this.livenessMs === null || now() < this.leaseUntil);
+  }
+
+  /** How many times a lease the server had granted ran out before it was renewed. */
+  get leasesLost(): number {
+    return this.lostLeases;
   }
 
   /** Calls `listener` after each change of {@link state}. */
@@ -502,15 +552,110 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
       for (const w of this.waitingForConnection.splice(0)) w.resolve(conn);
       await this.revalidate(conn, everConnected);
       everConnected = true;
+      if (this.livenessMs !== null && conn.isOpen) {
+        // Live only under a lease: what it answers from now on was current when this was sent.
+        const left = await this.renew(conn, this.livenessMs);
+        void this.keepLease(conn, this.livenessMs, left);
+      }
       if (conn.isOpen) this.setState("live");
       this.lastFailure = await conn.closed;
       this.conn = undefined;
+      // Nothing tells the replicas of a write now: they answer nothing until revalidated.
+      this.leaseUntil = 0;
       if (this.closedByUser) return;
       if (reconnect === false) {
         this.close();
         return;
       }
       this.setState("reconnecting");
+    }
+  }
+
+  /**
+   * Asks the server how long its caches may still answer (`ReplicaHost.lease`, answered once
+   * this client applied every push the server queued before the call), and extends the lease
+   * to the call's send time plus the least of that and `liveness`. Answers the milliseconds
+   * granted (`Infinity`: no bound), 0 when the server granted none or refused the call, or
+   * `undefined` when the connection closed.
+   */
+  private async renew(conn: Connection, liveness: number): Promise<number | undefined> {
+    const sent = now();
+    let left: number;
+    try {
+      const answer = decode(await conn.call(REPLICA_HOST.lease, NIL));
+      const ns = typeof answer === "bigint" ? Number(answer) : answer;
+      if (typeof ns !== "number" || !(ns >= 0)) throw new RpcError(ErrorCode.Protocol, "a lease answer that is not a count of nanoseconds");
+      left = ns >= UNBOUNDED_NS ? Infinity : ns / 1e6;
+    } catch (e) {
+      const err = asRpcError(e);
+      if (!conn.isOpen || err.code === ErrorCode.Disconnected) return undefined;
+      // A server that predates leases: bounded by nothing but the connection's keep-alive.
+      if (err.code === ErrorCode.UnknownMethod) left = Infinity;
+      // Refused (overloaded, say): the connection lives, the lease is not extended.
+      else return 0;
+    }
+    if (left === Infinity) {
+      this.leaseUntil = Infinity;
+      this.leaseGranted = false;
+    } else {
+      const before = this.leaseUntil;
+      if (this.leaseGranted && before !== 0 && now() > before) this.lostLeases++;
+      this.leaseGranted = left > 0;
+      this.leaseUntil = Math.max(before === Infinity ? 0 : before, sent + Math.min(left, liveness));
+    }
+    // `get()`s that waited for the lease.
+    if (this.currentState === "live" && left > 0) {
+      for (const r of this.replicas.values()) if (r.hasWaiters) r.confirm();
+    }
+    return left;
+  }
+
+  /**
+   * Renews the lease on `conn` while it is open: every quarter of `liveness`, or at a third
+   * of what the server granted when that is sooner; closes a connection that answered no
+   * renewal sent in the last `liveness` (the lease ran out with it).
+   */
+  private async keepLease(conn: Connection, liveness: number, first: number | undefined): Promise<void> {
+    if (first === undefined || first === Infinity) return;
+    const quarter = liveness / 4;
+    let wait = first > 0 ? Math.min(quarter, first / 3) : LEASE_RENEWAL_MIN_MS;
+    // When the last answered renewal was sent.
+    let answered = now();
+    // The wait between renewals while the server answers that nothing is left.
+    let idle = 0;
+    while (conn.isOpen && !this.closedByUser) {
+      await new Promise<void>((r) => {
+        const t = setTimeout(r, wait);
+        (t as { unref?: () => void }).unref?.();
+      });
+      if (!conn.isOpen || this.closedByUser) return;
+      wait = quarter;
+      const sent = now();
+      const due = Math.max(LEASE_RENEWAL_MIN_MS, answered + liveness - sent);
+      let timer: ReturnType<typeof setTimeout> | undefined;
+      const late = new Promise<"late">((r) => {
+        timer = setTimeout(() => r("late"), due);
+      });
+      const left = await Promise.race([this.renew(conn, liveness), late]);
+      clearTimeout(timer);
+      if (left === "late") {
+        if (this.leaseGranted) {
+          this.leaseGranted = false;
+          this.lostLeases++;
+        }
+        conn.close(ErrorCode.Disconnected, `no answer to a lease renewal within ${liveness} ms: the server looks gone`);
+        return;
+      }
+      if (left === undefined || left === Infinity) return;
+      answered = sent;
+      if (left === 0) {
+        // The server's caches are fenced: ask again soon, backing off while they stay so.
+        idle = Math.min(Math.max(idle * 2, LEASE_RENEWAL_MIN_MS), quarter);
+        wait = idle;
+      } else {
+        idle = 0;
+        wait = Math.min(wait, Math.max(left / 3, LEASE_RENEWAL_MIN_MS));
+      }
     }
   }
 

@@ -18,6 +18,8 @@ const ok = <T>(v: Ok<T> | undefined): T | undefined => v?.Ok;
 
 const base: ClientOptions = { WebSocket: NodeWebSocket, token: "secret", reconnect: { initialDelayMs: 20, maxDelayMs: 200 } };
 
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
 function isRpc(code: number) {
   return (e: unknown) => e instanceof RpcError && e.code === code;
 }
@@ -288,6 +290,60 @@ describe("faults", () => {
       stopA();
       stopB();
     } finally {
+      client.close();
+      await server.kill();
+    }
+  });
+
+  test("a client whose server stops answering answers nothing from its replicas once its lease ran out", async () => {
+    const server = await startServer(["--initial", "a=1"]);
+    const client = new Client<Counters>(server.ws(), { ...base, livenessMs: 400 });
+    try {
+      await client.ready();
+      const a = client.replica("Counters.get", "a");
+      assert.equal(ok(await a.get()), 1);
+      assert.ok(client.answersFromReplicas);
+      // The server paused (as a host stopped by SIGSTOP): it renews nothing. Past the
+      // liveness (400 ms) after the last renewal it answered, the replica answers nothing.
+      server.child.kill("SIGSTOP");
+      await sleep(600);
+      assert.equal(client.answersFromReplicas, false);
+      let answered = false;
+      const read = a.get().then((v) => {
+        answered = true;
+        return v;
+      });
+      await sleep(50);
+      assert.equal(answered, false, "a current replica answered with the lease out");
+      // The unanswered renewal closed the connection; once the server is back the client
+      // reconnects, revalidates, renews, and answers.
+      await until(() => client.state !== "live", 5_000, "the connection to be taken for dead");
+      server.child.kill("SIGCONT");
+      assert.equal(ok(await read), 1);
+      assert.ok(client.leasesLost >= 1, `leasesLost ${client.leasesLost}`);
+    } finally {
+      server.child.kill("SIGCONT");
+      client.close();
+      await server.kill();
+    }
+  });
+
+  test("a server that promises nothing (an untrusted connection) grants a lease without bound", async () => {
+    const server = await startServer(["--initial", "a=1", "--untrusted"]);
+    const client = new Client<Counters>(server.ws(), { ...base, livenessMs: 400 });
+    try {
+      await client.ready();
+      const a = client.replica("Counters.get", "a");
+      assert.equal(ok(await a.get()), 1);
+      // Writes never wait for this connection: its replicas are not bounded by a lease
+      // (the connection's keep-alive is what finds a dead server).
+      server.child.kill("SIGSTOP");
+      await sleep(600);
+      assert.ok(client.answersFromReplicas);
+      assert.equal(ok(await a.get()), 1);
+      assert.equal(client.leasesLost, 0);
+    } finally {
+      server.child.kill("SIGCONT");
       client.close();
       await server.kill();
     }
