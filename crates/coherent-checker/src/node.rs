@@ -295,6 +295,21 @@ async fn serve() -> anyhow::Result<()> {
     let served = listener.local_addr()?;
     tokio::spawn(async move { endpoint.serve_tcp(listener).await });
     let proxy = Proxy::start(served).await?;
+    // The same replicas over a WebSocket, for the TypeScript readers the parent runs
+    // (trusted: a Node.js tier of the application, which writes wait for), behind a
+    // proxy of its own.
+    let ws_endpoint = Endpoint::builder()
+        .service(remote.service())
+        .config(coherent::rpc::Config::default().trust(coherent::rpc::Trust::Trusted))
+        .build();
+    let ws_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let ws_served = ws_listener.local_addr()?;
+    let router = coherent::axum::Router::new().route(
+        "/rpc",
+        coherent::axum::routing::get(ws_endpoint.websocket_handler()),
+    );
+    tokio::spawn(async move { coherent::axum::serve(ws_listener, router).await });
+    let ts_proxy = Proxy::start(ws_served).await?;
     // The tier runs on a thread of its own (the run freezes it alone: `tier_pause`).
     let tier_runtime = TierRuntime::start()?;
     let tier = {
@@ -317,7 +332,7 @@ async fn serve() -> anyhow::Result<()> {
             }
         });
     }
-    say(&format!("ready {}", host.id()));
+    say(&format!("ready {} ws://{}/rpc", host.id(), ts_proxy.addr()));
     let mut workload: Option<Workload> = None;
     // Bursts and slow commands the parent started: waited for at `stop`.
     let mut extra: Vec<tokio::task::JoinHandle<()>> = Vec::new();
@@ -371,6 +386,14 @@ async fn serve() -> anyhow::Result<()> {
                 proxy.half_open();
                 say("tier half-open");
             }
+            ["ts_cut"] => {
+                ts_proxy.cut();
+                say("ts cut");
+            }
+            ["ts_half_open"] => {
+                ts_proxy.half_open();
+                say("ts half-open");
+            }
             ["stop"] => {
                 if let Some(w) = workload.take() {
                     w.stop.store(true, Ordering::Relaxed);
@@ -395,6 +418,12 @@ async fn serve() -> anyhow::Result<()> {
                     });
                 }
                 say(&format!("final {}", values.join(" ")));
+            }
+            ["delivered"] => {
+                // Every push queued so far was applied by the trusted clients (the tier
+                // and the TypeScript readers), or they were disconnected.
+                remote.invalidations_delivered().await;
+                say("delivered");
             }
             ["final_tier"] => {
                 // Caught up (`final` first): once the tier applied what the host pushed,

@@ -49,6 +49,17 @@ pub enum Fault {
     /// end is told (a NAT that forgot it). The host stops waiting for the tier after its
     /// delivery timeout; the tier must stop answering from its replicas before then.
     TierHalfOpen,
+    /// A host's TypeScript reader loses its WebSocket at once (both ends closed): it
+    /// reconnects and revalidates its replicas.
+    TsCut,
+    /// A host's TypeScript reader's WebSocket goes half-open: nothing passes either way
+    /// and neither end is told. The host stops waiting for it after its delivery timeout
+    /// (5 s); the reader must stop answering from its replicas before then.
+    TsHalfOpen,
+    /// A host's TypeScript reader process is stopped (SIGSTOP) for 6 s, past its host's
+    /// delivery timeout (the host disconnects it and its writes go on), then resumed: it
+    /// must answer nothing from its replicas before it heard of what it missed.
+    TsPause,
 }
 
 impl Fault {
@@ -66,6 +77,9 @@ impl Fault {
             Fault::TierCut => "tier_cut",
             Fault::TierPause => "tier_pause",
             Fault::TierHalfOpen => "tier_half_open",
+            Fault::TsCut => "ts_cut",
+            Fault::TsHalfOpen => "ts_half_open",
+            Fault::TsPause => "ts_pause",
         }
     }
 }
@@ -93,6 +107,51 @@ pub struct Config {
     pub tier_readers: u32,
     /// Reads between two 1 ms pauses of a reader.
     pub read_batch: u32,
+    /// TypeScript readers beside each host (`None`: none).
+    pub ts: Option<TsReaders>,
+}
+
+/// TypeScript readers: a Node.js process beside each host, holding replicas of the host's
+/// registers through `@coherent/client` over the host's WebSocket endpoint
+/// (`crates/coherent-checker/ts/reader.mjs`), checked as a host of its own (`<id>/ts`).
+#[derive(Debug, Clone)]
+pub struct TsReaders {
+    /// The repository: its `clients/typescript/dist` (built) and `node_modules` (`ws`).
+    pub root: PathBuf,
+    /// The `node` to run.
+    pub node: PathBuf,
+    /// Reader tasks in each process.
+    pub readers: u32,
+}
+
+impl TsReaders {
+    /// Readers from the repository at `root` (where `npm ci` ran and the client was built:
+    /// `npm run build -w clients/typescript`), or why they cannot run.
+    pub fn at(root: impl Into<PathBuf>) -> anyhow::Result<TsReaders> {
+        let root = root.into();
+        let built = root.join("clients/typescript/dist/index.js");
+        if !built.exists() {
+            bail!(
+                "{} is missing: build the TypeScript client (npm ci && npm run build -w \
+                 clients/typescript)",
+                built.display()
+            );
+        }
+        if !root.join("node_modules/ws").exists() {
+            bail!("no node_modules/ws under {}: run npm ci", root.display());
+        }
+        let node = std::env::var_os("PATH")
+            .into_iter()
+            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .map(|d| d.join("node"))
+            .find(|p| p.is_file())
+            .context("no node on PATH")?;
+        Ok(TsReaders {
+            root,
+            node,
+            readers: 2,
+        })
+    }
 }
 
 impl Config {
@@ -114,6 +173,7 @@ impl Config {
             faults.push(Fault::NatsRestart);
         }
         Self {
+            ts: None,
             url: url.into(),
             nats,
             hosts: 3,
@@ -125,6 +185,16 @@ impl Config {
             tier_readers: 2,
             read_batch: 8,
         }
+    }
+}
+
+impl Config {
+    /// With TypeScript readers beside each host, and their faults.
+    pub fn with_ts(mut self, ts: TsReaders) -> Self {
+        self.ts = Some(ts);
+        self.faults
+            .extend([Fault::TsCut, Fault::TsHalfOpen, Fault::TsPause]);
+        self
     }
 }
 
@@ -151,6 +221,11 @@ pub struct Outcome {
     pub tier_hits: u64,
     /// See `tier_hits`.
     pub tier_misses: u64,
+    /// Reads of the TypeScript readers answered at once from a current replica, and
+    /// those that waited for a fetch (or a lease), summed over the readers up at the end.
+    pub ts_hits: u64,
+    /// See `ts_hits`.
+    pub ts_misses: u64,
 }
 
 impl Outcome {
@@ -188,6 +263,10 @@ struct Proc {
     lines: Lines<BufReader<ChildStdout>>,
     id: String,
     history: PathBuf,
+    /// The host's WebSocket endpoint for TypeScript readers.
+    ws: String,
+    /// Its TypeScript reader, if the run has them.
+    ts: Option<Box<Proc>>,
 }
 
 impl Proc {
@@ -206,12 +285,54 @@ impl Proc {
             child,
             id: String::new(),
             history: node.history.clone(),
+            ws: String::new(),
+            ts: None,
         };
-        let ready = proc.answer().await?;
-        match ready.strip_prefix("ready ") {
-            Some(id) => proc.id = id.to_owned(),
-            None => bail!("a host process said {ready:?}"),
+        proc.ready().await?;
+        Ok(proc)
+    }
+
+    /// Waits for `ready <id> [<ws url>]`.
+    async fn ready(&mut self) -> anyhow::Result<()> {
+        let ready = self.answer().await?;
+        let mut words = ready.split_whitespace();
+        match (words.next(), words.next()) {
+            (Some("ready"), Some(id)) => self.id = id.to_owned(),
+            _ => bail!("a process said {ready:?}"),
         }
+        self.ws = words.next().unwrap_or_default().to_owned();
+        Ok(())
+    }
+
+    /// Starts the TypeScript reader of host `host` (whose history goes beside the host's).
+    async fn spawn_ts(ts: &TsReaders, host: &Proc, node: &Node) -> anyhow::Result<Proc> {
+        let mut command = tokio::process::Command::new(&ts.node);
+        command
+            .arg(ts.root.join("crates/coherent-checker/ts/reader.mjs"))
+            .env("CHK_TS_ROOT", &ts.root)
+            .env("CHK_TS_URL", &host.ws)
+            .env("CHK_KEYS", node.keys.to_string())
+            .env("CHK_TS_READERS", ts.readers.to_string())
+            .env("CHK_READ_BATCH", node.read_batch.to_string())
+            .env("CHK_HISTORY", ts_history(&host.history))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = command
+            .spawn()
+            .context("starting a TypeScript reader (node)")?;
+        let mut proc = Proc {
+            stdin: child.stdin.take().expect("piped"),
+            lines: BufReader::new(child.stdout.take().expect("piped")).lines(),
+            child,
+            id: ts_name(&host.id),
+            history: ts_history(&host.history),
+            ws: String::new(),
+            ts: None,
+        };
+        proc.ready().await?;
+        proc.id = ts_name(&host.id);
         Ok(proc)
     }
 
@@ -258,13 +379,48 @@ impl Proc {
 
 /// Starts `new`'s workload, then stops the host it replaces (a rolling deploy: the new one
 /// serves before the old one leaves); answers the old one's id and history.
-async fn replace(slot: &mut Proc, mut new: Proc) -> anyhow::Result<(String, PathBuf)> {
-    new.cmd("start").await?;
+async fn replace(
+    slot: &mut Proc,
+    mut new: Proc,
+    ts_done: &mut Vec<(String, PathBuf)>,
+) -> anyhow::Result<(String, PathBuf)> {
+    start_workload(&mut new).await?;
     let mut old = std::mem::replace(slot, new);
     old.cmd("stop").await?;
+    end_ts(&mut old, ts_done).await?;
     old.cmd("quit").await?;
     let _ = old.child.wait().await;
     Ok((old.id.clone(), old.history.clone()))
+}
+
+/// Starts a host process, and its TypeScript reader when the run has them.
+async fn launch(spawn: &Spawn, node: &Node, ts: Option<&TsReaders>) -> anyhow::Result<Proc> {
+    let mut proc = Proc::spawn(spawn, node).await?;
+    if let Some(ts) = ts {
+        let reader = Proc::spawn_ts(ts, &proc, node).await?;
+        proc.ts = Some(Box::new(reader));
+    }
+    Ok(proc)
+}
+
+/// Starts the workload of a host and of its TypeScript reader.
+async fn start_workload(proc: &mut Proc) -> anyhow::Result<()> {
+    proc.cmd("start").await?;
+    if let Some(ts) = proc.ts.as_mut() {
+        ts.cmd("start").await?;
+    }
+    Ok(())
+}
+
+/// Stops the TypeScript reader of a host leaving the run; notes its history in `done`.
+async fn end_ts(proc: &mut Proc, done: &mut Vec<(String, PathBuf)>) -> anyhow::Result<()> {
+    if let Some(mut ts) = proc.ts.take() {
+        ts.cmd("stop").await?;
+        ts.cmd("quit").await?;
+        let _ = ts.child.wait().await;
+        done.push((ts.id.clone(), ts.history.clone()));
+    }
+    Ok(())
 }
 
 /// A private `nats-server` on a port of its own.
@@ -354,6 +510,16 @@ fn tier_name(id: &str) -> String {
     format!("{id}/tier")
 }
 
+/// How the TypeScript reader of host `id` is named in the histories.
+fn ts_name(id: &str) -> String {
+    format!("{id}/ts")
+}
+
+/// The history of the TypeScript reader of the host whose history is `host`.
+fn ts_history(host: &std::path::Path) -> PathBuf {
+    host.with_extension("ts.bin")
+}
+
 fn tempfile_dir(name: &str) -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("coherent-checker-{name}"));
     std::fs::create_dir_all(&dir)?;
@@ -394,15 +560,18 @@ async fn run_in(
         next_release,
         clock_skew_ms,
     };
+    let ts = config.ts.as_ref();
     let mut hosts = Vec::new();
     for _ in 0..config.hosts {
-        let proc = Proc::spawn(spawn, &node_for(started, false, &nats, 0)).await?;
+        let proc = launch(spawn, &node_for(started, false, &nats, 0), ts).await?;
         started += 1;
         hosts.push(proc);
     }
     let mut finished: Vec<(String, PathBuf)> = Vec::new();
+    // The TypeScript readers' histories.
+    let mut ts_finished: Vec<(String, PathBuf)> = Vec::new();
     for h in &mut hosts {
-        h.cmd("start").await?;
+        start_workload(h).await?;
     }
     let mut faults: BTreeMap<&'static str, u32> = BTreeMap::new();
     let begin = tokio::time::Instant::now();
@@ -456,24 +625,44 @@ async fn run_in(
             }
             Fault::Kill => {
                 hosts[i].kill().await;
+                end_ts(&mut hosts[i], &mut ts_finished).await?;
                 finished.push((hosts[i].id.clone(), hosts[i].history.clone()));
-                let mut proc = Proc::spawn(spawn, &node_for(started, false, &nats, 0)).await?;
+                let mut proc = launch(spawn, &node_for(started, false, &nats, 0), ts).await?;
                 started += 1;
-                proc.cmd("start").await?;
+                start_workload(&mut proc).await?;
                 hosts[i] = proc;
             }
             Fault::Deploy => {
                 // Replace the hosts one by one with the other release.
                 next_release = !next_release;
-                let new = Proc::spawn(spawn, &node_for(started, next_release, &nats, 0)).await?;
+                let new = launch(spawn, &node_for(started, next_release, &nats, 0), ts).await?;
                 started += 1;
-                finished.push(replace(&mut hosts[i], new).await?);
+                finished.push(replace(&mut hosts[i], new, &mut ts_finished).await?);
             }
             Fault::Skew => {
                 skew = if skew > 0 { -3_600_000 } else { 3_600_000 };
-                let new = Proc::spawn(spawn, &node_for(started, next_release, &nats, skew)).await?;
+                let new = launch(spawn, &node_for(started, next_release, &nats, skew), ts).await?;
                 started += 1;
-                finished.push(replace(&mut hosts[i], new).await?);
+                finished.push(replace(&mut hosts[i], new, &mut ts_finished).await?);
+            }
+            Fault::TsCut => {
+                hosts[i].cmd("ts_cut").await?;
+            }
+            Fault::TsHalfOpen => {
+                hosts[i].cmd("ts_half_open").await?;
+            }
+            Fault::TsPause => {
+                // Resumed by a task of its own: the faults go on meanwhile.
+                if let Some(pid) = hosts[i].ts.as_ref().and_then(|t| t.child.id()) {
+                    // SAFETY: kill(2) of our own child's pid.
+                    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_secs(6)).await;
+                        // SAFETY: as above (a pid that exited meanwhile is not reused
+                        // within seconds).
+                        unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+                    });
+                }
             }
             Fault::TierCut => {
                 hosts[i].cmd("tier_cut").await?;
@@ -498,6 +687,10 @@ async fn run_in(
     tokio::time::sleep(rest).await;
     for h in &mut hosts {
         h.cmd("stop").await?;
+        if let Some(ts) = h.ts.as_mut() {
+            // A reader paused last is resumed within 6 s; this waits for it.
+            ts.cmd("stop").await?;
+        }
     }
     // Converged: after catching up, every host answers what the database holds.
     let stored: Vec<i64> = admin
@@ -508,10 +701,22 @@ async fn run_in(
         .collect();
     let mut not_converged = Vec::new();
     let (mut read_errors, mut write_errors, mut unknown, mut ack_timeouts) = (0, 0, 0, 0);
-    let (mut tier_hits, mut tier_misses) = (0, 0);
+    let (mut tier_hits, mut tier_misses, mut ts_hits, mut ts_misses) = (0, 0, 0, 0);
     for h in &mut hosts {
-        for (line, who) in [("final", h.id.clone()), ("final_tier", tier_name(&h.id))] {
-            let answer = h.cmd(line).await?;
+        let finals = [
+            (Some("final"), h.id.clone()),
+            (Some("final_tier"), tier_name(&h.id)),
+            (h.ts.is_some().then_some("final"), ts_name(&h.id)),
+        ];
+        for (line, who) in finals {
+            let Some(line) = line else { continue };
+            // The TypeScript reader's after its host's (which waited for its pushes to
+            // be delivered to the trusted clients, the reader among them).
+            let answer = if who == ts_name(&h.id) {
+                h.ts.as_mut().expect("a reader").cmd(line).await?
+            } else {
+                h.cmd(line).await?
+            };
             for (k, seen) in answer.split_whitespace().skip(1).enumerate() {
                 let seen: i64 = seen.parse().unwrap_or(-1);
                 if seen != stored[k] {
@@ -524,12 +729,18 @@ async fn run_in(
                 }
             }
         }
-        let stats = h.cmd("stats").await?;
-        for kv in stats.split_whitespace().skip(1) {
+        let mut stats = h.cmd("stats").await?;
+        if let Some(ts) = h.ts.as_mut() {
+            stats.push(' ');
+            stats.push_str(&ts.cmd("stats").await?);
+        }
+        for kv in stats.split_whitespace() {
             let (k, v) = kv.split_once('=').unwrap_or((kv, "0"));
             let v: u64 = v.parse().unwrap_or(0);
             match k {
-                "read_errors" | "tier_read_errors" => read_errors += v,
+                "read_errors" | "tier_read_errors" | "ts_read_errors" => read_errors += v,
+                "ts_hits" => ts_hits += v,
+                "ts_misses" => ts_misses += v,
                 "write_errors" => write_errors += v,
                 "unknown" => unknown += v,
                 "ack_timeouts" => ack_timeouts += v,
@@ -537,6 +748,11 @@ async fn run_in(
                 "tier_misses" => tier_misses += v,
                 _ => {}
             }
+        }
+        if let Some(mut t) = h.ts.take() {
+            t.cmd("quit").await?;
+            let _ = t.child.wait().await;
+            ts_finished.push((t.id.clone(), t.history.clone()));
         }
         h.cmd("quit").await?;
         finished.push((h.id.clone(), h.history.clone()));
@@ -553,6 +769,10 @@ async fn run_in(
         let bytes = std::fs::read(&tier).with_context(|| format!("{}", tier.display()))?;
         histories.push(decode(&tier_name(id), &bytes)?);
     }
+    for (id, path) in &ts_finished {
+        let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
+        histories.push(decode(id, &bytes)?);
+    }
     let mut checked = check(&histories);
     checked.violations.extend(not_converged);
     Ok(Outcome {
@@ -565,5 +785,7 @@ async fn run_in(
         ack_timeouts,
         tier_hits,
         tier_misses,
+        ts_hits,
+        ts_misses,
     })
 }

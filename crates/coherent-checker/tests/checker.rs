@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use coherent_checker::node::NODE_MODE;
-use coherent_checker::run::{run, Config, Outcome};
+use coherent_checker::run::{run, Config, Outcome, TsReaders};
 
 /// The entry point of a host process; a no-op in an ordinary run.
 #[test]
@@ -47,7 +47,7 @@ fn report(what: &str, outcome: &Outcome) {
     eprintln!(
         "{what}: reads_checked={} reads_after_a_write={} writes={} violations={} faults={:?} \
          hosts_started={} read_errors={} write_errors={} unknown={} ack_timeouts={} \
-         tier_hits={} tier_misses={}",
+         tier_hits={} tier_misses={} ts_hits={} ts_misses={}",
         c.reads,
         c.reads_after_a_write,
         c.writes,
@@ -60,6 +60,8 @@ fn report(what: &str, outcome: &Outcome) {
         outcome.ack_timeouts,
         outcome.tier_hits,
         outcome.tier_misses,
+        outcome.ts_hits,
+        outcome.ts_misses,
     );
 }
 
@@ -69,6 +71,16 @@ async fn checked(nats: bool) {
         return;
     };
     let mut config = Config::new(url, nats, seconds());
+    // TypeScript readers where the client is built (`npm ci && npm run build -w
+    // clients/typescript`); CHECKER_TS=1 (as CI sets it) makes their absence a failure.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    match TsReaders::at(root.canonicalize().unwrap()) {
+        Ok(ts) => config = config.with_ts(ts),
+        Err(e) if std::env::var_os("CHECKER_TS").is_some() => {
+            panic!("CHECKER_TS is set, but the TypeScript readers cannot run: {e:#}")
+        }
+        Err(e) => eprintln!("no TypeScript readers in this run: {e:#}"),
+    }
     // CHECKER_FAULTS=pause,kill: only these (by their report names).
     if let Ok(only) = std::env::var("CHECKER_FAULTS") {
         config
@@ -92,6 +104,14 @@ async fn checked(nats: bool) {
         outcome.tier_hits,
         outcome.tier_misses
     );
+    if config.ts.is_some() {
+        assert!(
+            outcome.ts_hits > outcome.ts_misses,
+            "TypeScript hits {} against misses {}",
+            outcome.ts_hits,
+            outcome.ts_misses
+        );
+    }
     for fault in &config.faults {
         assert!(
             outcome.faults.get(fault.name()).copied().unwrap_or(0) >= 3,
