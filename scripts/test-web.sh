@@ -2,6 +2,8 @@
 # The TypeScript client's tests (against a real Rust server) and the live page's tests in
 # headless Chromium. Installs what they need where it is missing: Node.js and Chromium from
 # Debian (apt-get), the npm packages (npm ci). Run from anywhere.
+# `--build-only`: install, then build the TypeScript client and stop (what the history
+# checker's TypeScript readers need before `cargo test`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +32,10 @@ if ! node_ok; then
 fi
 
 npm ci --no-audit --no-fund --loglevel=error
+if [ "${1:-}" = "--build-only" ]; then
+  npm run -s build -w clients/typescript
+  exit 0
+fi
 # The client's unit and conformance tests, then against examples/ts_server (built by cargo).
 npm test -w clients/typescript
 # The page, built from its sources, then driven in Chromium against `tasks serve`.

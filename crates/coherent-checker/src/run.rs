@@ -125,6 +125,12 @@ pub struct TsReaders {
 }
 
 impl TsReaders {
+    /// Readers from the repository this crate was built in (see [`at`](Self::at)).
+    pub fn of_this_repository() -> anyhow::Result<TsReaders> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        Self::at(root.canonicalize().context("the repository's root")?)
+    }
+
     /// Readers from the repository at `root` (where `npm ci` ran and the client was built:
     /// `npm run build -w clients/typescript`), or why they cannot run.
     pub fn at(root: impl Into<PathBuf>) -> anyhow::Result<TsReaders> {

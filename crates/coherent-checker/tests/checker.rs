@@ -73,8 +73,7 @@ async fn checked(nats: bool) {
     let mut config = Config::new(url, nats, seconds());
     // TypeScript readers where the client is built (`npm ci && npm run build -w
     // clients/typescript`); CHECKER_TS=1 (as CI sets it) makes their absence a failure.
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    match TsReaders::at(root.canonicalize().unwrap()) {
+    match TsReaders::of_this_repository() {
         Ok(ts) => config = config.with_ts(ts),
         Err(e) if std::env::var_os("CHECKER_TS").is_some() => {
             panic!("CHECKER_TS is set, but the TypeScript readers cannot run: {e:#}")

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use coherent_checker::run::{run, Config, Fault, Outcome};
+use coherent_checker::run::{run, Config, Fault, Outcome, TsReaders};
 
 use crate::report::Row;
 use crate::Timing;
@@ -36,7 +36,11 @@ fn row(name: &str, value: f64, outcome: &Outcome) -> Row {
         .with("read_errors", outcome.read_errors)
         .with("write_errors", outcome.write_errors)
         .with("unknown_operations", outcome.unknown)
-        .with("ack_timeouts", outcome.ack_timeouts);
+        .with("ack_timeouts", outcome.ack_timeouts)
+        .with("tier_hits", outcome.tier_hits)
+        .with("tier_misses", outcome.tier_misses)
+        .with("ts_hits", outcome.ts_hits)
+        .with("ts_misses", outcome.ts_misses);
     for (fault, n) in &outcome.faults {
         row = row.with(&format!("faults_injected.{fault}"), *n);
     }
@@ -53,7 +57,13 @@ fn row(name: &str, value: f64, outcome: &Outcome) -> Row {
 /// `cluster.checker.pg` / `.nats`: every fault of the notifier, 3 hosts. The row's value
 /// is the number of violations (0 is the promise); `reads_checked` beside it.
 pub(crate) async fn checker_row(url: &str, nats: bool, timing: Timing) -> anyhow::Result<Row> {
-    let config = Config::new(url, nats, duration(timing));
+    let mut config = Config::new(url, nats, duration(timing));
+    // TypeScript readers where the client is built (npm ci && npm run build -w
+    // clients/typescript), with their faults.
+    match TsReaders::of_this_repository() {
+        Ok(ts) => config = config.with_ts(ts),
+        Err(e) => eprintln!("cluster.checker: no TypeScript readers ({e:#})"),
+    }
     let outcome = run(&config, &spawn).await?;
     let name = if nats {
         "cluster.checker.nats"
