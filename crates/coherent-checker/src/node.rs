@@ -28,16 +28,36 @@ pub struct Registers {
     pool: deadpool_postgres::Pool,
 }
 
+/// A read that failed (the database unreachable, a connection lost): it says nothing
+/// about the register, so it is cached for the short transient delay (1 s), not the 10 s
+/// of an error about the data. On the wire it is its message (as a `String` would be).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ReadError(pub String);
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl coherent::TransientError for ReadError {
+    fn is_transient(&self) -> bool {
+        true
+    }
+}
+
 #[compute_service]
 impl Registers {
     /// A register's version, read from the database.
     #[compute]
-    pub async fn value(&self, key: i64) -> Result<i64, String> {
-        let c = self.pool.get().await.map_err(|e| e.to_string())?;
+    pub async fn value(&self, key: i64) -> Result<i64, ReadError> {
+        let failed = |e: &dyn std::fmt::Display| ReadError(e.to_string());
+        let c = self.pool.get().await.map_err(|e| failed(&e))?;
         let row = c
             .query_one("SELECT value FROM registers WHERE id = $1", &[&key])
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| failed(&e))?;
         Ok(row.get(0))
     }
 }
@@ -412,7 +432,17 @@ async fn serve() -> anyhow::Result<()> {
                 host.catch_up().await?;
                 let mut values = Vec::new();
                 for key in 1..=i64::from(node.keys) {
-                    values.push(match registers.value(key).await {
+                    // A read failed by the last fault (the database away) is read again
+                    // once its error is no longer cached.
+                    let mut answer = registers.value(key).await;
+                    for _ in 0..100 {
+                        if answer.is_ok() {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        answer = registers.value(key).await;
+                    }
+                    values.push(match answer {
                         Ok(v) => v.to_string(),
                         Err(_) => "err".to_owned(),
                     });
@@ -601,7 +631,7 @@ fn start(node: &Node, host: &Host, readers: &Readers<'_>, counts: &Arc<Counts>) 
             false,
             move |key| {
                 let registers = registers.clone();
-                async move { registers.value(key).await }
+                async move { registers.value(key).await.map_err(|e| e.0) }
             },
         ));
     }

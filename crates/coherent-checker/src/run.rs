@@ -49,6 +49,12 @@ pub enum Fault {
     /// end is told (a NAT that forgot it). The host stops waiting for the tier after its
     /// delivery timeout; the tier must stop answering from its replicas before then.
     TierHalfOpen,
+    /// The database goes away for 2 s: every connection of every host (pools, listeners,
+    /// transactions in flight) is closed, and new ones are refused until it is back:
+    /// what clients see of a restart or a failover (the hosts reach PostgreSQL through a
+    /// proxy of the run's; the server itself keeps running, so its recovery is not
+    /// what this tests).
+    DbOutage,
     /// A host's TypeScript reader loses its WebSocket at once (both ends closed): it
     /// reconnects and revalidates its replicas.
     TsCut,
@@ -77,6 +83,7 @@ impl Fault {
             Fault::TierCut => "tier_cut",
             Fault::TierPause => "tier_pause",
             Fault::TierHalfOpen => "tier_half_open",
+            Fault::DbOutage => "db_outage",
             Fault::TsCut => "ts_cut",
             Fault::TsHalfOpen => "ts_half_open",
             Fault::TsPause => "ts_pause",
@@ -167,6 +174,7 @@ impl Config {
             Fault::Burst,
             Fault::LongTransaction,
             Fault::Terminate,
+            Fault::DbOutage,
             Fault::Pause,
             Fault::Kill,
             Fault::Deploy,
@@ -494,7 +502,12 @@ pub async fn run(config: &Config, spawn: &Spawn) -> anyhow::Result<Outcome> {
     let schema = format!("chk_{}_{nanos}", std::process::id());
     let dir = tempfile_dir(&schema)?;
     let app = schema.clone();
-    let url = with_application_name(&config.url, &app);
+    // The hosts reach the database through a proxy of the run's (`DbOutage`).
+    let (proxied, db_proxy) = match through_proxy(&config.url).await? {
+        Some((url, proxy)) => (url, Some(proxy)),
+        None => (config.url.clone(), None),
+    };
+    let url = with_application_name(&proxied, &app);
     let (admin, connection) = tokio_postgres::connect(&config.url, tokio_postgres::NoTls).await?;
     tokio::spawn(connection);
     admin
@@ -503,7 +516,17 @@ pub async fn run(config: &Config, spawn: &Spawn) -> anyhow::Result<Outcome> {
         ))
         .await?;
     create_registers(&admin, config.keys).await?;
-    let result = run_in(config, spawn, &schema, &url, &app, &dir, &admin).await;
+    let result = run_in(
+        config,
+        spawn,
+        &schema,
+        &url,
+        &app,
+        &dir,
+        &admin,
+        db_proxy.as_ref(),
+    )
+    .await;
     let _ = admin
         .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
         .await;
@@ -532,6 +555,35 @@ fn tempfile_dir(name: &str) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// `url` with its host and port replaced by a proxy's to them, and the proxy; `None` for a
+/// URL that names no single TCP host (a Unix socket, several hosts).
+async fn through_proxy(url: &str) -> anyhow::Result<Option<(String, crate::tier::Proxy)>> {
+    let Some(start) = url.find("://").map(|i| i + 3) else {
+        return Ok(None);
+    };
+    let rest = &url[start..];
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let authority = &rest[..end];
+    let (user, hostport) = match authority.rsplit_once('@') {
+        Some((user, hostport)) => (&authority[..user.len() + 1], hostport),
+        None => ("", authority),
+    };
+    if hostport.is_empty() || hostport.contains(',') || hostport.starts_with('%') {
+        return Ok(None);
+    }
+    let target = if hostport.contains(':') {
+        hostport.to_owned()
+    } else {
+        format!("{hostport}:5432")
+    };
+    let Some(target) = tokio::net::lookup_host(&target).await?.next() else {
+        return Ok(None);
+    };
+    let proxy = crate::tier::Proxy::start(target).await?;
+    let url = format!("{}{user}{}{}", &url[..start], proxy.addr(), &rest[end..]);
+    Ok(Some((url, proxy)))
+}
+
 fn with_application_name(url: &str, app: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
     format!("{url}{sep}application_name={app}")
@@ -546,6 +598,7 @@ async fn run_in(
     app: &str,
     dir: &std::path::Path,
     admin: &tokio_postgres::Client,
+    db_proxy: Option<&crate::tier::Proxy>,
 ) -> anyhow::Result<Outcome> {
     let mut nats = if config.nats {
         Some(Nats::start()?)
@@ -651,6 +704,10 @@ async fn run_in(
                 started += 1;
                 finished.push(replace(&mut hosts[i], new, &mut ts_finished).await?);
             }
+            Fault::DbOutage => match db_proxy {
+                Some(proxy) => proxy.outage(Duration::from_secs(2)),
+                None => bail!("db_outage needs a PostgreSQL URL naming one TCP host"),
+            },
             Fault::TsCut => {
                 hosts[i].cmd("ts_cut").await?;
             }

@@ -112,11 +112,14 @@ struct Link {
 
 /// A TCP proxy in front of a server: a link can be cut (both sockets closed) or left
 /// half-open (bytes dropped both ways, sockets kept: what a NAT that forgot a connection
-/// or a vanished host leaves behind).
+/// or a vanished host leaves behind), and the server made unreachable for a while (every
+/// link cut, new connections closed at once: what clients see of a restart).
 pub struct Proxy {
     addr: SocketAddr,
     links: Arc<Mutex<Vec<Link>>>,
     accept: JoinHandle<()>,
+    /// Until when (`now_ns`) connections are refused.
+    refuse_until: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Proxy {
@@ -125,10 +128,16 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let links: Arc<Mutex<Vec<Link>>> = Arc::default();
+        let refuse_until = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let accept = {
-            let links = links.clone();
+            let (links, refuse_until) = (links.clone(), refuse_until.clone());
             tokio::spawn(async move {
                 while let Ok((inbound, _)) = listener.accept().await {
+                    if crate::history::now_ns() < refuse_until.load(Ordering::SeqCst) {
+                        // Down: closed at once, as a refused connection would be.
+                        drop(inbound);
+                        continue;
+                    }
                     let Ok(outbound) = TcpStream::connect(target).await else {
                         continue;
                     };
@@ -150,6 +159,7 @@ impl Proxy {
             addr,
             links,
             accept,
+            refuse_until,
         })
     }
 
@@ -165,6 +175,14 @@ impl Proxy {
                 t.abort();
             }
         }
+    }
+
+    /// Cuts every connection and closes new ones at once for `d`: the server is down for
+    /// its clients.
+    pub fn outage(&self, d: std::time::Duration) {
+        let until = crate::history::now_ns() + d.as_nanos() as u64;
+        self.refuse_until.store(until, Ordering::SeqCst);
+        self.cut();
     }
 
     /// Leaves every connection open now half-open for good: nothing goes through either
