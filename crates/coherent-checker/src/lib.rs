@@ -4,14 +4,17 @@
 //!
 //! In the spirit of Jepsen: host processes ([`node`]) over one PostgreSQL schema, each
 //! with writers (commands that add one to a register and answer its new version) and
-//! readers (the register's computed, through the host's cache, and through a tier's
-//! replicas of it: a [`tier::Tier`] in the host process, connected through a proxy the run
-//! cuts and turns half-open), record every write that
+//! readers (the register's computed, through the host's cache, through a tier's replicas
+//! of it: a [`tier::Tier`] in the host process, connected through a proxy the run cuts and
+//! turns half-open, and through a TypeScript reader's: a Node.js process beside the host,
+//! `ts/reader.mjs`), record every write that
 //! returned and every read, with the times they began and ended on the machine's
 //! monotonic clock ([`history`]). Meanwhile the run ([`run`]) injects faults on a schedule
 //! (bursts of more than a page of the log, long transactions, terminated connections,
 //! paused and killed hosts, a rolling deploy of a release with a new command, a restarted
-//! NATS server, a skewed clock, a tier's connection cut or left half-open). At the end every host catches up and must answer what the database holds,
+//! NATS server, a lossy link to NATS ([`netns`]), the database away for 2 s, a skewed
+//! clock, a tier's or a TypeScript reader's connection cut or left half-open, a
+//! TypeScript reader paused). At the end every host catches up and must answer what the database holds,
 //! and the histories are checked ([`check`]); each violation is printed as the timeline
 //! that shows it.
 //!
@@ -20,6 +23,7 @@
 
 pub mod check;
 pub mod history;
+pub mod netns;
 pub mod node;
 pub mod run;
 pub mod tier;

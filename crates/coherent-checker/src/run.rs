@@ -35,6 +35,10 @@ pub enum Fault {
     Deploy,
     /// The NATS server is killed and started again (NATS runs only).
     NatsRestart,
+    /// The link between the hosts and the NATS server (a network namespace of the run's,
+    /// [`crate::netns`]) loses 15% of its packets each way and slows down for 3 s (NATS
+    /// runs with [`Config::with_lossy_nats`]).
+    NatsLossy,
     /// A host is replaced by one whose wall clock is an hour ahead or behind (in turn):
     /// its liveness, its heartbeats and the log's trimming must not depend on it.
     Skew,
@@ -79,6 +83,7 @@ impl Fault {
             Fault::Kill => "kill",
             Fault::Deploy => "deploy",
             Fault::NatsRestart => "nats_restart",
+            Fault::NatsLossy => "nats_lossy_link",
             Fault::Skew => "clock_skew",
             Fault::TierCut => "tier_cut",
             Fault::TierPause => "tier_pause",
@@ -116,6 +121,9 @@ pub struct Config {
     pub read_batch: u32,
     /// TypeScript readers beside each host (`None`: none).
     pub ts: Option<TsReaders>,
+    /// The NATS server listens in a network namespace of the run's, behind a link the
+    /// `NatsLossy` fault degrades (needs root: [`crate::netns`]).
+    pub lossy_nats: bool,
 }
 
 /// TypeScript readers: a Node.js process beside each host, holding replicas of the host's
@@ -188,6 +196,7 @@ impl Config {
         }
         Self {
             ts: None,
+            lossy_nats: false,
             url: url.into(),
             nats,
             hosts: 3,
@@ -203,6 +212,16 @@ impl Config {
 }
 
 impl Config {
+    /// With the NATS server behind a link of a network namespace, and the fault that
+    /// degrades it (NATS runs only).
+    pub fn with_lossy_nats(mut self) -> Self {
+        if self.nats {
+            self.lossy_nats = true;
+            self.faults.push(Fault::NatsLossy);
+        }
+        self
+    }
+
     /// With TypeScript readers beside each host, and their faults.
     pub fn with_ts(mut self, ts: TsReaders) -> Self {
         self.ts = Some(ts);
@@ -437,24 +456,39 @@ async fn end_ts(proc: &mut Proc, done: &mut Vec<(String, PathBuf)>) -> anyhow::R
     Ok(())
 }
 
-/// A private `nats-server` on a port of its own.
+/// A private `nats-server` on a port of its own, on loopback or inside a network
+/// namespace of the run's.
 struct Nats {
+    ip: std::net::Ipv4Addr,
     port: u16,
     child: Option<std::process::Child>,
+    netns: Option<crate::netns::Netns>,
 }
 
 impl Nats {
-    fn start() -> anyhow::Result<Nats> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let mut nats = Nats { port, child: None };
+    fn start(netns: Option<crate::netns::Netns>) -> anyhow::Result<Nats> {
+        let (ip, port) = match &netns {
+            // A namespace of its own: nothing else listens there.
+            Some(ns) => (ns.inner_ip, 4222),
+            None => (
+                std::net::Ipv4Addr::LOCALHOST,
+                std::net::TcpListener::bind("127.0.0.1:0")?
+                    .local_addr()?
+                    .port(),
+            ),
+        };
+        let mut nats = Nats {
+            ip,
+            port,
+            child: None,
+            netns,
+        };
         nats.restart()?;
         Ok(nats)
     }
 
     fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        format!("nats://{}:{}", self.ip, self.port)
     }
 
     fn restart(&mut self) -> anyhow::Result<()> {
@@ -462,21 +496,25 @@ impl Nats {
             .into_iter()
             .find(|p| std::path::Path::new(p).exists())
             .unwrap_or("nats-server");
+        let mut command = match &self.netns {
+            Some(ns) => ns.command(server),
+            None => std::process::Command::new(server),
+        };
         self.child = Some(
-            std::process::Command::new(server)
-                .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
+            command
+                .args(["-a", &self.ip.to_string(), "-p", &self.port.to_string()])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
                 .context("starting nats-server")?,
         );
         for _ in 0..500 {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+            if std::net::TcpStream::connect((self.ip, self.port)).is_ok() {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        bail!("nats-server did not listen on {}", self.port)
+        bail!("nats-server did not listen on {}:{}", self.ip, self.port)
     }
 
     fn stop(&mut self) {
@@ -601,7 +639,12 @@ async fn run_in(
     db_proxy: Option<&crate::tier::Proxy>,
 ) -> anyhow::Result<Outcome> {
     let mut nats = if config.nats {
-        Some(Nats::start()?)
+        let netns = if config.lossy_nats {
+            Some(crate::netns::Netns::create().context("the lossy link to NATS")?)
+        } else {
+            None
+        };
+        Some(Nats::start(netns)?)
     } else {
         None
     };
@@ -735,6 +778,13 @@ async fn run_in(
             }
             Fault::TierHalfOpen => {
                 hosts[i].cmd("tier_half_open").await?;
+            }
+            Fault::NatsLossy => {
+                let ns = nats.as_ref().and_then(|n| n.netns.as_ref());
+                let ns = ns.context("nats_lossy_link needs Config::with_lossy_nats")?;
+                ns.degrade()?;
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                ns.restore()?;
             }
             Fault::NatsRestart => {
                 if let Some(nats) = nats.as_mut() {

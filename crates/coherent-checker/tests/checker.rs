@@ -80,6 +80,20 @@ async fn checked(nats: bool) {
         }
         Err(e) => eprintln!("no TypeScript readers in this run: {e:#}"),
     }
+    // NATS behind a lossy link where network namespaces can be made (root);
+    // CHECKER_NETNS=1 (as CI sets it) makes their absence a failure.
+    if nats {
+        match coherent_checker::netns::Netns::create() {
+            Ok(probe) => {
+                drop(probe);
+                config = config.with_lossy_nats();
+            }
+            Err(e) if std::env::var_os("CHECKER_NETNS").is_some() => {
+                panic!("CHECKER_NETNS is set, but no network namespace can be made: {e:#}")
+            }
+            Err(e) => eprintln!("no lossy link to NATS in this run: {e:#}"),
+        }
+    }
     // CHECKER_FAULTS=pause,kill: only these (by their report names).
     if let Ok(only) = std::env::var("CHECKER_FAULTS") {
         config

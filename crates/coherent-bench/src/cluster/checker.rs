@@ -58,6 +58,16 @@ fn row(name: &str, value: f64, outcome: &Outcome) -> Row {
 /// is the number of violations (0 is the promise); `reads_checked` beside it.
 pub(crate) async fn checker_row(url: &str, nats: bool, timing: Timing) -> anyhow::Result<Row> {
     let mut config = Config::new(url, nats, duration(timing));
+    // NATS behind a lossy link where network namespaces can be made (root).
+    if nats {
+        match coherent_checker::netns::Netns::create() {
+            Ok(probe) => {
+                drop(probe);
+                config = config.with_lossy_nats();
+            }
+            Err(e) => eprintln!("cluster.checker.nats: no lossy link to NATS ({e:#})"),
+        }
+    }
     // TypeScript readers where the client is built (npm ci && npm run build -w
     // clients/typescript), with their faults.
     match TsReaders::of_this_repository() {
