@@ -141,6 +141,14 @@ pub struct HostStats {
     /// Commands that waited out a lease after their notice went out, for a host they did
     /// not wait for (it missed a deadline before): see [`HostBuilder::lease`].
     pub lease_waits: u64,
+    /// Commands whose notice did not go out (sending it failed for
+    /// [`HostBuilder::notice_give_up`], or it could not be sent at all): each waited until
+    /// every other live host had read the log past its operation instead.
+    pub log_waits: u64,
+    /// Of those, the ones that answered without every live host having read that far
+    /// within another [`HostBuilder::notice_give_up`]: the only commands a read on another
+    /// host may not see at once (counted, and logged).
+    pub log_wait_timeouts: u64,
     /// This host's commands waiting for acknowledgements now (committed, their callers
     /// not answered yet). A caller that goes away takes its wait with it: this does not
     /// grow with callers that dropped [`Host::run`]'s future.
@@ -187,6 +195,8 @@ struct Counters {
     rejoins_incomplete: AtomicU64,
     leases_lost: AtomicU64,
     lease_waits: AtomicU64,
+    log_waits: AtomicU64,
+    log_wait_timeouts: AtomicU64,
     commits_retried: AtomicU64,
 }
 
@@ -247,6 +257,9 @@ struct AckWait {
     /// The notice's sequence number, and how far the host's notices have gone out: the
     /// deadline counts from when it is out.
     seq: u64,
+    /// The operation's position in the log: where the other hosts must have read to
+    /// when its notice did not go out.
+    position: u64,
     sends: Arc<notify::Sends>,
     /// Some live host was not waited for (it missed a deadline before): the command
     /// answers no sooner than that host's lease from before the notice ran out.
@@ -308,6 +321,8 @@ pub struct HostBuilder {
     lease: Option<Option<Duration>>,
     notify_interval: Duration,
     notify_queue: usize,
+    notice_give_up: Duration,
+    log_wait: Duration,
     clock_skew: i64,
     watches: Watches,
     feed: Option<ChangeFeed>,
@@ -520,6 +535,28 @@ impl HostBuilder {
         self
     }
 
+    /// How long this host tries to send a batch of notices (a failing `NOTIFY`, a NATS
+    /// server out of reach) before it gives up on them. Default: 30 s. A command whose
+    /// notice was given up on then waits until every other live host has read the log past
+    /// its operation ([`log_wait`](Self::log_wait)): so its answer still means that a read
+    /// on any host sees its write, if later than usual. A shorter time trades a longer wait
+    /// on a notifier that comes back for a shorter one on a notifier that does not.
+    pub fn notice_give_up(mut self, after: Duration) -> Self {
+        self.notice_give_up = after.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a command whose notice did not go out ([`notice_give_up`](Self::notice_give_up))
+    /// waits for every other live host to read the log past its operation: their rows
+    /// record how far they read with each heartbeat (every second), and they read the log
+    /// every [`poll_interval`](Self::poll_interval) without a notice. Default: 60 s; keep
+    /// it above the other hosts' poll interval. `HostStats::log_waits` counts the commands
+    /// that waited so, `log_wait_timeouts` those that answered without every host.
+    pub fn log_wait(mut self, limit: Duration) -> Self {
+        self.log_wait = limit;
+        self
+    }
+
     /// On PostgreSQL, how many notices and acknowledgements may wait for this host's
     /// notifying task (while the database is slow or out of reach). Default: 65,536.
     /// Past it, what comes is dropped and counted ([`HostStats::notices_dropped`],
@@ -727,6 +764,8 @@ impl HostBuilder {
             ping_pending: AtomicU64::new(0),
             notify_interval: self.notify_interval,
             notify_queue: self.notify_queue,
+            notice_give_up: self.notice_give_up,
+            log_wait: self.log_wait,
             outbox: Arc::default(),
             peers: Mutex::new(HashMap::new()),
             waiting: Arc::default(),
@@ -880,6 +919,11 @@ pub(crate) struct Inner {
     ping_pending: AtomicU64,
     /// The least time between two `NOTIFY` transactions.
     pub(crate) notify_interval: Duration,
+    /// How long a batch of notices is tried before it is given up on.
+    pub(crate) notice_give_up: Duration,
+    /// How long a command whose notice did not go out waits for the other hosts to read
+    /// the log past it.
+    log_wait: Duration,
     /// How many entries the notifying task's queue holds at most (PostgreSQL).
     pub(crate) notify_queue: usize,
     /// What the notifying task (PostgreSQL) dropped.
@@ -929,6 +973,12 @@ const LEASE_SLACK: Duration = Duration::from_millis(20);
 /// for. Each host writes it every second ([`heartbeat_loop`]), whatever its poll interval.
 const PEER_ALIVE: Duration = Duration::from_secs(5);
 
+/// How often a command whose notice did not go out asks how far the other hosts read.
+const LOG_WAIT_POLL: Duration = Duration::from_millis(100);
+
+/// The default of [`HostBuilder::log_wait`].
+const LOG_WAIT: Duration = Duration::from_secs(60);
+
 struct State {
     /// What the reads of the log have read: every operation it has read is applied (or
     /// predates this host).
@@ -959,6 +1009,8 @@ impl Host {
             lease: None,
             notify_interval: Duration::from_millis(1),
             notify_queue: NOTIFY_QUEUE,
+            notice_give_up: notify::SEND_GIVE_UP,
+            log_wait: LOG_WAIT,
             clock_skew: 0,
             watches: Watches::default(),
             feed: None,
@@ -1139,6 +1191,8 @@ impl Host {
             ack_timeouts: r(&c.ack_timeouts),
             peers_left: r(&c.peers_left),
             lease_waits: r(&c.lease_waits),
+            log_waits: r(&c.log_waits),
+            log_wait_timeouts: r(&c.log_wait_timeouts),
             commits_retried: r(&c.commits_retried),
             fences: r(&c.fences),
             rejoins_incomplete: r(&c.rejoins_incomplete),
@@ -1446,6 +1500,7 @@ impl Inner {
             done: rx,
             waiting: Arc::downgrade(&self.waiting),
             seq: 0,
+            position: 0,
             sends,
             skipped,
             waits,
@@ -1468,20 +1523,27 @@ impl Inner {
         let waits = wait.waits;
         let sends = wait.sends.clone();
         let out = async {
-            let sent = tokio::time::timeout(notify::SEND_GIVE_UP, sends.wait_out(wait.seq));
-            if sent.await.is_err() {
-                tracing::warn!(host = %self.id, op = wait.id,
-                    "a notice did not go out in time: the other hosts read it from the log");
-            }
+            let sent = tokio::time::timeout(sends.give_up, sends.wait_out(wait.seq)).await;
+            sent.is_ok() && sends.went_out(wait.seq)
         };
-        if waits && !wait.skipped {
+        let went_out = if waits && !wait.skipped {
             // Every host waited for may answer first (having read the log).
             tokio::select! {
                 _ = &mut wait.done => return,
-                () = out => {}
+                out = out => out,
             }
         } else {
-            out.await;
+            out.await
+        };
+        if !went_out {
+            // No other host heard of it: none answers for it, and their leases (their own
+            // pings) say nothing about it. They learn of it from the log.
+            self.counters.log_waits.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(host = %self.id, op = wait.id,
+                "a notice did not go out: waiting for the other hosts to read it from the log");
+            self.await_log_reads(wait.id, wait.position, self.log_wait)
+                .await;
+            return;
         }
         let out_at = Instant::now();
         if waits {
@@ -1510,6 +1572,39 @@ impl Inner {
                     tokio::time::sleep_until(until.into()).await;
                 }
             }
+        }
+    }
+
+    /// Waits until every other live host (by its row, the database's clock) has read the
+    /// log past `position`, at most `limit`: what a command whose notice did not go out
+    /// waits for instead of acknowledgements. A host's row records how far it read with
+    /// each heartbeat (every second); one that stops beating is dropped from the live
+    /// hosts after `PEER_ALIVE`, and stops answering from its cache before that (8).
+    async fn await_log_reads(&self, op: i64, position: u64, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let alive = PEER_ALIVE.min(self.host_expiry);
+        loop {
+            match self.db.hosts_behind(position, alive, &self.id).await {
+                Ok(behind) if behind.is_empty() => return,
+                Ok(behind) if Instant::now() >= deadline => {
+                    self.counters
+                        .log_wait_timeouts
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(host = %self.id, op, ?behind,
+                        "hosts did not read the log past an operation whose notice did not go out: answering without them");
+                    return;
+                }
+                Err(e) if Instant::now() >= deadline => {
+                    self.counters
+                        .log_wait_timeouts
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(host = %self.id, op, %e,
+                        "could not tell whether the other hosts read an operation whose notice did not go out: answering");
+                    return;
+                }
+                _ => {}
+            }
+            tokio::time::sleep(LOG_WAIT_POLL).await;
         }
     }
 
@@ -2096,6 +2191,7 @@ impl<C: Command> Job for TypedJob<C> {
                 });
                 if let Some(wait) = &mut acks {
                     wait.seq = seq;
+                    wait.position = position;
                 }
                 drop(publisher);
                 let _ = job.answer.send(Ok((output, acks)));

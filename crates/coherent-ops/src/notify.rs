@@ -118,6 +118,13 @@ async fn nats_publish(
             batch.push((subject.clone(), wake_up.into(), seq));
             last = last.max(seq);
         }
+        // Acknowledgements and controls carry 0: not notices.
+        let first = batch
+            .iter()
+            .map(|(_, _, seq)| *seq)
+            .filter(|&seq| seq != 0)
+            .min()
+            .unwrap_or(u64::MAX);
         let started = std::time::Instant::now();
         let mut failures = 0u32;
         loop {
@@ -147,7 +154,7 @@ async fn nats_publish(
             }
             match result {
                 Ok(()) => break,
-                Err(e) if started.elapsed() < SEND_GIVE_UP && !queue.is_closed() => {
+                Err(e) if started.elapsed() < sends.give_up && !queue.is_closed() => {
                     failures = failures.saturating_add(1);
                     tracing::debug!(%e, n = batch.len(), "NATS publish failed: publishing again");
                     tokio::time::sleep(retry_wait(failures)).await;
@@ -155,6 +162,7 @@ async fn nats_publish(
                 Err(e) => {
                     tracing::warn!(%e, n = batch.len(),
                         "NATS publish failed for too long: the other hosts read the log at their next poll");
+                    sends.gave_up(first, last);
                     break;
                 }
             }
@@ -207,20 +215,53 @@ pub(crate) struct Sends {
     owed: parking_lot::Mutex<Option<(u64, Vec<u8>)>>,
     /// Wakes the sending task for an owed wake-up.
     kick: tokio::sync::Notify,
+    /// How long a batch is tried before it is given up on
+    /// ([`HostBuilder::notice_give_up`](crate::HostBuilder::notice_give_up)).
+    pub(crate) give_up: Duration,
+    /// The sequence numbers (first, last) of the latest batches given up on: counted out,
+    /// but the other hosts may not have heard them (at most [`NOT_OUT_KEPT`] batches).
+    not_out: parking_lot::Mutex<std::collections::VecDeque<(u64, u64)>>,
 }
 
-impl Default for Sends {
-    fn default() -> Self {
+/// How many given-up batches [`Sends`] remembers: a command asks about its own notice as
+/// soon as it is counted out, so only a command that waited on a stalled runtime for as
+/// many more give-ups would miss its own.
+const NOT_OUT_KEPT: usize = 4096;
+
+impl Sends {
+    pub(crate) fn new(give_up: Duration) -> Self {
         Self {
             queued: std::sync::atomic::AtomicU64::new(0),
             out: watch::Sender::new(0),
             owed: parking_lot::Mutex::new(None),
             kick: tokio::sync::Notify::new(),
+            give_up,
+            not_out: parking_lot::Mutex::default(),
         }
     }
-}
 
-impl Sends {
+    /// The notices `first..=last` are given up on (or could not be sent at all): they
+    /// are counted out, and [`went_out`](Self::went_out) says they did not.
+    fn gave_up(&self, first: u64, last: u64) {
+        if first > last {
+            return;
+        }
+        let mut not_out = self.not_out.lock();
+        if not_out.len() == NOT_OUT_KEPT {
+            not_out.pop_front();
+        }
+        not_out.push_back((first, last));
+    }
+
+    /// Whether notice `seq`, counted out, was sent (not given up on).
+    pub(crate) fn went_out(&self, seq: u64) -> bool {
+        !self
+            .not_out
+            .lock()
+            .iter()
+            .any(|&(first, last)| (first..=last).contains(&seq))
+    }
+
     /// The next sequence number (called under the publisher's lock: numbers are queued in
     /// order).
     fn next(&self) -> u64 {
@@ -273,9 +314,9 @@ impl Drop for AllOut {
 #[cfg(feature = "nats")]
 const ECHO_WAIT: Duration = Duration::from_secs(2);
 
-/// How long a host tries to send a batch of notifications before it gives up on them
-/// (the other hosts read the log at their next poll): a command waits this long at most
-/// for its notice to go out, before its acknowledgement deadline.
+/// The default of [`HostBuilder::notice_give_up`](crate::HostBuilder::notice_give_up):
+/// how long a host tries to send a batch of notifications before it gives up on them (the
+/// other hosts read the log at their next poll).
 pub(crate) const SEND_GIVE_UP: Duration = Duration::from_secs(30);
 
 /// The longest wait between two tries to send a batch.
@@ -593,7 +634,7 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             config.application_name(format!("coherent-listener:{}", host.id()));
             let channel = pg.channel.clone();
             let (queue, payloads) = tokio::sync::mpsc::channel(inner.notify_queue);
-            let sends = std::sync::Arc::new(Sends::default());
+            let sends = std::sync::Arc::new(Sends::new(inner.notice_give_up));
             tokio::spawn(pg_notify_batches(
                 pg.pool.clone(),
                 channel.clone(),
@@ -679,7 +720,7 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
             let _ = made.set(client.clone());
             tokio::spawn(up_after_flush(weak.clone(), client.clone()));
             let (queue, outgoing) = tokio::sync::mpsc::channel(inner.notify_queue);
-            let sends = std::sync::Arc::new(Sends::default());
+            let sends = std::sync::Arc::new(Sends::new(inner.notice_give_up));
             tokio::spawn(nats_publish(
                 client.clone(),
                 subject.clone(),
@@ -834,11 +875,12 @@ async fn pg_notify_batches(
         let mut controls: Vec<(String, String)> = Vec::new();
         // Items longer than a payload even alone (a host id of thousands of bytes).
         let (mut unsent_notices, mut unsent_acks) = (0, 0);
-        // The last notice of the batch: out once the batch is.
-        let mut out = 0;
+        // The first and last notices of the batch: out once the batch is.
+        let (mut first, mut out) = (u64::MAX, 0);
         for item in batch.drain(..) {
             match item {
                 Outgoing::Notice { payload, seq } => {
+                    first = first.min(seq);
                     out = out.max(seq);
                     if !notices.push(&payload) {
                         unsent_notices += 1;
@@ -851,6 +893,7 @@ async fn pg_notify_batches(
         // Checked after the queue was read: a notice queued after one that did not fit
         // found the wake-up owed already, and is not out before it.
         if let Some((seq, wake_up)) = sends.take_owed() {
+            first = first.min(seq);
             out = out.max(seq);
             if !notices.push(&String::from_utf8_lossy(&wake_up)) {
                 unsent_notices += 1;
@@ -867,6 +910,11 @@ async fn pg_notify_batches(
             payloads.extend(packer.finish().into_iter().map(|p| (to.clone(), p)));
         }
         payloads.extend(controls);
+        if unsent_notices > 0 {
+            // Which of the batch's commands lost its notice is not kept: each of them
+            // waits for the other hosts to read the log instead.
+            sends.gave_up(first, out);
+        }
         for (ack, n) in [(false, unsent_notices), (true, unsent_acks)] {
             if n > 0 {
                 counts.dropped(
@@ -889,7 +937,7 @@ async fn pg_notify_batches(
             loop {
                 match crate::db::pg_notify(&pool, &pairs).await {
                     Ok(()) => break,
-                    Err(e) if started.elapsed() < SEND_GIVE_UP && !outgoing.is_closed() => {
+                    Err(e) if started.elapsed() < sends.give_up && !outgoing.is_closed() => {
                         failures = failures.saturating_add(1);
                         tracing::debug!(%e, n = payloads.len(), "NOTIFY failed: sending it again");
                         tokio::time::sleep(retry_wait(failures)).await;
@@ -897,6 +945,7 @@ async fn pg_notify_batches(
                     Err(e) => {
                         tracing::warn!(%e, n = payloads.len(),
                             "NOTIFY failed for too long: the other hosts read the log at their next poll");
+                        sends.gave_up(first, out);
                         break;
                     }
                 }

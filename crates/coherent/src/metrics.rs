@@ -68,6 +68,8 @@
 //! | `coherent_ops_leases_lost_total` | counter | `host` | times the host's lease ran out (it was paused, or its pings stalled) |
 //! | `coherent_ops_commits_retried_total` | counter | `host` | transactions that lost their connection before anything ran and ran again |
 //! | `coherent_ops_lease_waits_total` | counter | `host` | commands that waited out a lease for a host they did not wait for |
+//! | `coherent_ops_log_waits_total` | counter | `host` | commands whose notice did not go out, that waited for the other hosts to read the log past them |
+//! | `coherent_ops_log_wait_timeouts_total` | counter | `host` | of those, the ones that answered before every live host had read that far |
 //! | `coherent_ops_notices_dropped_total` | counter | `host` | notices not sent with their operation (the notifying queue full, or too large) |
 //! | `coherent_ops_acks_dropped_total` | counter | `host` | acknowledgements not sent (the notifying queue full) |
 //! | `coherent_ops_peers` | gauge | `host` | other live hosts that commands wait for now |
@@ -270,6 +272,8 @@ impl Observer {
                 ("coherent_ops_leases_lost_total", s.leases_lost),
                 ("coherent_ops_commits_retried_total", s.commits_retried),
                 ("coherent_ops_lease_waits_total", s.lease_waits),
+                ("coherent_ops_log_waits_total", s.log_waits),
+                ("coherent_ops_log_wait_timeouts_total", s.log_wait_timeouts),
                 ("coherent_ops_notices_dropped_total", s.notices_dropped),
                 ("coherent_ops_acks_dropped_total", s.acks_dropped),
             ];

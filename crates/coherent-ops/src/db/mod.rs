@@ -829,6 +829,45 @@ impl Database {
         }
     }
 
+    /// The hosts seen within `within` (by the database's clock), `except` left out, whose
+    /// last heartbeat said they had not read the log past `position` (their horizon is at
+    /// or below it).
+    pub(crate) async fn hosts_behind(
+        &self,
+        position: u64,
+        within: Duration,
+        except: &str,
+    ) -> Result<Vec<String>, CommandError> {
+        let within = micros(within);
+        let position = i64::try_from(position).unwrap_or(i64::MAX);
+        match &*self.inner {
+            Engine::Sqlite(s) => {
+                let reader = s.reader.lock();
+                let mut q = reader.prepare_cached(&format!(
+                    "SELECT host FROM coherent_hosts WHERE seen_at > {SQLITE_NOW} - ?1 \
+                     AND host <> ?2 AND horizon <= ?3"
+                ))?;
+                let hosts = q
+                    .query_map(params![within, except, position], |r| r.get(0))?
+                    .collect::<Result<Vec<String>, _>>()?;
+                Ok(hosts)
+            }
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                let q = client
+                    .prepare_cached(&format!(
+                        "SELECT host FROM coherent_hosts WHERE seen_at > {PG_NOW} - $1 \
+                         AND host <> $2 AND horizon <= $3"
+                    ))
+                    .await?;
+                let rows = client.query(&q, &[&within, &except, &position]).await?;
+                rows.iter()
+                    .map(|r| r.try_get(0).map_err(CommandError::from))
+                    .collect()
+            }
+        }
+    }
+
     /// Forgets `host` (it stopped): it no longer holds trimming back.
     pub(crate) async fn leave(&self, host: &str) -> Result<(), CommandError> {
         match &*self.inner {

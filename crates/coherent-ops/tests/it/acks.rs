@@ -7,7 +7,7 @@ use std::time::Duration;
 use coherent_ops::{Database, HostBuilder, Notifier};
 
 use crate::inproc::{nats_url, postgres_db, wait_until};
-use crate::support::{host, SetValue};
+use crate::support::{host, BlackHole, SetValue};
 
 /// Long enough never to run out in a test, however loaded the machine: the test checks
 /// what the answer promises, not how fast it comes.
@@ -285,4 +285,48 @@ async fn postgres_a_host_whose_heartbeats_stall_stops_answering_from_its_cache()
     .await;
     a.stop().await;
     b.stop().await;
+}
+
+/// A notice that does not go out (the writer's NATS connection black-holed, the other
+/// host's fine): no host hears of the operation but from the log, and the other host's
+/// lease (its own pings come back) says nothing about it. The command answers once the
+/// other host has read the log past it (its heartbeat says so), not once the writer gave
+/// up sending (it answered then, and the other host served its old value until its next
+/// read of the log: issue 30, `SEND_GIVE_UP`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_notice_that_does_not_go_out_is_waited_for_through_the_log_by_nats() {
+    let Some(url) = nats_url() else { return };
+    let Some(db) = postgres_db("acks_not_out").await else {
+        return;
+    };
+    let nats: std::net::SocketAddr = url.trim_start_matches("nats://").parse().unwrap();
+    let link = BlackHole::start(nats).await;
+    // A gives up on a notice after 500 ms (its echo wait, 2 s, comes first).
+    let (a, _) = host(&db, |b| {
+        b.notifier(Notifier::Nats(format!("nats://{}", link.addr)))
+            .notice_give_up(Duration::from_millis(500))
+            .acknowledgements(Some(Duration::from_millis(500)))
+    })
+    .await;
+    // B reads the log every 10 s; a notice would tell it sooner.
+    let (b, items_b) = host(&db, |b| {
+        b.notifier(Notifier::Nats(url.clone()))
+            .poll_interval(Duration::from_secs(10))
+    })
+    .await;
+    wait_until(|| {
+        a.stats().peers >= 1 && a.notifier_connected() && b.notifier_connected() && !b.is_fenced()
+    })
+    .await;
+    assert_eq!(items_b.value(1).await, Ok(0));
+    link.black_hole();
+    for value in 1..=2 {
+        a.run(SetValue { id: 1, value }).await.unwrap();
+        assert_eq!(items_b.value(1).await, Ok(value), "B, write {value}");
+    }
+    let stats = a.stats();
+    assert!(stats.log_waits >= 2, "{stats:?}");
+    assert_eq!(stats.log_wait_timeouts, 0, "{stats:?}");
+    b.stop().await;
+    drop(a);
 }

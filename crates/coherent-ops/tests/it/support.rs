@@ -458,3 +458,69 @@ pub(crate) async fn drop_slot_when_free(client: &tokio_postgres::Client, name: &
         .await
         .unwrap_or_else(|_| panic!("the slot {name} was not let go of within 60 s"));
 }
+
+/// A TCP proxy whose connections can be black-holed: from then on, whatever either side
+/// sends is dropped and neither is told (a link that died without a word).
+pub(crate) struct BlackHole {
+    pub(crate) addr: std::net::SocketAddr,
+    dead: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl BlackHole {
+    pub(crate) async fn start(target: std::net::SocketAddr) -> BlackHole {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let dead = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let gate = dead.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
+                    continue;
+                };
+                let (ir, iw) = inbound.into_split();
+                let (or, ow) = outbound.into_split();
+                for (mut from, mut to) in [(ir, ow), (or, iw)].map(|(r, w)| {
+                    (
+                        Box::new(r) as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+                        w,
+                    )
+                }) {
+                    let gate = gate.clone();
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        while let Ok(n) = from.read(&mut buf).await {
+                            if n == 0 {
+                                break;
+                            }
+                            if gate.load(Ordering::SeqCst) {
+                                continue;
+                            }
+                            if to.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                        // Black-holed: the other side never hears of an end.
+                        if gate.load(Ordering::SeqCst) {
+                            std::future::pending::<()>().await;
+                        }
+                    });
+                }
+            }
+        });
+        BlackHole { addr, dead, accept }
+    }
+
+    /// Drops everything from now on, both ways, on every connection, old and new.
+    pub(crate) fn black_hole(&self) {
+        self.dead.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for BlackHole {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
