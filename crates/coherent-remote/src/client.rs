@@ -183,6 +183,11 @@ struct Inner {
     leases_lost: AtomicU64,
     /// Whether the last renewal's answer left the lease any time.
     lease_granted: AtomicBool,
+    /// While the lease is out: the replica last fetched for each method and arguments.
+    /// Every read then computes again and fetches under a new id; the one before is read
+    /// by nothing current, and is let go at once (else the server's watches on the
+    /// connection grew with every read until a prune). Emptied when a lease is granted.
+    fetched_unleased: Mutex<HashMap<(u32, Blob), u64>>,
     /// The keys the file held when the client started, until each is first read: the
     /// file answers only those reads (later ones come from the server or from memory).
     #[cfg(feature = "persistent")]
@@ -471,6 +476,7 @@ impl RemoteClient {
                 lease_until: AtomicU64::new(0),
                 leases_lost: AtomicU64::new(0),
                 lease_granted: AtomicBool::new(false),
+                fetched_unleased: Mutex::default(),
                 #[cfg(feature = "persistent")]
                 from_disk: Mutex::new(from_disk),
             }),
@@ -570,6 +576,13 @@ impl RemoteClient {
         };
         let hash = value_hash(&value);
         let live = &inner.tokens.live;
+        // Fetched while the lease is out: the replica fetched before for these arguments
+        // (under the same lease-less spell) is superseded.
+        let unleased = inner.lease.is_some() && {
+            let until = inner.lease_until.load(Ordering::Acquire);
+            until == 0 || coherent::lease_clock() >= until
+        };
+        let key = unleased.then(|| (method, args.clone()));
         {
             let mut replicas = live.replicas.lock();
             match replicas.get_mut(&replica) {
@@ -589,6 +602,17 @@ impl RemoteClient {
                 None => {
                     drop(args);
                     live.release(replica);
+                }
+            }
+        }
+        if let Some(key) = key {
+            let before = inner.fetched_unleased.lock().insert(key, replica);
+            if let Some(before) = before.filter(|&b| b != replica) {
+                // Whatever read it computes again on its next read anyway (the lease is
+                // out): invalidated, and the server told to stop watching it.
+                if live.replicas.lock().contains_key(&before) {
+                    inner.tokens.invalidate([before], false);
+                    live.release(before);
                 }
             }
         }
@@ -845,6 +869,10 @@ async fn renew_lease(
         // answered with nothing left (its own caches fenced) is no loss, nor are the
         // renewals while it stays so.
         let granted = inner.lease_granted.swap(left > 0, Ordering::AcqRel);
+        if left > 0 {
+            // Replicas fetched from now on are read under this lease.
+            inner.fetched_unleased.lock().clear();
+        }
         if granted && before != 0 && coherent::lease_clock() > before {
             inner.leases_lost.fetch_add(1, Ordering::Relaxed);
         }
@@ -1086,6 +1114,7 @@ fn invalidate_all(inner: &Inner, why: &str) {
     let all: Vec<u64> = inner.tokens.live.replicas.lock().keys().copied().collect();
     tracing::debug!(count = all.len(), why, "invalidating every replica");
     inner.tokens.invalidate(all, false);
+    inner.fetched_unleased.lock().clear();
     if let Some(lease) = &inner.lease {
         lease.clear();
         inner.lease_until.store(0, Ordering::Release);

@@ -472,6 +472,73 @@ async fn a_clients_replicas_answer_no_longer_than_its_servers_cache_could() {
     );
 }
 
+/// While a client's lease is out, every read of a computed over a replica computes again
+/// and fetches the replica under a new id; the replica fetched before for the same
+/// arguments is read by nothing current any more. It is let go at once: kept until the
+/// registry prunes (after 100,000 inserts by default), the server's watches on the
+/// connection grew with every read while the lease was out, toward `TooManyReplicas`
+/// (issue 30, a review finding). Here the lease is out because a fetch slower than the
+/// lease call's wait (500 ms) is always in flight; the server's own cache is fine, so it
+/// keeps every watch it is given.
+#[tokio::test]
+async fn reads_while_the_lease_is_out_do_not_pile_up_watches_on_the_server() {
+    let users = Users::new();
+    let slow = Slow {
+        handle: ServiceHandle::with_registry(&coherent::Registry::new()),
+    };
+    let server = remote_server(&users).expose(
+        "Slow.wait",
+        slow.clone(),
+        |s: Slow, (ms,): (u64,)| async move { s.wait_computed(ms).await },
+    );
+    let endpoint = Endpoint::builder().service(server.service()).build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { endpoint.serve_tcp(listener).await });
+    let client_registry = coherent::Registry::new();
+    let remote = RemoteClient::builder()
+        .registry(&client_registry)
+        .connect_tcp(addr)
+        .await
+        .unwrap();
+    let view = View::in_registry(remote.clone(), &client_registry);
+    assert_eq!(view.greeting(1).await, "hello, ann");
+    let in_flight = {
+        let remote = remote.clone();
+        tokio::spawn(async move { remote.replica::<_, u64>("Slow.wait", (60_000u64,)).await })
+    };
+    within("the client's lease to run out", async {
+        while !client_registry.is_fenced() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let before = server.stats().replicas_held;
+    for _ in 0..300 {
+        assert_eq!(view.greeting(1).await, "hello, ann");
+    }
+    assert!(client_registry.is_fenced(), "the lease stayed out");
+    // Each read fetched (the lease is out), and let the replica read before it go.
+    within(
+        "the server to stop watching the replicas read before",
+        async {
+            while server.stats().replicas_held > before + 1 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        },
+    )
+    .await;
+    // Still kept current: a write reaches the replica read last.
+    users.rename(1, "anna");
+    within("the rename to reach the client", async {
+        while view.greeting(1).await != "hello, anna" {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    in_flight.abort();
+}
+
 #[tokio::test]
 async fn plain_calls_make_a_round_trip_every_time() {
     let users = Users::new();
