@@ -402,6 +402,22 @@ async fn serve() -> anyhow::Result<()> {
                 tier_runtime.freeze(Duration::from_millis(ms));
                 say("tier paused");
             }
+            ["tier_reconnect_pause", ms] => {
+                // Cut, then frozen as soon as it connected again: the window where its
+                // first renewal on the new connection is what stands between its
+                // revalidated replicas and a write its host may not wait for.
+                let ms: u64 = ms.parse()?;
+                let before = tier.connections();
+                proxy.cut();
+                let reconnected = async {
+                    while tier.connections() == before {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(5), reconnected).await;
+                tier_runtime.freeze(Duration::from_millis(ms));
+                say("tier reconnected and paused");
+            }
             ["tier_half_open"] => {
                 proxy.half_open();
                 say("tier half-open");

@@ -53,6 +53,10 @@ pub enum Fault {
     /// end is told (a NAT that forgot it). The host stops waiting for the tier after its
     /// delivery timeout; the tier must stop answering from its replicas before then.
     TierHalfOpen,
+    /// A host's tier loses its connection and is frozen for 800 ms as soon as it has
+    /// connected again (its replicas revalidated, its first renewal on the new
+    /// connection just made).
+    TierReconnectPause,
     /// The database goes away for 2 s: every connection of every host (pools, listeners,
     /// transactions in flight) is closed, and new ones are refused until it is back:
     /// what clients see of a restart or a failover (the hosts reach PostgreSQL through a
@@ -88,6 +92,7 @@ impl Fault {
             Fault::TierCut => "tier_cut",
             Fault::TierPause => "tier_pause",
             Fault::TierHalfOpen => "tier_half_open",
+            Fault::TierReconnectPause => "tier_reconnect_pause",
             Fault::DbOutage => "db_outage",
             Fault::TsCut => "ts_cut",
             Fault::TsHalfOpen => "ts_half_open",
@@ -190,6 +195,7 @@ impl Config {
             Fault::TierCut,
             Fault::TierPause,
             Fault::TierHalfOpen,
+            Fault::TierReconnectPause,
         ];
         if nats {
             faults.push(Fault::NatsRestart);
@@ -778,6 +784,9 @@ async fn run_in(
             }
             Fault::TierHalfOpen => {
                 hosts[i].cmd("tier_half_open").await?;
+            }
+            Fault::TierReconnectPause => {
+                hosts[i].cmd("tier_reconnect_pause 800").await?;
             }
             Fault::NatsLossy => {
                 let ns = nats.as_ref().and_then(|n| n.netns.as_ref());
