@@ -765,6 +765,7 @@ impl HostBuilder {
             notify_interval: self.notify_interval,
             notify_queue: self.notify_queue,
             notice_give_up: self.notice_give_up,
+            delivered_horizon: AtomicU64::new(horizon),
             log_wait: self.log_wait,
             outbox: Arc::default(),
             peers: Mutex::new(HashMap::new()),
@@ -921,6 +922,9 @@ pub(crate) struct Inner {
     pub(crate) notify_interval: Duration,
     /// How long a batch of notices is tried before it is given up on.
     pub(crate) notice_give_up: Duration,
+    /// The cursor's horizon as of the last time everything applied below it had reached
+    /// this host's clients ([`Inner::reported_horizon`]).
+    delivered_horizon: AtomicU64,
     /// How long a command whose notice did not go out waits for the other hosts to read
     /// the log past it.
     log_wait: Duration,
@@ -1942,6 +1946,27 @@ impl Inner {
         }
     }
 
+    /// The horizon this host's row may say it read to: the cursor's, once every operation
+    /// applied below it has reached this host's clients ([`HostBuilder::after_invalidate`]:
+    /// the trusted replicas of `serve_replicas`), else the last one that had. A command
+    /// whose notice did not go out takes the rows' horizons for acknowledgements (9), and
+    /// an acknowledgement is sent only after that wait too. The wait runs on a task of its
+    /// own: a slow client never holds up the heartbeat, which the host's lease depends on.
+    fn reported_horizon(&self, host: &Weak<Inner>) -> u64 {
+        let horizon = self.state.lock().cursor.horizon;
+        let Some(wait) = &self.after_invalidate else {
+            return horizon;
+        };
+        let (wait, host) = (wait(), host.clone());
+        tokio::spawn(async move {
+            wait.await;
+            if let Some(inner) = host.upgrade() {
+                inner.delivered_horizon.fetch_max(horizon, Ordering::AcqRel);
+            }
+        });
+        self.delivered_horizon.load(Ordering::Acquire)
+    }
+
     /// Writes this host's row (alive, and its horizon), and notes when it began for the
     /// lease ([`Inner::beat_until`]).
     async fn heartbeat(&self, horizon: u64) -> Result<(), CommandError> {
@@ -2446,7 +2471,7 @@ async fn heartbeat_loop(host: Weak<Inner>, mut stop: watch::Receiver<bool>) {
             if *inner.stop.borrow() {
                 return;
             }
-            let horizon = inner.state.lock().cursor.horizon;
+            let horizon = inner.reported_horizon(&host);
             if let Err(e) = inner.heartbeat(horizon).await {
                 tracing::warn!(host = %inner.id, %e, "heartbeat failed");
             }

@@ -118,13 +118,6 @@ async fn nats_publish(
             batch.push((subject.clone(), wake_up.into(), seq));
             last = last.max(seq);
         }
-        // Acknowledgements and controls carry 0: not notices.
-        let first = batch
-            .iter()
-            .map(|(_, _, seq)| *seq)
-            .filter(|&seq| seq != 0)
-            .min()
-            .unwrap_or(u64::MAX);
         let started = std::time::Instant::now();
         let mut failures = 0u32;
         loop {
@@ -162,7 +155,7 @@ async fn nats_publish(
                 Err(e) => {
                     tracing::warn!(%e, n = batch.len(),
                         "NATS publish failed for too long: the other hosts read the log at their next poll");
-                    sends.gave_up(first, last);
+                    sends.gave_up(last);
                     break;
                 }
             }
@@ -240,9 +233,13 @@ impl Sends {
         }
     }
 
-    /// The notices `first..=last` are given up on (or could not be sent at all): they
-    /// are counted out, and [`went_out`](Self::went_out) says they did not.
-    fn gave_up(&self, first: u64, last: u64) {
+    /// The notices up to `last` not counted out yet are given up on (or could not be sent
+    /// at all): they are counted out, and [`went_out`](Self::went_out) says they did not.
+    /// All of them, not only the batch's: a batch may carry an owed wake-up numbered past
+    /// notices still queued behind it (the queue was full), which counting it out counts
+    /// out too (a review finding).
+    fn gave_up(&self, last: u64) {
+        let first = self.out.borrow().saturating_add(1);
         if first > last {
             return;
         }
@@ -305,6 +302,12 @@ struct AllOut(std::sync::Arc<Sends>);
 
 impl Drop for AllOut {
     fn drop(&mut self) {
+        // A task that panicked sent none of what was left: its commands wait for the
+        // other hosts to read the log. One that ended with its host (the queue closed)
+        // leaves commands that are not answered any more.
+        if std::thread::panicking() {
+            self.0.gave_up(u64::MAX);
+        }
         self.0.out(u64::MAX);
     }
 }
@@ -875,12 +878,11 @@ async fn pg_notify_batches(
         let mut controls: Vec<(String, String)> = Vec::new();
         // Items longer than a payload even alone (a host id of thousands of bytes).
         let (mut unsent_notices, mut unsent_acks) = (0, 0);
-        // The first and last notices of the batch: out once the batch is.
-        let (mut first, mut out) = (u64::MAX, 0);
+        // The last notice of the batch: out once the batch is.
+        let mut out = 0;
         for item in batch.drain(..) {
             match item {
                 Outgoing::Notice { payload, seq } => {
-                    first = first.min(seq);
                     out = out.max(seq);
                     if !notices.push(&payload) {
                         unsent_notices += 1;
@@ -893,7 +895,6 @@ async fn pg_notify_batches(
         // Checked after the queue was read: a notice queued after one that did not fit
         // found the wake-up owed already, and is not out before it.
         if let Some((seq, wake_up)) = sends.take_owed() {
-            first = first.min(seq);
             out = out.max(seq);
             if !notices.push(&String::from_utf8_lossy(&wake_up)) {
                 unsent_notices += 1;
@@ -913,7 +914,7 @@ async fn pg_notify_batches(
         if unsent_notices > 0 {
             // Which of the batch's commands lost its notice is not kept: each of them
             // waits for the other hosts to read the log instead.
-            sends.gave_up(first, out);
+            sends.gave_up(out);
         }
         for (ack, n) in [(false, unsent_notices), (true, unsent_acks)] {
             if n > 0 {
@@ -945,7 +946,7 @@ async fn pg_notify_batches(
                     Err(e) => {
                         tracing::warn!(%e, n = payloads.len(),
                             "NOTIFY failed for too long: the other hosts read the log at their next poll");
-                        sends.gave_up(first, out);
+                        sends.gave_up(out);
                         break;
                     }
                 }
