@@ -110,6 +110,10 @@ struct Cli {
     /// and their lease has no bound) instead of trusted (a Node.js tier's).
     #[arg(long)]
     untrusted: bool,
+    /// Answer every lease renewal with nothing left, as a server whose own caches are
+    /// fenced (a cluster host past its lease) does: the client reads through to it.
+    #[arg(long)]
+    lease_fenced: bool,
 }
 
 fn parse_initial(s: &str) -> Result<(String, i64), String> {
@@ -137,6 +141,11 @@ async fn main() -> anyhow::Result<()> {
             trusted(config)
         },
     });
+    if cli.lease_fenced {
+        let fenced = coherent::Registry::new();
+        fenced.fence();
+        server.remote().lease_from(&fenced);
+    }
     let listener = tokio::net::TcpListener::bind(cli.listen).await?;
     let addr = listener.local_addr()?;
     {

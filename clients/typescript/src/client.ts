@@ -60,12 +60,16 @@ export interface ClientOptions extends ConnectionOptions {
    * server answers once the client applied every invalidation it had sent, with how long
    * its own caches may still answer; {@link Replica.get} answers from a replica only until
    * the renewal's send time plus the least of the two, and a connection that answered no
-   * renewal sent in this long is closed (the client reconnects and revalidates). So a
-   * client whose connection went half-open, or whose process was paused, answers no value
-   * the server stopped vouching for: a write waits for a trusted client (a Node.js tier)
-   * at most its delivery timeout (5 s), and the lease runs out before that. A server that
-   * promises nothing to this connection (a browser's: writes never wait for it) or one
-   * that predates leases answers without bound; the client then stops renewing.
+   * renewal sent in this long is closed (the client reconnects and revalidates). While
+   * the lease is out on a live connection (the server's own caches fenced, say), `get()`
+   * fetches the value again and answers with it, as a Rust client's read goes to the
+   * server. So a client whose connection went half-open, or whose process was paused,
+   * answers no value the server stopped vouching for: a write waits for a trusted client
+   * (a Node.js tier) at most its delivery timeout (5 s), and the lease runs out before
+   * that. A server that promises nothing to this connection (a browser's: writes never
+   * wait for it) answers without bound, and the client stops renewing; one that predates
+   * leases is asked with an empty `ReplicaHost.revalidate` instead, which bounds the
+   * lease by this alone. At most 2^31 - 1 ms.
    */
   livenessMs?: number | null;
 }
@@ -81,6 +85,8 @@ const REPLICA_HOST = {
 const LEASE_RENEWAL_MIN_MS = 5;
 /** Nanoseconds from which a lease answer means "no bound" (the server answers 2^64 - 1). */
 const UNBOUNDED_NS = 2 ** 63;
+/** The longest delay `setTimeout` keeps (a longer one fires at once). */
+const MAX_TIMER_MS = 2 ** 31 - 1;
 /** Monotonic milliseconds (they count a paused process's time too). */
 const now = (): number => performance.now();
 const INVALIDATED = methodId("ReplicaSink.invalidated");
@@ -124,7 +130,7 @@ export class Replica<T> implements Observable {
   private changes = 0;
   private readonly client: Client<ComputeMethods>;
   private readonly listeners: Listeners;
-  private waiters: { resolve(v: T): void; reject(e: RpcError): void }[] = [];
+  private waiters: Waiter<T>[] = [];
 
   /** @internal */
   constructor(client: Client<ComputeMethods>, method: string, args: readonly unknown[], key: string, argBytes: Uint8Array) {
@@ -186,6 +192,23 @@ export class Replica<T> implements Observable {
     const p = new Promise<T>((resolve, reject) => this.waiters.push({ resolve, reject }));
     this.client.touch(this);
     return p;
+  }
+
+  /** @internal The waiters of `get()` now: those a fetch sent now may answer. */
+  waitersNow(): readonly Waiter<T>[] {
+    return this.waiters.slice();
+  }
+
+  /** @internal Answers those of `these` still waiting with `value`, fetched after they began. */
+  answer(these: readonly Waiter<T>[], value: T): void {
+    if (these.length === 0) return;
+    const answered = new Set(these);
+    const left: Waiter<T>[] = [];
+    for (const w of this.waiters) {
+      if (answered.has(w)) w.resolve(value);
+      else left.push(w);
+    }
+    this.waiters = left;
   }
 
   /**
@@ -269,6 +292,12 @@ export class Replica<T> implements Observable {
 
 type Encoded<T> = { Ok: Uint8Array } | { Err: T };
 
+/** A caller of {@link Replica.get} waiting for its answer. */
+interface Waiter<T> {
+  resolve(v: T): void;
+  reject(e: RpcError): void;
+}
+
 /**
  * A Coherent client over a WebSocket. It connects at once and stays connected: after a lost
  * connection it reconnects with exponential backoff and jitter, then revalidates every
@@ -304,14 +333,16 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
   /** Whether the last renewal granted time (a later lapse of it is a lease lost). */
   private leaseGranted = false;
   private lostLeases = 0;
+  /** Connections to a server that predates leases (it answered `UnknownMethod`). */
+  private readonly noLeaseCall = new WeakSet<Connection>();
 
   constructor(url: string, options: ClientOptions = {}) {
     this.url = url;
     this.options = options;
     this.releaseDelayMs = options.releaseDelayMs ?? 5_000;
     const liveness = options.livenessMs === undefined ? 2_000 : options.livenessMs;
-    if (liveness !== null && !(liveness > 0)) {
-      throw new RangeError(`livenessMs must be a positive number of milliseconds or null, not ${liveness}`);
+    if (liveness !== null && !(liveness > 0 && liveness <= MAX_TIMER_MS)) {
+      throw new RangeError(`livenessMs must be a number of milliseconds in (0, ${MAX_TIMER_MS}] or null, not ${liveness}`);
     }
     this.livenessMs = liveness;
     this.handlers.set(INVALIDATED, (payload) => this.onInvalidated(payload));
@@ -553,8 +584,9 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
       await this.revalidate(conn, everConnected);
       everConnected = true;
       if (this.livenessMs !== null && conn.isOpen) {
-        // Live only under a lease: what it answers from now on was current when this was sent.
-        const left = await this.renew(conn, this.livenessMs);
+        // Live only under a lease: what it answers from now on was current when this was
+        // sent. Unanswered for `livenessMs`, the connection is taken for dead.
+        const left = await this.renewWithin(conn, this.livenessMs);
         void this.keepLease(conn, this.livenessMs, left);
       }
       if (conn.isOpen) this.setState("live");
@@ -582,6 +614,7 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     const sent = now();
     let left: number;
     try {
+      if (this.noLeaseCall.has(conn)) throw new RpcError(ErrorCode.UnknownMethod, "ReplicaHost.lease");
       const answer = decode(await conn.call(REPLICA_HOST.lease, NIL));
       const ns = typeof answer === "bigint" ? Number(answer) : answer;
       if (typeof ns !== "number" || !(ns >= 0)) throw new RpcError(ErrorCode.Protocol, "a lease answer that is not a count of nanoseconds");
@@ -589,10 +622,19 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     } catch (e) {
       const err = asRpcError(e);
       if (!conn.isOpen || err.code === ErrorCode.Disconnected) return undefined;
-      // A server that predates leases: bounded by nothing but the connection's keep-alive.
-      if (err.code === ErrorCode.UnknownMethod) left = Infinity;
-      // Refused (overloaded, say): the connection lives, the lease is not extended.
-      else return 0;
+      if (err.code !== ErrorCode.UnknownMethod) {
+        // Refused (overloaded, say): the connection lives, the lease is not extended.
+        return 0;
+      }
+      // A server that predates leases: an empty revalidation, answered after every frame
+      // it sent before, bounds the lease by `liveness` alone (PROTOCOL.md section 9).
+      this.noLeaseCall.add(conn);
+      try {
+        await conn.call(REPLICA_HOST.revalidate, encodeWide([[]]));
+      } catch {
+        return conn.isOpen ? 0 : undefined;
+      }
+      left = liveness;
     }
     if (left === Infinity) {
       this.leaseUntil = Infinity;
@@ -608,6 +650,19 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
       for (const r of this.replicas.values()) if (r.hasWaiters) r.confirm();
     }
     return left;
+  }
+
+  /** {@link renew}, closing the connection when no answer comes within `liveness`. */
+  private async renewWithin(conn: Connection, liveness: number): Promise<number | undefined> {
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const late = new Promise<"late">((r) => {
+      timer = setTimeout(() => r("late"), liveness);
+    });
+    const left = await Promise.race([this.renew(conn, liveness), late]);
+    clearTimeout(timer);
+    if (left !== "late") return left;
+    conn.close(ErrorCode.Disconnected, `no answer to a lease renewal within ${liveness} ms: the server looks gone`);
+    return undefined;
   }
 
   /**
@@ -735,11 +790,20 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     (r.releaseTimer as { unref?: () => void }).unref?.();
   }
 
-  /** @internal A replica was read: fetch it if it has no current value. */
+  /**
+   * @internal A replica was read: fetch it if it has no current value, or if its value is
+   * current but the lease is out (the read goes to the server, as a Rust client's does,
+   * and the fetch answers it).
+   */
   touch(r: Replica<unknown>): void {
     this.adopt(r);
-    if (needsFetch(r)) this.fetch(r);
+    if (needsFetch(r) || (r.statusNow === "current" && r.hasWaiters && this.leaseLapsed())) this.fetch(r);
     if (!r.isWatched && r.releaseTimer === undefined) this.unobserved(r);
+  }
+
+  /** Live, and the lease granted on this connection ran out (not dropped by a disconnect). */
+  private leaseLapsed(): boolean {
+    return this.currentState === "live" && this.livenessMs !== null && this.leaseUntil !== 0 && now() >= this.leaseUntil;
   }
 
   private release(r: Replica<unknown>): void {
@@ -789,10 +853,18 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
     if (conn === undefined || !conn.isOpen) return false;
     r.fetching = true;
     const id = this.nextReplicaId++;
-    if (r.watchId !== undefined) this.watched.delete(r.watchId);
+    if (r.watchId !== undefined) {
+      // A current value fetched again (its lease out): the server stops watching the old id.
+      this.watched.delete(r.watchId);
+      this.releaseIds([r.watchId]);
+    }
     r.watchId = id;
     r.invalidatedWhileLoading = false;
     this.watched.set(id, r);
+    // The callers waiting now began before this was sent: its answer answers them, unless
+    // no lease stands on this connection at all (a value fetched then is answered only
+    // under a renewal sent after it came, as the Rust client does).
+    const waiting = r.waitersNow();
     // Applied at once, or when the last answer of the group is in.
     const then = (apply: () => void) => {
       if (group === undefined) return apply();
@@ -835,8 +907,10 @@ export class Client<S extends ComputeMethods<S> = Record<string, MethodShape>> {
           r.fail(asRpcError(e));
           return;
         }
+        if (this.leaseUntil !== 0 && this.currentState === "live") r.answer(waiting, value);
         r.settle(value, valueHash(bytes), stillCurrent);
-        if (!stillCurrent && (r.isWatched || r.hasWaiters)) this.fetch(r);
+        // Callers that came while it was on its way, with the lease still out, read anew.
+        if ((!stillCurrent && (r.isWatched || r.hasWaiters)) || (r.hasWaiters && this.leaseLapsed())) this.fetch(r);
       }),
       (e: unknown) => then(() => {
         if (r.watchId !== id) return;

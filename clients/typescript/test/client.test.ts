@@ -328,6 +328,28 @@ describe("faults", () => {
     }
   });
 
+  test("while the server cannot vouch for its caches, get() reads through to it", async () => {
+    // Every renewal answers that nothing is left (a cluster host past its lease): the
+    // client's replicas answer nothing by themselves; each get() fetches and answers.
+    const server = await startServer(["--initial", "a=1", "--lease-fenced"]);
+    const client = new Client<Counters>(server.ws(), { ...base, livenessMs: 400 });
+    try {
+      await client.ready();
+      const a = client.replica("Counters.get", "a");
+      assert.equal(ok(await a.get()), 1);
+      assert.equal(client.answersFromReplicas, false);
+      for (let i = 1; i <= 5; i++) {
+        const now = await client.call<number>("Calc.bump", ["a", 1]);
+        assert.equal(ok(await a.get()), now, `write ${i}`);
+        assert.equal(ok(await a.get()), now, `write ${i}, read again`);
+      }
+      assert.equal(client.leasesLost, 0, "a lease never granted is never lost");
+    } finally {
+      client.close();
+      await server.kill();
+    }
+  });
+
   test("a server that promises nothing (an untrusted connection) grants a lease without bound", async () => {
     const server = await startServer(["--initial", "a=1", "--untrusted"]);
     const client = new Client<Counters>(server.ws(), { ...base, livenessMs: 400 });
