@@ -146,8 +146,8 @@ pub struct HostStats {
     /// every other live host had read the log past its operation instead.
     pub log_waits: u64,
     /// Of those, the ones that answered without every live host having read that far
-    /// within another [`HostBuilder::notice_give_up`]: the only commands a read on another
-    /// host may not see at once (counted, and logged).
+    /// within [`HostBuilder::log_wait`]: the only commands a read on another host may not
+    /// see at once (counted, and logged with the hosts behind).
     pub log_wait_timeouts: u64,
     /// This host's commands waiting for acknowledgements now (committed, their callers
     /// not answered yet). A caller that goes away takes its wait with it: this does not
@@ -766,6 +766,8 @@ impl HostBuilder {
             notify_queue: self.notify_queue,
             notice_give_up: self.notice_give_up,
             delivered_horizon: AtomicU64::new(horizon),
+            log_floor: watch::Sender::new((None, 0)),
+            log_poll: tokio::sync::Mutex::new(()),
             log_wait: self.log_wait,
             outbox: Arc::default(),
             peers: Mutex::new(HashMap::new()),
@@ -925,6 +927,12 @@ pub(crate) struct Inner {
     /// The cursor's horizon as of the last time everything applied below it had reached
     /// this host's clients ([`Inner::reported_horizon`]).
     delivered_horizon: AtomicU64,
+    /// The least horizon of the other live hosts' rows, and when it was read: shared by
+    /// the commands waiting for the log ([`Inner::await_log_reads`]); `u64::MAX` when no
+    /// other host is live.
+    log_floor: watch::Sender<(Option<Instant>, u64)>,
+    /// Held by the one waiting command that reads `log_floor` anew.
+    log_poll: tokio::sync::Mutex<()>,
     /// How long a command whose notice did not go out waits for the other hosts to read
     /// the log past it.
     log_wait: Duration,
@@ -1583,32 +1591,44 @@ impl Inner {
     /// log past `position`, at most `limit`: what a command whose notice did not go out
     /// waits for instead of acknowledgements. A host's row records how far it read with
     /// each heartbeat (every second); one that stops beating is dropped from the live
-    /// hosts after `PEER_ALIVE`, and stops answering from its cache before that (8).
+    /// hosts after `PEER_ALIVE`, and stops answering from its cache before that (8). The
+    /// commands waiting so share one query every `LOG_WAIT_POLL` (`log_floor`): after an
+    /// outage of the notifier thousands may wait at once, on the pool the heartbeats use.
     async fn await_log_reads(&self, op: i64, position: u64, limit: Duration) {
         let deadline = Instant::now() + limit;
         let alive = PEER_ALIVE.min(self.host_expiry);
+        let mut changes = self.log_floor.subscribe();
+        let mut failure = None;
         loop {
-            match self.db.hosts_behind(position, alive, &self.id).await {
-                Ok(behind) if behind.is_empty() => return,
-                Ok(behind) if Instant::now() >= deadline => {
-                    self.counters
-                        .log_wait_timeouts
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(host = %self.id, op, ?behind,
-                        "hosts did not read the log past an operation whose notice did not go out: answering without them");
-                    return;
-                }
-                Err(e) if Instant::now() >= deadline => {
-                    self.counters
-                        .log_wait_timeouts
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(host = %self.id, op, %e,
-                        "could not tell whether the other hosts read an operation whose notice did not go out: answering");
-                    return;
-                }
-                _ => {}
+            let (at, floor) = *changes.borrow_and_update();
+            // Every other live host's row said it read past the operation (a fact that
+            // stays true: a host's horizon only grows, a new one starts past it).
+            if at.is_some() && floor > position {
+                return;
             }
-            tokio::time::sleep(LOG_WAIT_POLL).await;
+            if Instant::now() >= deadline {
+                self.counters
+                    .log_wait_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+                let behind = self.db.hosts_behind(position, alive, &self.id).await;
+                tracing::warn!(host = %self.id, op, ?behind, ?failure,
+                    "hosts did not read the log past an operation whose notice did not go out: answering without them");
+                return;
+            }
+            // Stale: one waiter asks the database, the others wait for its answer.
+            if at.is_none_or(|t| t.elapsed() >= LOG_WAIT_POLL) {
+                if let Ok(_polling) = self.log_poll.try_lock() {
+                    match self.db.min_live_horizon(alive, &self.id).await {
+                        Ok(floor) => {
+                            self.log_floor.send_replace((Some(Instant::now()), floor));
+                        }
+                        Err(e) => failure = Some(e),
+                    }
+                    tokio::time::sleep(LOG_WAIT_POLL).await;
+                    continue;
+                }
+            }
+            let _ = tokio::time::timeout(LOG_WAIT_POLL, changes.changed()).await;
         }
     }
 

@@ -829,6 +829,41 @@ impl Database {
         }
     }
 
+    /// The least horizon among the hosts seen within `within` (by the database's clock),
+    /// `except` left out: every one of them has read the log below it. `u64::MAX` when
+    /// there is none.
+    pub(crate) async fn min_live_horizon(
+        &self,
+        within: Duration,
+        except: &str,
+    ) -> Result<u64, CommandError> {
+        let within = micros(within);
+        let floor: Option<i64> = match &*self.inner {
+            Engine::Sqlite(s) => {
+                let reader = s.reader.lock();
+                let mut q = reader.prepare_cached(&format!(
+                    "SELECT min(horizon) FROM coherent_hosts WHERE seen_at > {SQLITE_NOW} - ?1 \
+                     AND host <> ?2"
+                ))?;
+                q.query_row(params![within, except], |r| r.get(0))?
+            }
+            Engine::Postgres(pg) => {
+                let client = pg.pool.get().await?;
+                let q = client
+                    .prepare_cached(&format!(
+                        "SELECT min(horizon) FROM coherent_hosts WHERE seen_at > {PG_NOW} - $1 \
+                         AND host <> $2"
+                    ))
+                    .await?;
+                client
+                    .query_one(&q, &[&within, &except])
+                    .await?
+                    .try_get(0)?
+            }
+        };
+        Ok(floor.map_or(u64::MAX, |f| u64::try_from(f).unwrap_or(0)))
+    }
+
     /// The hosts seen within `within` (by the database's clock), `except` left out, whose
     /// last heartbeat said they had not read the log past `position` (their horizon is at
     /// or below it).
