@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v node >/dev/null || need_apt+=(nodejs npm)
-if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && [ -z "${CHROMIUM:-}" ]; then
+if [ "${1:-}" != "--build-only" ] && ! command -v chromium >/dev/null \
+  && ! command -v chromium-browser >/dev/null && [ -z "${CHROMIUM:-}" ]; then
   need_apt+=(chromium)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then

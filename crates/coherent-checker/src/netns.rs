@@ -51,19 +51,20 @@ fn run(args: &[&str]) -> anyhow::Result<()> {
 }
 
 impl Netns {
-    /// Creates a namespace with a link to this one (a /30 of 10.201.0.0/16 of its own).
+    /// Creates a namespace with a link to this one (a /30 of 10.200.0.0/13 of its own).
     pub fn create() -> anyhow::Result<Netns> {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
-        // Names fit IFNAMSIZ (15); addresses differ by process and by namespace.
-        let tag = format!("{}{}", pid % 100_000, n % 100);
-        let slot = (pid.wrapping_mul(64) + n) % 16_384;
-        let base = u32::from(Ipv4Addr::new(10, 201, 0, 0)) + slot * 4;
+        // Names fit IFNAMSIZ (15) and differ by process and namespace; addresses are a /30
+        // of 10.200.0.0/13 (131,072 of them) picked by both.
+        let tag = format!("{}x{}", pid % 1_000_000, n % 100);
+        let slot = (pid.wrapping_mul(131) ^ n.wrapping_mul(65_537)) % 131_072;
+        let base = u32::from(Ipv4Addr::new(10, 200, 0, 0)) + slot * 4;
         let ns = Netns {
             name: format!("chk{tag}"),
-            outer: format!("ck{tag}o"),
-            inner: format!("ck{tag}i"),
+            outer: format!("c{tag}o"),
+            inner: format!("c{tag}i"),
             outer_ip: Ipv4Addr::from(base + 1),
             inner_ip: Ipv4Addr::from(base + 2),
             degrade: Degrade::Netem,

@@ -465,12 +465,6 @@ async fn serve() -> anyhow::Result<()> {
                 }
                 say(&format!("final {}", values.join(" ")));
             }
-            ["delivered"] => {
-                // Every push queued so far was applied by the trusted clients (the tier
-                // and the TypeScript readers), or they were disconnected.
-                remote.invalidations_delivered().await;
-                say("delivered");
-            }
             ["final_tier"] => {
                 // Caught up (`final` first): once the tier applied what the host pushed,
                 // it answers what the host does.

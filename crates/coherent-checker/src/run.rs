@@ -612,7 +612,14 @@ async fn through_proxy(url: &str) -> anyhow::Result<Option<(String, crate::tier:
         Some((user, hostport)) => (&authority[..user.len() + 1], hostport),
         None => ("", authority),
     };
-    if hostport.is_empty() || hostport.contains(',') || hostport.starts_with('%') {
+    // A host named in the query string (`?host=/run/postgresql`) wins over the authority.
+    let query = &rest[end..];
+    if hostport.is_empty()
+        || hostport.contains(',')
+        || hostport.starts_with('%')
+        || query.contains("host=")
+        || query.contains("hostaddr=")
+    {
         return Ok(None);
     }
     let target = if hostport.contains(':') {
@@ -755,7 +762,11 @@ async fn run_in(
             }
             Fault::DbOutage => match db_proxy {
                 Some(proxy) => proxy.outage(Duration::from_secs(2)),
-                None => bail!("db_outage needs a PostgreSQL URL naming one TCP host"),
+                None => bail!(
+                    "db_outage needs a postgres:// URL naming one TCP host (a key=value \
+                     string, a socket or several hosts cannot be proxied): leave it out \
+                     with CHECKER_FAULTS"
+                ),
             },
             Fault::TsCut => {
                 hosts[i].cmd("ts_cut").await?;

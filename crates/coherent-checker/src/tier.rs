@@ -141,6 +141,10 @@ impl Proxy {
                     let Ok(outbound) = TcpStream::connect(target).await else {
                         continue;
                     };
+                    // Down since the connect began (an outage's `cut` found no link yet).
+                    if crate::history::now_ns() < refuse_until.load(Ordering::SeqCst) {
+                        continue;
+                    }
                     let _ = (inbound.set_nodelay(true), outbound.set_nodelay(true));
                     let dead = Arc::new(AtomicBool::new(false));
                     let (ir, iw) = inbound.into_split();
