@@ -7,7 +7,8 @@
 //! readers (the register's computed, through the host's cache, through a tier's replicas
 //! of it: a [`tier::Tier`] in the host process, connected through a proxy the run cuts and
 //! turns half-open, and through a TypeScript reader's: a Node.js process beside the host,
-//! `ts/reader.mjs`), record every write that
+//! `ts/reader.mjs`), and core-level writers and readers racing on shared dependants
+//! ([`node::Pairs`], no database), record every write that
 //! returned and every read, with the times they began and ended on the machine's
 //! monotonic clock ([`history`]). Meanwhile the run ([`run`]) injects faults on a schedule
 //! (bursts of more than a page of the log, long transactions, terminated connections,

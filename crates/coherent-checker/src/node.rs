@@ -149,6 +149,61 @@ impl Handler<SlowIncrement> for Registers {
     }
 }
 
+/// Core-level writers racing on shared dependants (issue 30, hole 8), in the host process
+/// and without the database: pairs of states `(a, b)`, each pair read by one computed
+/// (`pair`) and through it by another (`view`). Two writers add one to a state of a pair
+/// at random, so the cascades of two sets meet on the same dependants; readers read
+/// `view`. Each state is a history key of its own (`core_base + 2 * pair + side`): a
+/// read of `view` that began after a set of either state returned must see it.
+#[derive(Clone, ComputeService)]
+pub struct Pairs {
+    handle: ServiceHandle,
+    states: Arc<Vec<[MutableState<i64>; 2]>>,
+}
+
+#[compute_service]
+impl Pairs {
+    /// Both states of pair `p`.
+    #[compute]
+    pub async fn pair(&self, p: u32) -> (i64, i64) {
+        let [a, b] = &self.states[p as usize];
+        (a.get(), b.get())
+    }
+
+    /// The pair, through `pair`: the cascade has two levels to go.
+    #[compute]
+    pub async fn view(&self, p: u32) -> (i64, i64) {
+        self.pair(p).await
+    }
+}
+
+impl Pairs {
+    /// `n` pairs at version 0, in a registry of their own.
+    pub fn new(n: u32) -> Self {
+        let registry = Registry::new();
+        let states = (0..n)
+            .map(|_| [0, 1].map(|_| MutableState::with_registry(&registry, "checker.pair", 0i64)))
+            .collect();
+        Self {
+            handle: ServiceHandle::with_registry(&registry),
+            states: Arc::new(states),
+        }
+    }
+
+    /// Adds one to side `side` of pair `p`; answers the version written.
+    pub fn bump(&self, p: u32, side: usize) -> i64 {
+        let mut written = 0;
+        self.states[p as usize][side].update(|v| {
+            written = v + 1;
+            written
+        });
+        written
+    }
+}
+
+/// Pairs of states in each host process: few, so that writers meet on them.
+const PAIRS: u32 = 4;
+
 /// Creates the registers table (if missing) with `keys` registers at version 0.
 pub async fn create_registers(client: &tokio_postgres::Client, keys: u32) -> anyhow::Result<()> {
     client
@@ -192,6 +247,9 @@ pub struct Node {
     pub next_release: bool,
     /// `CHK_CLOCK_SKEW_MS`: this host's wall clock is off by this much.
     pub clock_skew_ms: i64,
+    /// `CHK_CORE_BASE`: the first history key of this process's core-level pairs
+    /// ([`Pairs`]), unique to it (its states are its own).
+    pub core_base: u32,
 }
 
 impl Node {
@@ -213,6 +271,7 @@ impl Node {
             read_batch: num("CHK_READ_BATCH", 8)?,
             next_release: var("CHK_NEXT_RELEASE").is_some(),
             clock_skew_ms: var("CHK_CLOCK_SKEW_MS").map_or(Ok(0), |v| v.parse())?,
+            core_base: num("CHK_CORE_BASE", 1_000_000)?,
         })
     }
 
@@ -229,6 +288,7 @@ impl Node {
             ("CHK_TIER_READERS", self.tier_readers.to_string()),
             ("CHK_READ_BATCH", self.read_batch.to_string()),
             ("CHK_CLOCK_SKEW_MS", self.clock_skew_ms.to_string()),
+            ("CHK_CORE_BASE", self.core_base.to_string()),
         ];
         if let Some(nats) = &self.nats {
             env.push(("CHK_NATS", nats.clone()));
@@ -259,6 +319,7 @@ struct Counts {
     read_errors: AtomicU64,
     tier_reads: AtomicU64,
     tier_read_errors: AtomicU64,
+    core_reads: AtomicU64,
     writes: AtomicU64,
     write_errors: AtomicU64,
 }
@@ -494,7 +555,7 @@ async fn serve() -> anyhow::Result<()> {
                 let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
                 say(&format!(
                     "stats reads={} read_errors={} tier_reads={} tier_read_errors={} \
-                     tier_connections={} tier_leases_lost={} tier_hits={} tier_misses={} writes={} write_errors={} unknown={} \
+                     tier_connections={} tier_leases_lost={} tier_hits={} tier_misses={} core_reads={} writes={} write_errors={} unknown={} \
                      undecodable={} replay_panics={} flushes={} ack_timeouts={} duplicates={} \
                      applied_notified={} applied_from_log={}",
                     r(&c.reads),
@@ -505,6 +566,7 @@ async fn serve() -> anyhow::Result<()> {
                     tier.leases_lost(),
                     tier.hits_and_misses().0,
                     tier.hits_and_misses().1,
+                    r(&c.core_reads),
                     r(&c.writes),
                     r(&c.write_errors),
                     s.unknown,
@@ -660,6 +722,62 @@ fn start(node: &Node, host: &Host, readers: &Readers<'_>, counts: &Arc<Counts>) 
                 async move { tier.value(key).await }
             },
         ));
+    }
+    // Core-level writers and readers racing on the pairs' shared dependants.
+    let pairs = Pairs::new(PAIRS);
+    let key_of = {
+        let base = node.core_base;
+        move |p: u32, side: usize| base + 2 * p + side as u32
+    };
+    for _ in 0..2 {
+        let (stop, pairs, recorder) = (stop.clone(), pairs.clone(), readers.recorder.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                for _ in 0..8 {
+                    let (p, side) = (rand::random_range(0..PAIRS), rand::random_range(0..2));
+                    let start = now_ns();
+                    let version = pairs.bump(p, side);
+                    recorder.write(&Write {
+                        key: key_of(p, side),
+                        version,
+                        start,
+                        end: now_ns(),
+                    });
+                    tokio::task::yield_now().await;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }));
+    }
+    for r in 0..2 {
+        let (stop, pairs, recorder, counts) = (
+            stop.clone(),
+            pairs.clone(),
+            readers.recorder.clone(),
+            counts.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                for _ in 0..8 {
+                    let p = rand::random_range(0..PAIRS);
+                    let start = now_ns();
+                    let (a, b) = pairs.view(p).await;
+                    let end = now_ns();
+                    counts.core_reads.fetch_add(1, Ordering::Relaxed);
+                    for (side, seen) in [(0, a), (1, b)] {
+                        recorder.read(&Read {
+                            key: key_of(p, side),
+                            seen,
+                            start,
+                            end,
+                            reader: 100 + r,
+                        });
+                    }
+                    tokio::task::yield_now().await;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }));
     }
     for _ in 0..node.writers {
         let (stop, host, recorder, counts, node) = (

@@ -265,6 +265,8 @@ pub struct Outcome {
     pub ts_hits: u64,
     /// See `ts_hits`.
     pub ts_misses: u64,
+    /// Reads of the core-level pairs (`node::Pairs`), summed over the hosts up at the end.
+    pub core_reads: u64,
 }
 
 impl Outcome {
@@ -432,9 +434,21 @@ async fn replace(
     Ok((old.id.clone(), old.history.clone()))
 }
 
-/// Starts a host process, and its TypeScript reader when the run has them.
+/// Starts a host process, and its TypeScript reader when the run has them. A host that
+/// fails to start (the database away: `db_outage`) is started again, as a supervisor
+/// would, for up to 30 s.
 async fn launch(spawn: &Spawn, node: &Node, ts: Option<&TsReaders>) -> anyhow::Result<Proc> {
-    let mut proc = Proc::spawn(spawn, node).await?;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut proc = loop {
+        match Proc::spawn(spawn, node).await {
+            Ok(proc) => break proc,
+            Err(e) if tokio::time::Instant::now() < give_up => {
+                eprintln!("a host process did not start ({e:#}): starting it again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    };
     if let Some(ts) = ts {
         let reader = Proc::spawn_ts(ts, &proc, node).await?;
         proc.ts = Some(Box::new(reader));
@@ -674,6 +688,8 @@ async fn run_in(
         read_batch: config.read_batch,
         next_release,
         clock_skew_ms,
+        // Each process's pairs are its own: keys of their own, past the registers'.
+        core_base: 1_000_000 + n * 1_000,
     };
     let ts = config.ts.as_ref();
     let mut hosts = Vec::new();
@@ -835,6 +851,7 @@ async fn run_in(
     let mut not_converged = Vec::new();
     let (mut read_errors, mut write_errors, mut unknown, mut ack_timeouts) = (0, 0, 0, 0);
     let (mut tier_hits, mut tier_misses, mut ts_hits, mut ts_misses) = (0, 0, 0, 0);
+    let mut core_reads = 0;
     for h in &mut hosts {
         let finals = [
             (Some("final"), h.id.clone()),
@@ -873,6 +890,7 @@ async fn run_in(
             match k {
                 "read_errors" | "tier_read_errors" | "ts_read_errors" => read_errors += v,
                 "ts_hits" => ts_hits += v,
+                "core_reads" => core_reads += v,
                 "ts_misses" => ts_misses += v,
                 "write_errors" => write_errors += v,
                 "unknown" => unknown += v,
@@ -920,5 +938,6 @@ async fn run_in(
         tier_misses,
         ts_hits,
         ts_misses,
+        core_reads,
     })
 }

@@ -47,7 +47,7 @@ fn report(what: &str, outcome: &Outcome) {
     eprintln!(
         "{what}: reads_checked={} reads_after_a_write={} writes={} violations={} faults={:?} \
          hosts_started={} read_errors={} write_errors={} unknown={} ack_timeouts={} \
-         tier_hits={} tier_misses={} ts_hits={} ts_misses={}",
+         tier_hits={} tier_misses={} ts_hits={} ts_misses={} core_reads={}",
         c.reads,
         c.reads_after_a_write,
         c.writes,
@@ -62,6 +62,7 @@ fn report(what: &str, outcome: &Outcome) {
         outcome.tier_misses,
         outcome.ts_hits,
         outcome.ts_misses,
+        outcome.core_reads,
     );
 }
 
@@ -109,6 +110,7 @@ async fn checked(nats: bool) {
         outcome.explain(10)
     );
     assert!(outcome.checked.reads_after_a_write > 0);
+    assert!(outcome.core_reads > 0, "no core-level reads");
     // The tiers answered mostly from their replicas: reads that all went through to the
     // hosts (a lease always out) could not be stale, and would show nothing.
     assert!(

@@ -40,7 +40,8 @@ fn row(name: &str, value: f64, outcome: &Outcome) -> Row {
         .with("tier_hits", outcome.tier_hits)
         .with("tier_misses", outcome.tier_misses)
         .with("ts_hits", outcome.ts_hits)
-        .with("ts_misses", outcome.ts_misses);
+        .with("ts_misses", outcome.ts_misses)
+        .with("core_reads", outcome.core_reads);
     for (fault, n) in &outcome.faults {
         row = row.with(&format!("faults_injected.{fault}"), *n);
     }
