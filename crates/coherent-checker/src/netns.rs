@@ -167,15 +167,7 @@ impl Netns {
     /// Makes the link lossy and slow, both ways, until [`restore`](Self::restore).
     pub fn degrade(&self) -> anyhow::Result<()> {
         match self.degrade {
-            Degrade::Netem => {
-                let netem = ["netem", "loss", "15%", "delay", "40ms", "20ms"];
-                let mut outer = vec!["tc", "qdisc", "add", "dev", &self.outer, "root"];
-                outer.extend_from_slice(&netem);
-                run(&outer)?;
-                let mut inner = vec!["tc", "qdisc", "add", "dev", &self.inner, "root"];
-                inner.extend_from_slice(&netem);
-                self.exec(&inner)
-            }
+            Degrade::Netem => self.qdisc_both(&["netem", "loss", "15%", "delay", "40ms", "20ms"]),
             Degrade::NftAndTbf => {
                 for chain in ["in", "out"] {
                     self.exec(&[
@@ -183,17 +175,25 @@ impl Netns {
                         "100", "<", "15", "drop",
                     ])?;
                 }
-                let tbf = [
+                self.qdisc_both(&[
                     "tbf", "rate", "1mbit", "burst", "32kbit", "latency", "100ms",
-                ];
-                let mut outer = vec!["tc", "qdisc", "add", "dev", &self.outer, "root"];
-                outer.extend_from_slice(&tbf);
-                run(&outer)?;
-                let mut inner = vec!["tc", "qdisc", "add", "dev", &self.inner, "root"];
-                inner.extend_from_slice(&tbf);
-                self.exec(&inner)
+                ])
             }
         }
+    }
+
+    /// Adds the root qdisc `spec` on both ends of the link (ours here, the other inside).
+    fn qdisc_both(&self, spec: &[&str]) -> anyhow::Result<()> {
+        for (dev, inside) in [(&self.outer, false), (&self.inner, true)] {
+            let mut args = vec!["tc", "qdisc", "add", "dev", dev.as_str(), "root"];
+            args.extend_from_slice(spec);
+            if inside {
+                self.exec(&args)?;
+            } else {
+                run(&args)?;
+            }
+        }
+        Ok(())
     }
 
     /// The link as it was.
