@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::codec::{CompressionSet, Format};
 use crate::frame::Compression;
+use crate::pace::Rate;
 
 /// Settings an endpoint applies to each of its connections.
 #[derive(Debug, Clone)]
@@ -29,6 +30,7 @@ pub struct Config {
     pub(crate) trusted_reserve: Option<usize>,
     pub(crate) queue_budget: usize,
     pub(crate) allowed_origins: Origins,
+    pub(crate) untrusted_call_rate: Option<Rate>,
 }
 
 /// The per-connection queue's mark when none is set: room for this side's largest message
@@ -106,6 +108,7 @@ impl Default for Config {
             trusted_reserve: None,
             queue_budget: 1 << 30,
             allowed_origins: Origins::SameOrigin,
+            untrusted_call_rate: Some(Rate::DEFAULT_UNTRUSTED),
         }
     }
 }
@@ -228,6 +231,25 @@ impl Config {
     /// [`max_message_size`](Self::max_message_size), and at least 16 MiB.
     pub fn max_queued_bytes(mut self, bytes: usize) -> Self {
         self.max_queued_bytes = Some(bytes);
+        self
+    }
+
+    /// The rate at which each untrusted connection ([`Trust::Untrusted`]: a browser, any
+    /// client on the open internet) may start calls (pings count as calls); `None` for no
+    /// limit. Trusted connections are never paced.
+    ///
+    /// A call over the rate is not refused: the connection's reader waits until the call
+    /// is due, reading nothing meanwhile (see [`crate::pace`]), and counts it in
+    /// [`EndpointStats::calls_paced`](crate::EndpointStats). A closed loop of calls, as
+    /// many as the server can answer, is thus held to the rate, and what one connection
+    /// can make the server do is bounded by it. An HTTP server that accepts the
+    /// WebSockets can hold every connection of one address to a rate they share as well
+    /// (see [`Endpoint::websocket_handler`](crate::Endpoint::websocket_handler)).
+    ///
+    /// Default: 100 calls a second, with bursts of 200 (a live page fetching its replicas
+    /// again after a burst of invalidations stays well within it).
+    pub fn untrusted_call_rate(mut self, rate: Option<Rate>) -> Self {
+        self.untrusted_call_rate = rate;
         self
     }
 

@@ -16,7 +16,8 @@ use crate::error::{ErrorCode, RpcError};
 use crate::frame::{Compression, Header, Kind};
 use crate::handshake::{self, Hello};
 use crate::net::Due;
-use crate::peer::{self, Out, Peer, Role, Settings};
+use crate::pace::Pacer;
+use crate::peer::{self, Out, Pacing, Peer, Role, Settings};
 use crate::service::{BoxFuture, Credentials, Identity, Registry, Service};
 
 /// How long, and for how many bytes, a refused connection is drained before it is dropped.
@@ -162,6 +163,17 @@ impl Endpoint {
         }
     }
 
+    /// What an accepted connection's calls are held to: nothing on a trusted one.
+    fn pacing(&self, trust: Trust, address: Option<Pacer>) -> Pacing {
+        if trust == Trust::Trusted {
+            return Pacing::default();
+        }
+        Pacing {
+            own: self.inner.config.untrusted_call_rate.map(Pacer::new),
+            shared: address,
+        }
+    }
+
     fn settings(&self, remote: &Hello) -> Settings {
         let c = &self.inner.config;
         let send_compression = if remote.decodes.contains(c.compression) {
@@ -278,23 +290,25 @@ impl Endpoint {
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
-        self.accept_with(io, transport, Vec::new()).await
+        self.accept_with(io, transport, Vec::new(), None).await
     }
 
     /// [`accept_by`](Self::accept_by), with the headers of the HTTP request that carried
-    /// the connection (WebSocket), for the authentication hook.
+    /// the connection (WebSocket), for the authentication hook, and the pacer of the
+    /// connection's address, if the HTTP server gave one.
     pub(crate) async fn accept_with<IO>(
         &self,
         io: IO,
         transport: Trust,
         headers: Vec<(String, String)>,
+        address_pacer: Option<Pacer>,
     ) -> Result<Peer, RpcError>
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
         let (rd, wr) = tokio::io::split(io);
         let (peer, reader) = self
-            .handshake_accepting(rd, wr, None, (transport, headers))
+            .handshake_accepting(rd, wr, None, (transport, headers, address_pacer))
             .await?;
         // The reader runs later, on its own task: the answer to the `Hello` goes now.
         peer.shared.uncork();
@@ -322,7 +336,7 @@ impl Endpoint {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (_peer, reader) = self
-            .handshake_accepting(rd, wr, due, (Trust::Trusted, Vec::new()))
+            .handshake_accepting(rd, wr, due, (Trust::Trusted, Vec::new(), None))
             .await?;
         reader.await;
         Ok(())
@@ -333,7 +347,7 @@ impl Endpoint {
         mut rd: R,
         mut wr: W,
         due: Option<Due>,
-        (transport, headers): (Trust, Vec<(String, String)>),
+        (transport, headers, address_pacer): (Trust, Vec<(String, String)>, Option<Pacer>),
     ) -> Result<(Peer, impl Future<Output = ()> + Send + 'static), RpcError>
     where
         R: AsyncRead + Unpin + Send + 'static,
@@ -419,6 +433,7 @@ impl Endpoint {
                 trust,
                 answer: frame(Kind::HelloAck, &ack.encode()),
                 slot,
+                pacing: self.pacing(trust, address_pacer),
             },
         ))
     }

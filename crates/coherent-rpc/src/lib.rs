@@ -41,6 +41,7 @@ mod error;
 pub mod frame;
 pub mod handshake;
 mod net;
+pub mod pace;
 mod peer;
 mod reconnect;
 mod service;

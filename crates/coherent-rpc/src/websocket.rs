@@ -12,6 +12,7 @@ use std::task::{ready, Context, Poll};
 use axum::extract::ws::{Message as AxumMessage, WebSocket, WebSocketUpgrade};
 use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::response::IntoResponse;
+use axum::Extension;
 use bytes::{Buf, Bytes};
 use futures::{Sink, SinkExt, Stream, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -20,6 +21,7 @@ use tokio_tungstenite::tungstenite::Message as WsMessage;
 use crate::config::{Config, Origins, Trust};
 use crate::endpoint::Endpoint;
 use crate::error::RpcError;
+use crate::pace::Pacer;
 use crate::peer::Peer;
 
 /// Writes are cut into messages of at most this size, well under every WebSocket
@@ -181,6 +183,22 @@ where
     }
 }
 
+/// The upgrade request to `url`, with `headers`.
+fn websocket_request(
+    url: &str,
+    headers: &[(&str, &str)],
+) -> Result<tokio_tungstenite::tungstenite::handshake::client::Request, RpcError> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let bad = |e: &dyn std::fmt::Display| RpcError::disconnected(format!("WebSocket request: {e}"));
+    let mut request = url.into_client_request().map_err(|e| bad(&e))?;
+    for (name, value) in headers {
+        let name = axum::http::HeaderName::from_bytes(name.as_bytes()).map_err(|e| bad(&e))?;
+        let value = axum::http::HeaderValue::from_str(value).map_err(|e| bad(&e))?;
+        request.headers_mut().append(name, value);
+    }
+    Ok(request)
+}
+
 fn closed() -> io::Error {
     io::Error::new(io::ErrorKind::ConnectionAborted, "the WebSocket was closed")
 }
@@ -200,6 +218,20 @@ impl Endpoint {
         socket: WebSocket,
         headers: &HeaderMap,
     ) -> Result<Peer, RpcError> {
+        self.accept_websocket_paced(socket, headers, None).await
+    }
+
+    /// [`accept_websocket_from`](Self::accept_websocket_from), holding the connection's
+    /// calls (if it is untrusted) to `address`'s rate as well as to its own
+    /// ([`Config::untrusted_call_rate`](crate::Config::untrusted_call_rate)): give every
+    /// connection of one IP address the same [`Pacer`], and what they start together is
+    /// bounded, however many there are.
+    pub async fn accept_websocket_paced(
+        &self,
+        socket: WebSocket,
+        headers: &HeaderMap,
+        address: Option<Pacer>,
+    ) -> Result<Peer, RpcError> {
         let headers: Vec<(String, String)> = headers
             .iter()
             .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
@@ -214,8 +246,13 @@ impl Endpoint {
             .filter_map(std::future::ready)
             .sink_map_err(io::Error::other)
             .with(|b: Bytes| std::future::ready(Ok::<_, io::Error>(AxumMessage::Binary(b))));
-        self.accept_with(MessageIo::new(Box::pin(io)), Trust::Untrusted, headers)
-            .await
+        self.accept_with(
+            MessageIo::new(Box::pin(io)),
+            Trust::Untrusted,
+            headers,
+            address,
+        )
+        .await
     }
 
     /// An axum handler that upgrades the request and serves the connection:
@@ -226,14 +263,27 @@ impl Endpoint {
     /// A WebSocket message larger than the endpoint's
     /// [`max_message_size`](Config::max_message_size) (plus a frame's header, and at least
     /// 1 MiB) closes the connection instead of being buffered.
+    ///
+    /// A [`Pacer`] in the request's extensions (put there by the HTTP server, one per
+    /// client address) is the rate the connection shares with the others of its address
+    /// (see [`accept_websocket_paced`](Self::accept_websocket_paced)).
+    #[allow(clippy::type_complexity)]
     pub fn websocket_handler(
         &self,
-    ) -> impl Fn(HeaderMap, Uri, WebSocketUpgrade) -> std::future::Ready<axum::response::Response>
+    ) -> impl Fn(
+        HeaderMap,
+        Uri,
+        Option<Extension<Pacer>>,
+        WebSocketUpgrade,
+    ) -> std::future::Ready<axum::response::Response>
            + Clone
            + Send
            + 'static {
         let this = self.clone();
-        move |headers: HeaderMap, uri: Uri, ws: WebSocketUpgrade| {
+        move |headers: HeaderMap,
+              uri: Uri,
+              pacer: Option<Extension<Pacer>>,
+              ws: WebSocketUpgrade| {
             let config = this.config_ref();
             if let Some(reason) = origin_refusal(&config.allowed_origins, &headers, &uri) {
                 this.totals()
@@ -247,7 +297,8 @@ impl Endpoint {
             let this = this.clone();
             std::future::ready(ws.max_message_size(max).max_frame_size(max).on_upgrade(
                 move |socket| async move {
-                    if let Err(e) = this.accept_websocket_from(socket, &headers).await {
+                    let pacer = pacer.map(|Extension(p)| p);
+                    if let Err(e) = this.accept_websocket_paced(socket, &headers, pacer).await {
                         tracing::debug!(%e, "WebSocket handshake failed");
                     }
                 },
@@ -268,20 +319,46 @@ impl Endpoint {
         url: &str,
         headers: &[(&str, &str)],
     ) -> Result<Peer, RpcError> {
-        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-        let bad =
-            |e: &dyn std::fmt::Display| RpcError::disconnected(format!("WebSocket request: {e}"));
-        let mut request = url.into_client_request().map_err(|e| bad(&e))?;
-        for (name, value) in headers {
-            let name = axum::http::HeaderName::from_bytes(name.as_bytes()).map_err(|e| bad(&e))?;
-            let value = axum::http::HeaderValue::from_str(value).map_err(|e| bad(&e))?;
-            request.headers_mut().append(name, value);
-        }
+        let request = websocket_request(url, headers)?;
         let timeout = self.config_ref().handshake_timeout;
         let (ws, _) = tokio::time::timeout(timeout, tokio_tungstenite::connect_async(request))
             .await
             .map_err(|_| RpcError::disconnected("WebSocket connect timed out"))?
             .map_err(|e| RpcError::disconnected(format!("WebSocket connect failed: {e}")))?;
+        self.connect_upgraded(ws).await
+    }
+
+    /// [`connect_websocket_with_headers`](Self::connect_websocket_with_headers) over a
+    /// stream already connected to the server of `url` (a socket bound to a chosen
+    /// source address, or with options of its own; a tunnel). `ws://` only: a `wss://`
+    /// URL needs the TLS on `stream` already, which this does not add.
+    pub async fn connect_websocket_over<S>(
+        &self,
+        stream: S,
+        url: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<Peer, RpcError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let request = websocket_request(url, headers)?;
+        let timeout = self.config_ref().handshake_timeout;
+        let (ws, _) =
+            tokio::time::timeout(timeout, tokio_tungstenite::client_async(request, stream))
+                .await
+                .map_err(|_| RpcError::disconnected("WebSocket connect timed out"))?
+                .map_err(|e| RpcError::disconnected(format!("WebSocket connect failed: {e}")))?;
+        self.connect_upgraded(ws).await
+    }
+
+    /// Connects over an upgraded client WebSocket.
+    async fn connect_upgraded<S>(
+        &self,
+        ws: tokio_tungstenite::WebSocketStream<S>,
+    ) -> Result<Peer, RpcError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let io = ws
             .map(|m| match m {
                 Ok(WsMessage::Binary(b)) => Some(Ok(b)),

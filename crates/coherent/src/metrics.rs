@@ -27,6 +27,7 @@
 //! | `coherent_rpc_connections_shed_total` | counter | `endpoint` | connections closed because the send queues went over the `queue_budget` |
 //! | `coherent_rpc_accept_errors_total` | counter | `endpoint` | failed accepts on the endpoint's listeners |
 //! | `coherent_rpc_origins_refused_total` | counter | `endpoint` | WebSocket upgrades refused for their `Origin` |
+//! | `coherent_rpc_calls_paced_total` | counter | `endpoint` | calls of untrusted connections that waited for their rate (`untrusted_call_rate`, or their address's) |
 //! | `coherent_rpc_queued_bytes` | gauge | `endpoint` | bytes queued for sending over all connections now |
 //! | `coherent_rpc_queued_bytes_peak` | gauge | `endpoint` | the most bytes queued for sending at once |
 //! | `coherent_remote_connections` | gauge | `server` | client connections holding replicas |
@@ -167,6 +168,7 @@ impl Observer {
             metrics::counter!("coherent_rpc_accept_errors_total", &label).absolute(s.accept_errors);
             metrics::counter!("coherent_rpc_origins_refused_total", &label)
                 .absolute(s.origins_refused);
+            metrics::counter!("coherent_rpc_calls_paced_total", &label).absolute(s.calls_paced);
             metrics::gauge!("coherent_rpc_queued_bytes", &label).set(s.queued_bytes as f64);
             metrics::gauge!("coherent_rpc_queued_bytes_peak", &label)
                 .set(s.queued_bytes_peak as f64);

@@ -178,7 +178,31 @@ pub(crate) enum Role {
         trust: Trust,
         answer: Vec<u8>,
         slot: Slot,
+        pacing: Pacing,
     },
+}
+
+/// The rates an accepted connection's calls are held to (see [`crate::pace`]): its own,
+/// and the one it shares with the other connections of its address. Neither on a trusted
+/// connection.
+#[derive(Default)]
+pub(crate) struct Pacing {
+    pub(crate) own: Option<crate::pace::Pacer>,
+    pub(crate) shared: Option<crate::pace::Pacer>,
+}
+
+impl Pacing {
+    /// Takes a call from each pacer, and waits for the longer of what they ask (counted in
+    /// `paced`).
+    pub(crate) async fn wait(&self, paced: &AtomicU64) {
+        let own = self.own.as_ref().map_or(Duration::ZERO, |p| p.delay());
+        let shared = self.shared.as_ref().map_or(Duration::ZERO, |p| p.delay());
+        let wait = own.max(shared);
+        if !wait.is_zero() {
+            paced.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(wait).await;
+        }
+    }
 }
 
 /// Calls by id. foldhash instead of SipHash: hashing ids was a tenth of a unary call's
@@ -232,6 +256,8 @@ pub(crate) struct Shared {
     /// An accepted connection's place under the endpoint's `max_connections`, given back
     /// when it closes.
     slot: Mutex<Option<Slot>>,
+    /// The rates this connection's calls are held to (untrusted connections only).
+    pub(crate) pacing: Pacing,
     counters: Counters,
     /// What a new stream's first batch reserves: what the last stream's batches did (see
     /// [`Batch::capacity`]). Growing each stream's first batch from a few hundred bytes
@@ -794,14 +820,23 @@ impl Peer {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (tx, rx) = mpsc::unbounded_channel();
-        let (identity, trust, owned, early, answer, slot) = match role {
+        let (identity, trust, owned, early, answer, slot, pacing) = match role {
             Role::Accepting {
                 identity,
                 trust,
                 answer,
                 slot,
-            } => (identity, trust, false, None, answer, Some(slot)),
-            Role::Connecting { early } => (None, Trust::Trusted, true, early, Vec::new(), None),
+                pacing,
+            } => (identity, trust, false, None, answer, Some(slot), pacing),
+            Role::Connecting { early } => (
+                None,
+                Trust::Trusted,
+                true,
+                early,
+                Vec::new(),
+                None,
+                Pacing::default(),
+            ),
         };
         let remote = Remote {
             max: AtomicU32::new(settings.remote_max),
@@ -847,6 +882,7 @@ impl Peer {
             pings_answered: AtomicU64::new(0),
             pong: Notify::new(),
             slot: Mutex::new(slot),
+            pacing,
             counters: Counters::default(),
             stream_batch: AtomicUsize::new(MIN_BATCH),
             totals,

@@ -290,6 +290,7 @@ pub(super) async fn route(
     };
     match h.kind {
         Kind::Call | Kind::OneWay => {
+            s.pacing.wait(&s.totals.refusals().calls_paced).await;
             wait_for_room(s).await;
             start_call(shared, h, payload, lone);
         }
@@ -410,6 +411,8 @@ pub(super) async fn route(
             }
         }
         Kind::Ping => {
+            // A ping asks for work as a call does (its payload decompressed and echoed).
+            s.pacing.wait(&s.totals.refusals().calls_paced).await;
             wait_for_room(s).await;
             s.send(Kind::Pong, 0, 0, payload)?;
         }

@@ -52,6 +52,7 @@ pub(crate) struct Refusals {
     pub(crate) connections_shed: AtomicU64,
     pub(crate) accept_errors: AtomicU64,
     pub(crate) origins_refused: AtomicU64,
+    pub(crate) calls_paced: AtomicU64,
 }
 
 /// An accepted connection's place under [`Config::max_connections`](crate::Config):
@@ -238,6 +239,7 @@ impl Totals {
             connections_shed: r.connections_shed.load(Ordering::Relaxed),
             accept_errors: r.accept_errors.load(Ordering::Relaxed),
             origins_refused: r.origins_refused.load(Ordering::Relaxed),
+            calls_paced: r.calls_paced.load(Ordering::Relaxed),
             queued_bytes: self.queued.load(Ordering::Relaxed) as u64,
             queued_bytes_peak: self.queued_peak.load(Ordering::Relaxed) as u64,
         }
@@ -284,6 +286,10 @@ pub struct EndpointStats {
     /// WebSocket upgrades refused for their `Origin` (see
     /// [`allowed_origins`](crate::Config::allowed_origins)).
     pub origins_refused: u64,
+    /// Calls of untrusted connections that waited before they started, held to
+    /// [`untrusted_call_rate`](crate::Config::untrusted_call_rate) or to the rate their
+    /// address shares (see [`crate::pace`]).
+    pub calls_paced: u64,
     /// Bytes queued for sending over all connections now, in bytes.
     pub queued_bytes: u64,
     /// The most bytes queued for sending over all connections at once, since the endpoint

@@ -314,3 +314,75 @@ async fn untrusted_connections_leave_the_trusted_reserve_to_the_tiers() {
     assert_eq!(CalcClient::new(tier).sum(1, 2).await.unwrap(), 3);
     assert_eq!(server.stats().connections_refused, 1);
 }
+
+/// `n` sums in a closed loop on `peer`; how long they took.
+async fn closed_loop(peer: coherent_rpc::Peer, n: u32) -> std::time::Duration {
+    let calc = CalcClient::new(peer);
+    let start = std::time::Instant::now();
+    for i in 0..n {
+        assert_eq!(calc.sum(i as i32, 1).await.unwrap(), i as i32 + 1);
+    }
+    start.elapsed()
+}
+
+#[tokio::test]
+async fn an_untrusted_connection_calling_in_a_closed_loop_is_held_to_its_rate_and_a_trusted_one_is_not(
+) {
+    use coherent_rpc::pace::Rate;
+    // 20 calls a second, 5 at once: 45 calls take at least (45 - 5) / 20 = 2 s.
+    let rate = Rate::per_second(20).burst(5);
+    let (server, _) = calc_server(Config::default().untrusted_call_rate(Some(rate)));
+    let addr = serve_ws(&server).await;
+    let peer = Endpoint::builder()
+        .build()
+        .connect_websocket(&format!("ws://{addr}/rpc"))
+        .await
+        .unwrap();
+    let took = closed_loop(peer, 45).await;
+    assert!(
+        took >= std::time::Duration::from_secs(2),
+        "45 calls at 20 a second after a burst of 5 took {took:?}"
+    );
+    let paced = server.stats().calls_paced;
+    assert!(paced >= 35, "only {paced} of 45 calls were paced");
+
+    // The same endpoint over TCP (trusted): as fast as it answers, nothing paced.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tcp = listener.local_addr().unwrap();
+    let s = server.clone();
+    tokio::spawn(async move { s.serve_tcp(listener).await });
+    let peer = Endpoint::builder().build().connect_tcp(tcp).await.unwrap();
+    closed_loop(peer, 45).await;
+    assert_eq!(server.stats().calls_paced, paced);
+}
+
+#[tokio::test]
+async fn the_connections_of_one_address_share_the_pacer_the_http_server_gives_them() {
+    use coherent_rpc::pace::{Pacer, Rate};
+    // No rate per connection; one of 20 a second, 4 at once, for the "address".
+    let (server, _) = calc_server(Config::default().untrusted_call_rate(None));
+    let pacer = Pacer::new(Rate::per_second(20).burst(4));
+    let app = Router::new()
+        .route("/rpc", get(server.websocket_handler()))
+        .layer(axum::Extension(pacer.clone()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let url = format!("ws://{addr}/rpc");
+    let client = Endpoint::builder().build();
+    let (a, b) = (
+        client.connect_websocket(&url).await.unwrap(),
+        client.connect_websocket(&url).await.unwrap(),
+    );
+    // 2 x 22 calls on two connections: 44 at 20 a second after 4 at once take at least 2 s,
+    // where one connection's 22 alone would take 0.9 s.
+    let start = std::time::Instant::now();
+    let (ta, tb) = tokio::join!(closed_loop(a, 22), closed_loop(b, 22));
+    let took = start.elapsed();
+    assert!(
+        took >= std::time::Duration::from_secs(2),
+        "two connections' 44 calls took {took:?} ({ta:?} and {tb:?})"
+    );
+    assert!(pacer.stats().delayed >= 40, "{:?}", pacer.stats());
+    assert!(server.stats().calls_paced >= 40);
+}

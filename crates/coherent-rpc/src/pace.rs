@@ -1,0 +1,246 @@
+//! Rates of calls: how many a stranger's connection (or every connection from one address)
+//! may start per second, and a [`Pacer`] that holds them to it.
+//!
+//! A paced connection is not refused anything: its reader waits before it starts a call
+//! over the rate, and reads nothing meanwhile, so that the client's next frames wait in
+//! its own socket buffer. A client within its rate never waits; one that sends calls in a
+//! closed loop as fast as the server answers is held to the rate, and what it costs the
+//! server is bounded by the rate, not by how fast it can send. See
+//! [`Config::untrusted_call_rate`](crate::Config::untrusted_call_rate) and
+//! [`Pacer`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+/// A rate: `per_second` on average, with up to `burst` at once after a quiet spell.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rate {
+    per_second: f64,
+    burst: u32,
+}
+
+impl Rate {
+    /// 100 a second, 200 at once: the default of
+    /// [`Config::untrusted_call_rate`](crate::Config::untrusted_call_rate).
+    pub const DEFAULT_UNTRUSTED: Rate = Rate {
+        per_second: 100.0,
+        burst: 200,
+    };
+
+    /// `n` per second (at least 1), with a burst of `2 * n`.
+    pub fn per_second(n: u32) -> Self {
+        let n = n.max(1);
+        Self {
+            per_second: f64::from(n),
+            burst: n.saturating_mul(2),
+        }
+    }
+
+    /// The most taken at once after a quiet spell (at least 1).
+    pub fn burst(mut self, n: u32) -> Self {
+        self.burst = n.max(1);
+        self
+    }
+
+    /// The average per second.
+    pub fn average(&self) -> f64 {
+        self.per_second
+    }
+
+    /// The burst.
+    pub fn max_burst(&self) -> u32 {
+        self.burst
+    }
+
+    /// Time between two takes at the average rate.
+    fn interval(&self) -> Duration {
+        Duration::from_secs_f64(1.0 / self.per_second)
+    }
+}
+
+/// A token bucket over a [`Rate`] (kept as the generic cell rate algorithm: one instant,
+/// the time at which the bucket is full again), shared by its clones: one per connection,
+/// or one for every connection of one address, given to the endpoint by the HTTP server
+/// that accepted the address's WebSockets (see
+/// [`Endpoint::websocket_handler`](crate::Endpoint::websocket_handler)).
+///
+/// ```
+/// use coherent_rpc::pace::{Pacer, Rate};
+/// use std::time::Duration;
+///
+/// let pacer = Pacer::new(Rate::per_second(10).burst(2));
+/// assert_eq!(pacer.delay(), Duration::ZERO);
+/// assert_eq!(pacer.delay(), Duration::ZERO);
+/// // The third within the same instant waits for its tenth of a second.
+/// assert!(pacer.delay() > Duration::from_millis(90));
+/// // And one that may wait at most 50 ms is not taken, and told how long it would be.
+/// assert!(pacer.take_within(Duration::from_millis(50)).is_err());
+/// ```
+#[derive(Clone, Debug)]
+pub struct Pacer(Arc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    rate: Rate,
+    interval: Duration,
+    /// `(burst - 1) * interval`: how far ahead of now `full_at` may be with no wait.
+    tolerance: Duration,
+    /// When the bucket is full again: every take moves it one interval on.
+    full_at: Mutex<Option<Instant>>,
+    delayed: AtomicU64,
+    refused: AtomicU64,
+}
+
+/// What a [`Pacer`] counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct PaceStats {
+    /// Takes that had to wait.
+    pub delayed: u64,
+    /// Takes refused by [`Pacer::take_within`].
+    pub refused: u64,
+}
+
+impl Pacer {
+    /// A full bucket.
+    pub fn new(rate: Rate) -> Self {
+        let interval = rate.interval();
+        Self(Arc::new(Inner {
+            rate,
+            interval,
+            tolerance: interval.saturating_mul(rate.burst.saturating_sub(1)),
+            full_at: Mutex::new(None),
+            delayed: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+        }))
+    }
+
+    /// Its rate.
+    pub fn rate(&self) -> Rate {
+        self.0.rate
+    }
+
+    /// Takes one, and answers how long the taker must wait before it goes on (zero within
+    /// the rate). The wait is owed whether or not the taker waits it.
+    pub fn delay(&self) -> Duration {
+        match self.take(None) {
+            Ok(wait) | Err(wait) => wait,
+        }
+    }
+
+    /// Takes one if the wait it would owe is at most `max`, answering the wait; else takes
+    /// nothing and answers, as an error, how long until it would be within `max`.
+    pub fn take_within(&self, max: Duration) -> Result<Duration, Duration> {
+        self.take(Some(max))
+    }
+
+    /// Takes one and waits as long as it owes.
+    pub async fn wait(&self) {
+        let wait = self.delay();
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Whether its bucket is full: nothing taken lately counts any more, and a new
+    /// `Pacer` of the same rate would answer the same.
+    pub fn is_full(&self) -> bool {
+        self.0.full_at.lock().is_none_or(|t| t <= Instant::now())
+    }
+
+    /// Its counts.
+    pub fn stats(&self) -> PaceStats {
+        PaceStats {
+            delayed: self.0.delayed.load(Ordering::Relaxed),
+            refused: self.0.refused.load(Ordering::Relaxed),
+        }
+    }
+
+    fn take(&self, max: Option<Duration>) -> Result<Duration, Duration> {
+        let i = &*self.0;
+        let now = Instant::now();
+        let mut full_at = i.full_at.lock();
+        let at = full_at.map_or(now, |t| t.max(now));
+        // The bucket holds room for another while `at` is within the tolerance of now.
+        let wait = (at - now).saturating_sub(i.tolerance);
+        if let Some(max) = max {
+            if wait > max {
+                drop(full_at);
+                i.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(wait - max);
+            }
+        }
+        *full_at = Some(at + i.interval);
+        drop(full_at);
+        if !wait.is_zero() {
+            i.delayed.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(wait)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_then_the_rate() {
+        let p = Pacer::new(Rate::per_second(100).burst(5));
+        for _ in 0..5 {
+            assert_eq!(p.delay(), Duration::ZERO);
+        }
+        // Each further take owes one more interval (10 ms).
+        assert_eq!(p.delay(), Duration::from_millis(10));
+        assert_eq!(p.delay(), Duration::from_millis(20));
+        assert_eq!(p.stats().delayed, 2);
+        // After a quiet spell the bucket is full again, and no fuller.
+        assert!(!p.is_full());
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(p.is_full());
+        for _ in 0..5 {
+            assert_eq!(p.delay(), Duration::ZERO);
+        }
+        assert_eq!(p.delay(), Duration::from_millis(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_take_takes_nothing() {
+        let p = Pacer::new(Rate::per_second(10).burst(1));
+        assert_eq!(p.take_within(Duration::ZERO), Ok(Duration::ZERO));
+        // The next is due in 100 ms: refused by a caller that will not wait, told 100 ms.
+        assert_eq!(
+            p.take_within(Duration::ZERO),
+            Err(Duration::from_millis(100))
+        );
+        assert_eq!(
+            p.take_within(Duration::from_millis(30)),
+            Err(Duration::from_millis(70))
+        );
+        assert_eq!(p.stats().refused, 2);
+        // Nothing was taken by the refusals: in 100 ms one is free again.
+        tokio::time::advance(Duration::from_millis(100)).await;
+        assert_eq!(p.take_within(Duration::ZERO), Ok(Duration::ZERO));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_holds_a_closed_loop_to_the_rate() {
+        let p = Pacer::new(Rate::per_second(50).burst(10));
+        let start = Instant::now();
+        for _ in 0..110 {
+            p.wait().await;
+        }
+        // 10 at once, then 100 at 50 per second.
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn rates_are_never_zero() {
+        let r = Rate::per_second(0).burst(0);
+        assert_eq!(r.average(), 1.0);
+        assert_eq!(r.max_burst(), 1);
+    }
+}
