@@ -27,11 +27,15 @@ pub const MAX_SSE_FEEDS: usize = 10_000;
 /// The default of [`RemoteServer::max_gateway_args_len`], in bytes.
 pub const MAX_GATEWAY_ARGS_LEN: usize = 16 * 1024;
 
+/// The default of [`RemoteServer::max_sse_lifetime`]: an hour.
+pub const MAX_SSE_LIFETIME: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// What one gateway lets its clients make the server hold.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
     max_sse_feeds: usize,
     max_args_len: usize,
+    max_sse_lifetime: std::time::Duration,
 }
 
 impl Default for Limits {
@@ -39,6 +43,7 @@ impl Default for Limits {
         Self {
             max_sse_feeds: MAX_SSE_FEEDS,
             max_args_len: MAX_GATEWAY_ARGS_LEN,
+            max_sse_lifetime: MAX_SSE_LIFETIME,
         }
     }
 }
@@ -76,6 +81,17 @@ impl RemoteServer {
     /// [`ServerStats::sse_feeds_refused`](crate::ServerStats::sse_feeds_refused).
     pub fn max_sse_feeds(mut self, n: usize) -> Self {
         self.gateway_limits.max_sse_feeds = n;
+        self
+    }
+
+    /// How long a Server-Sent Events feed stays open (default [`MAX_SSE_LIFETIME`], an
+    /// hour): then the server ends it (between two events: a value being sent is sent
+    /// whole), and a browser's `EventSource` opens it again, taking a place under
+    /// [`max_sse_feeds`](Self::max_sse_feeds) again. So a feed cannot hold its place,
+    /// the result it watches and the HTTP connection under it for ever; ended feeds are
+    /// counted in [`ServerStats::sse_feeds_expired`](crate::ServerStats::sse_feeds_expired).
+    pub fn max_sse_lifetime(mut self, lifetime: std::time::Duration) -> Self {
+        self.gateway_limits.max_sse_lifetime = lifetime;
         self
     }
 
@@ -221,6 +237,7 @@ async fn events(
     // The first value is read now, so that a bad request gets an HTTP error, not a stream.
     let first = fetch(&methods, &name, args.args.clone()).await?;
     let state = Feed {
+        ends_at: tokio::time::Instant::now() + methods.limits.max_sse_lifetime,
         _slot: slot,
         methods,
         name,
@@ -235,7 +252,16 @@ async fn events(
                 event
             }
             Next::Watch(held) => {
-                held.invalidated().await;
+                tokio::select! {
+                    () = held.invalidated() => {}
+                    () = tokio::time::sleep_until(feed.ends_at) => {
+                        feed.methods
+                            .counters
+                            .sse_feeds_expired
+                            .fetch_add(1, Ordering::Relaxed);
+                        return None;
+                    }
+                }
                 feed.next = Next::Refetch;
                 Event::default().event("invalidated").data("")
             }
@@ -257,6 +283,8 @@ async fn events(
 }
 
 struct Feed {
+    /// When the feed ends ([`RemoteServer::max_sse_lifetime`]).
+    ends_at: tokio::time::Instant,
     _slot: FeedSlot,
     methods: Methods,
     name: String,

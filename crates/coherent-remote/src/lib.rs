@@ -53,7 +53,7 @@ mod wire;
 pub use axum;
 pub use client::{RemoteClient, RemoteClientBuilder, LIVENESS};
 #[cfg(feature = "http")]
-pub use gateway::{MAX_GATEWAY_ARGS_LEN, MAX_SSE_FEEDS};
+pub use gateway::{MAX_GATEWAY_ARGS_LEN, MAX_SSE_FEEDS, MAX_SSE_LIFETIME};
 pub use server::{
     Expose, RemoteServer, ServerStats, DELIVERY_TIMEOUT, MAX_REPLICAS_PER_CONNECTION,
     MAX_REPLICAS_PER_UNTRUSTED_CONNECTION, MAX_UNANSWERED_PUSHES, MAX_UNTRUSTED_REPLICAS,

@@ -122,6 +122,7 @@ pub(crate) struct Counters {
     refused_untrusted_total: AtomicU64,
     pub(crate) sse_feeds_open: AtomicUsize,
     pub(crate) sse_feeds_refused: AtomicU64,
+    pub(crate) sse_feeds_expired: AtomicU64,
 }
 
 /// A snapshot of a [`RemoteServer`]'s counters: see [`RemoteServer::stats`].
@@ -158,6 +159,9 @@ pub struct ServerStats {
     /// Feeds the gateway refused because as many as `RemoteServer::max_sse_feeds` (with the
     /// `http` feature) were open.
     pub sse_feeds_refused: u64,
+    /// Feeds the gateway ended because they had been open for
+    /// `RemoteServer::max_sse_lifetime`.
+    pub sse_feeds_expired: u64,
 }
 
 #[derive(Clone)]
@@ -382,6 +386,7 @@ impl RemoteServer {
             waits_skipped_untrusted: c.waits_skipped_untrusted.load(Ordering::Relaxed),
             sse_feeds_open: c.sse_feeds_open.load(Ordering::Relaxed),
             sse_feeds_refused: c.sse_feeds_refused.load(Ordering::Relaxed),
+            sse_feeds_expired: c.sse_feeds_expired.load(Ordering::Relaxed),
         }
     }
 

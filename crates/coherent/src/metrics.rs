@@ -40,6 +40,7 @@
 //! | `coherent_remote_waits_skipped_untrusted_total` | counter | `server` | untrusted connections behind on a write's invalidations that `invalidations_delivered` did not wait for |
 //! | `coherent_remote_sse_feeds_open` | gauge | `server` | HTTP gateway event feeds open now |
 //! | `coherent_remote_sse_feeds_refused_total` | counter | `server` | event feeds refused because the server's limit of open feeds was reached |
+//! | `coherent_remote_sse_feeds_expired_total` | counter | `server` | event feeds the server ended because they were open for `max_sse_lifetime` |
 //! | `coherent_remote_client_replicas` | gauge | `client` | replicas this client holds |
 //! | `coherent_remote_client_connections_total` | counter | `client` | connections made (1 plus the reconnections) |
 //! | `coherent_remote_client_leases_lost_total` | counter | `client` | renewals of the client's lease that came after it ran out (its registry answered nothing from its cache meanwhile) |
@@ -203,6 +204,8 @@ impl Observer {
             metrics::gauge!("coherent_remote_sse_feeds_open", &label).set(s.sse_feeds_open as f64);
             metrics::counter!("coherent_remote_sse_feeds_refused_total", &label)
                 .absolute(s.sse_feeds_refused);
+            metrics::counter!("coherent_remote_sse_feeds_expired_total", &label)
+                .absolute(s.sse_feeds_expired);
         }))
     }
 

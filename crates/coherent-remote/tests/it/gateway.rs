@@ -193,3 +193,29 @@ async fn arguments_longer_than_the_limit_are_refused_before_they_are_decoded() {
     assert_eq!(users.runs(), 1, "the long ones ran nothing");
     assert_eq!(server.stats().sse_feeds_open, 0);
 }
+
+#[tokio::test]
+async fn an_event_feed_ends_after_its_lifetime_and_gives_its_place_back() {
+    let users = Users::new();
+    let server = remote_server(&users)
+        .max_sse_feeds(1)
+        .max_sse_lifetime(std::time::Duration::from_millis(300));
+    let addr = serve_router(axum::Router::new().nest("/api", server.gateway())).await;
+    let feed = get(addr, "/api/Users.name/events?args=%5B1%5D", None).await;
+    assert_eq!(feed.status(), StatusCode::OK);
+    // The body ends (the server closed the feed) with the first value and nothing else:
+    // nothing was invalidated.
+    let body = within("the feed's end", text(feed)).await;
+    assert!(body.contains("event: value"), "{body}");
+    assert!(!body.contains("invalidated"), "{body}");
+    assert_eq!(server.stats().sse_feeds_expired, 1);
+    // Its place is free again.
+    within("the ended feed's release", async {
+        while server.stats().sse_feeds_open > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let again = get(addr, "/api/Users.name/events?args=%5B1%5D", None).await;
+    assert_eq!(again.status(), StatusCode::OK);
+}
