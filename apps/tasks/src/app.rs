@@ -1,14 +1,17 @@
 //! Starting the pieces: the database, a Coherent backend (its RPC endpoint and its
 //! operation host), the HTTP tiers of each backend kind.
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use coherent::ops::{CommandServer, Notifier};
 use coherent::prelude::*;
+use coherent::rpc::pace::{Pacer, Rate};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -119,7 +122,7 @@ impl LiveBackend {
                 // A cookie that does not verify (signed under a secret since changed) is
                 // no login, as over HTTP: the connection is anonymous.
                 let user = creds
-                    .cookies(crate::session::COOKIE)
+                    .cookies(auth.cookie_name())
                     .find_map(|v| auth.verify(v));
                 std::future::ready(Ok(
                     user.map(|u| coherent::rpc::Identity::new(u.name.clone()).with_principal(u))
@@ -234,6 +237,12 @@ pub struct HttpLimits {
     /// here (408). A stream once started (server-sent events, an upgraded WebSocket) is
     /// not cut. Default: 30 s.
     pub request_timeout: Duration,
+    /// The longest a write to a client may wait for room in its socket (the client reads
+    /// nothing): then the connection is closed (an answer, a stream of server-sent events
+    /// or an upgraded WebSocket alike) and counted in [`HttpStats::writes_stalled`], so
+    /// that a client that stops reading cannot hold its connection and what is queued
+    /// for it. Default: 30 s.
+    pub write_stall_timeout: Duration,
     /// Connections served at once, WebSockets upgraded from them included (a connection
     /// holds its place until it closes); further connections wait in the kernel's backlog
     /// until one closes. Default: 10,000.
@@ -245,6 +254,45 @@ pub struct HttpLimits {
     /// The largest request head, in bytes: a larger one is answered 431 and closed.
     /// Default: 16 KiB.
     pub max_header_bytes: usize,
+    /// The rate one IP address may send requests at, its RPC calls over `/rpc` included
+    /// (they share it with its requests; each untrusted connection is also held to the
+    /// endpoint's own `untrusted_call_rate`); `None` for no limit. A request over the rate
+    /// waits until it is due (counted in [`HttpStats::requests_paced`]), or, if that is
+    /// more than [`max_pace_wait`](Self::max_pace_wait) away, is answered 429 with a
+    /// `Retry-After` (counted in [`HttpStats::requests_refused`]). Default: 200 a second,
+    /// 400 at once.
+    pub requests_per_ip: Option<Rate>,
+    /// The rate one IP address may send writes at (`POST`, `PUT`, `PATCH`, `DELETE`),
+    /// within `requests_per_ip`: a write costs the server many reads (a transaction, the
+    /// invalidations it pushes). Over it, the same wait or 429. Default: 20 a second, 40
+    /// at once.
+    pub writes_per_ip: Option<Rate>,
+    /// The longest a request over its address's rate is held back before it is served;
+    /// past it, 429. Default: 1 s.
+    pub max_pace_wait: Duration,
+    /// Addresses held to neither `requests_per_ip` nor `max_connections_per_ip`. Behind a
+    /// reverse proxy every client comes from the proxy's address, which must be here (the
+    /// proxy then limits per client); so must the application's own monitors. Default:
+    /// `127.0.0.1` and `::1` (a proxy on the same host, local tools).
+    pub exempt_ips: Vec<IpAddr>,
+}
+
+/// What [`serve_http_counted`]'s limits did, counted since it started.
+#[derive(Debug, Default)]
+pub struct HttpStats {
+    /// Requests (and RPC calls over `/rpc`, through the endpoint's pacer) held back to
+    /// their address's rate: see [`HttpLimits::requests_per_ip`]. Only requests are
+    /// counted here; the endpoint counts the calls it held (`calls_paced`).
+    pub requests_paced: AtomicU64,
+    /// Requests answered 429: their address's rate would have held them back longer than
+    /// [`HttpLimits::max_pace_wait`].
+    pub requests_refused: AtomicU64,
+    /// Connections closed at once because their address had
+    /// [`HttpLimits::max_connections_per_ip`] open.
+    pub connections_refused_per_ip: AtomicU64,
+    /// Connections closed because a write to them waited
+    /// [`HttpLimits::write_stall_timeout`] for room (the client read nothing).
+    pub writes_stalled: AtomicU64,
 }
 
 impl Default for HttpLimits {
@@ -253,9 +301,17 @@ impl Default for HttpLimits {
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(10),
             request_timeout: Duration::from_secs(30),
+            write_stall_timeout: Duration::from_secs(30),
             max_connections: 10_000,
             max_connections_per_ip: 256,
             max_header_bytes: 16 << 10,
+            requests_per_ip: Some(Rate::per_second(200)),
+            writes_per_ip: Some(Rate::per_second(20)),
+            max_pace_wait: Duration::from_secs(1),
+            exempt_ips: vec![
+                IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+            ],
         }
     }
 }
@@ -275,6 +331,16 @@ pub async fn serve_http_with(
     router: axum::Router,
     limits: HttpLimits,
 ) -> anyhow::Result<()> {
+    serve_http_counted(listener, router, limits, Arc::default()).await
+}
+
+/// [`serve_http_with`], counting what its limits did in `stats`.
+pub async fn serve_http_counted(
+    listener: TcpListener,
+    router: axum::Router,
+    limits: HttpLimits,
+    stats: Arc<HttpStats>,
+) -> anyhow::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::service::TowerToHyperService;
 
@@ -287,7 +353,11 @@ pub async fn serve_http_with(
             limits.request_timeout,
         ));
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
-    let per_ip = PerIp::new(limits.max_connections_per_ip.max(1));
+    let per_ip = PerIp::new(
+        limits.max_connections_per_ip.max(1),
+        (limits.requests_per_ip, limits.writes_per_ip),
+        limits.exempt_ips.clone(),
+    );
     let mut backoff = AcceptBackoff::default();
     loop {
         let permit = slots
@@ -311,9 +381,13 @@ pub async fn serve_http_with(
             }
         };
         let Some(ip_slot) = per_ip.take(addr.ip()) else {
+            stats
+                .connections_refused_per_ip
+                .fetch_add(1, Ordering::Relaxed);
             tracing::debug!(ip = %addr.ip(), "an address over its connection limit: closed");
             continue;
         };
+        let pacers = ip_slot.pacers();
         // No Nagle: a WebSocket's small frames (an invalidation, an answer) would otherwise
         // wait for the peer's delayed ACK, 40 ms on Linux, behind an earlier one.
         let _ = stream.set_nodelay(true);
@@ -322,8 +396,17 @@ pub async fn serve_http_with(
         let stream = Placed {
             io: stream,
             _places: (permit, ip_slot),
+            stall_limit: limits.write_stall_timeout,
+            stall: None,
+            stats: stats.clone(),
         };
-        let service = TowerToHyperService::new(router.clone());
+        let service = TowerToHyperService::new(Paced {
+            router: router.clone(),
+            from: ClientAddr(address_key(addr.ip())),
+            pacers,
+            max_wait: limits.max_pace_wait,
+            stats: stats.clone(),
+        });
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(TokioTimer::new())
             .header_read_timeout(limits.header_read_timeout)
@@ -341,10 +424,56 @@ pub async fn serve_http_with(
 }
 
 /// A socket and the places it holds (the server's, its address's), given back when the
-/// socket is dropped.
+/// socket is dropped; a write that makes no progress for `stall_limit` fails it.
 struct Placed<P> {
     io: tokio::net::TcpStream,
     _places: P,
+    stall_limit: Duration,
+    /// Runs while a write waits for room in the socket: started by the first write that
+    /// found none, dropped by the next that made progress.
+    stall: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    stats: Arc<HttpStats>,
+}
+
+impl<P> Placed<P> {
+    /// After a write found no room in the socket: `Pending` until the stall has lasted
+    /// `stall_limit`, then the error that closes the connection.
+    fn stalled<T>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        use std::future::Future as _;
+        let limit = self.stall_limit;
+        let sleep = self
+            .stall
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match sleep.as_mut().poll(cx) {
+            std::task::Poll::Pending => std::task::Poll::Pending,
+            std::task::Poll::Ready(()) => {
+                self.stall = None;
+                self.stats.writes_stalled.fetch_add(1, Ordering::Relaxed);
+                std::task::Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the client read nothing for {limit:?}"),
+                )))
+            }
+        }
+    }
+
+    /// What a write or flush of the socket answered, with the stall bound applied.
+    fn bounded<T>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        polled: std::task::Poll<std::io::Result<T>>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        match polled {
+            std::task::Poll::Pending => self.stalled(cx),
+            ready => {
+                self.stall = None;
+                ready
+            }
+        }
+    }
 }
 
 impl<P: Unpin> tokio::io::AsyncRead for Placed<P> {
@@ -363,7 +492,8 @@ impl<P: Unpin> tokio::io::AsyncWrite for Placed<P> {
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+        let polled = std::pin::Pin::new(&mut self.io).poll_write(cx, buf);
+        self.bounded(cx, polled)
     }
 
     fn poll_write_vectored(
@@ -371,7 +501,8 @@ impl<P: Unpin> tokio::io::AsyncWrite for Placed<P> {
         cx: &mut std::task::Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let polled = std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.bounded(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -382,7 +513,8 @@ impl<P: Unpin> tokio::io::AsyncWrite for Placed<P> {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+        let polled = std::pin::Pin::new(&mut self.io).poll_flush(cx);
+        self.bounded(cx, polled)
     }
 
     fn poll_shutdown(
@@ -393,48 +525,209 @@ impl<P: Unpin> tokio::io::AsyncWrite for Placed<P> {
     }
 }
 
-/// Connections per IP address.
+/// The address a request came from, as its limits key it (an IPv6 address by its /64),
+/// in the request's extensions when served by [`serve_http_with`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientAddr(pub IpAddr);
+
+/// A connection's requests, held to its address's rate before the router sees them; the
+/// rate goes on to `/rpc` in the request's extensions (see
+/// `Endpoint::websocket_handler`).
 #[derive(Clone)]
-struct PerIp {
-    max: usize,
-    open: Arc<parking_lot::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+struct Paced {
+    router: axum::Router,
+    from: ClientAddr,
+    pacers: Pacers,
+    max_wait: Duration,
+    stats: Arc<HttpStats>,
 }
 
-/// One connection's place among its address's: given back when dropped.
-struct IpSlot {
-    ip: std::net::IpAddr,
-    open: Arc<parking_lot::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
-}
+impl<B> tower::Service<axum::http::Request<B>> for Paced
+where
+    B: axum::body::HttpBody<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    type Response = axum::response::Response;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
 
-impl PerIp {
-    fn new(max: usize) -> Self {
-        Self {
-            max,
-            open: Arc::default(),
-        }
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
     }
 
-    fn take(&self, ip: std::net::IpAddr) -> Option<IpSlot> {
-        let mut open = self.open.lock();
-        let n = open.entry(ip).or_insert(0);
-        if *n >= self.max {
-            return None;
-        }
-        *n += 1;
-        Some(IpSlot {
-            ip,
-            open: self.open.clone(),
+    fn call(&mut self, mut req: axum::http::Request<B>) -> Self::Future {
+        use tower::ServiceExt as _;
+        let this = self.clone();
+        Box::pin(async move {
+            let write = !matches!(
+                *req.method(),
+                axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
+            );
+            let writes = this.pacers.writes.as_ref().filter(|_| write);
+            let mut wait = Duration::ZERO;
+            for pacer in this.pacers.requests.iter().chain(writes) {
+                match pacer.take_within(this.max_wait) {
+                    Ok(w) => wait = wait.max(w),
+                    Err(after) => {
+                        this.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
+                        return Ok(too_many_requests(after));
+                    }
+                }
+            }
+            if !wait.is_zero() {
+                this.stats.requests_paced.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(wait).await;
+            }
+            if let Some(pacer) = &this.pacers.requests {
+                req.extensions_mut().insert(pacer.clone());
+            }
+            req.extensions_mut().insert(this.from);
+            this.router.oneshot(req.map(axum::body::Body::new)).await
         })
     }
 }
 
-impl Drop for IpSlot {
+/// 429, with the whole seconds after which a request is within its address's rate again.
+fn too_many_requests(after: Duration) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+    (
+        axum::http::StatusCode::TOO_MANY_REQUESTS,
+        [(axum::http::header::RETRY_AFTER, secs.max(1).to_string())],
+        "too many requests from this address: retry later\n",
+    )
+        .into_response()
+}
+
+/// The rates one address's requests share: all of them, and its writes.
+#[derive(Clone, Default)]
+struct Pacers {
+    requests: Option<Pacer>,
+    writes: Option<Pacer>,
+}
+
+impl Pacers {
+    /// Whether neither holds anything taken lately (a new one would answer the same).
+    fn are_full(&self) -> bool {
+        [&self.requests, &self.writes]
+            .into_iter()
+            .flatten()
+            .all(Pacer::is_full)
+    }
+}
+
+type Addresses = Arc<parking_lot::Mutex<HashMap<IpAddr, (usize, Pacers)>>>;
+
+/// Connections per IP address, and the rates each address's requests share.
+#[derive(Clone)]
+struct PerIp {
+    max: usize,
+    rates: (Option<Rate>, Option<Rate>),
+    exempt: Arc<[IpAddr]>,
+    open: Addresses,
+    /// The map's size at which `take` next drops the addresses that no longer count.
+    sweep_at: Arc<AtomicUsize>,
+}
+
+/// The size of the per-address map below which it is not swept.
+const SWEEP_MIN: usize = 1024;
+
+/// The address a client's limits are kept under: an IPv4 address as it is (an IPv4 one
+/// mapped into IPv6 too), an IPv6 address by its /64 network, which one subscriber
+/// usually holds whole (keyed by the full address, one client could take a new limit per
+/// address of its network).
+fn address_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(
+                u128::from(v6) & !((1u128 << 64) - 1),
+            )),
+        },
+    }
+}
+
+/// One connection's place among its address's: given back when dropped. None for an exempt
+/// address.
+struct IpSlot(Option<TakenIp>);
+
+struct TakenIp {
+    ip: IpAddr,
+    pacers: Pacers,
+    open: Addresses,
+}
+
+impl PerIp {
+    fn new(max: usize, rates: (Option<Rate>, Option<Rate>), exempt: Vec<IpAddr>) -> Self {
+        Self {
+            max,
+            rates,
+            exempt: exempt.into(),
+            open: Arc::default(),
+            sweep_at: Arc::new(AtomicUsize::new(SWEEP_MIN)),
+        }
+    }
+
+    fn take(&self, ip: IpAddr) -> Option<IpSlot> {
+        let key = address_key(ip);
+        if self.exempt.contains(&ip) || self.exempt.contains(&key) {
+            return Some(IpSlot(None));
+        }
+        let ip = key;
+        let mut open = self.open.lock();
+        if open.len() >= self.sweep_at.load(Ordering::Relaxed) {
+            // Addresses with no connection left are kept while their bucket is not full
+            // (one that closes and reconnects must not get its burst again); drop those
+            // whose bucket is, and sweep again when the map has doubled.
+            open.retain(|_, (n, pacers)| *n > 0 || !pacers.are_full());
+            self.sweep_at
+                .store((open.len() * 2).max(SWEEP_MIN), Ordering::Relaxed);
+        }
+        let (n, pacers) = open.entry(ip).or_insert_with(|| {
+            (
+                0,
+                Pacers {
+                    requests: self.rates.0.map(Pacer::new),
+                    writes: self.rates.1.map(Pacer::new),
+                },
+            )
+        });
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(IpSlot(Some(TakenIp {
+            ip,
+            pacers: pacers.clone(),
+            open: self.open.clone(),
+        })))
+    }
+}
+
+impl IpSlot {
+    /// The rates the connection's address shares (none for an exempt one).
+    fn pacers(&self) -> Pacers {
+        self.0
+            .as_ref()
+            .map(|t| t.pacers.clone())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for TakenIp {
     fn drop(&mut self) {
         let mut open = self.open.lock();
-        if let Some(n) = open.get_mut(&self.ip) {
+        if let Some((n, _)) = open.get_mut(&self.ip) {
             *n -= 1;
-            if *n == 0 {
-                // Only addresses with connections are kept: the map is bounded by them.
+            if *n == 0 && self.pacers.are_full() {
+                // Addresses with connections are kept, and those whose bucket still
+                // counts (swept by `take`): the map is bounded by them.
                 open.remove(&self.ip);
             }
         }

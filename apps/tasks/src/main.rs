@@ -62,6 +62,8 @@ enum Cmd {
         seed: Option<usize>,
         #[command(flatten)]
         auth: AuthArgs,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Runs a Coherent backend alone (HTTP tiers connect to it with `serve --connect`).
     Backend {
@@ -78,6 +80,8 @@ enum Cmd {
         web: Option<PathBuf>,
         #[command(flatten)]
         auth: AuthArgs,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Runs the `grpc` backend's gRPC service alone (HTTP tiers connect to it with
     /// `serve --backend grpc --connect`).
@@ -134,6 +138,48 @@ struct AuthArgs {
     /// Send the login cookie only over HTTPS (behind a TLS proxy).
     #[arg(long)]
     secure_cookie: bool,
+}
+
+/// What one client address may take of the HTTP server (see `coherent_tasks::app::HttpLimits`).
+#[derive(clap::Args)]
+struct LimitArgs {
+    /// Requests (and calls over `/rpc`) one address may send per second, twice as many at
+    /// once; past it they wait, and past a second's wait are answered 429. 0: no limit.
+    #[arg(long, default_value_t = 200)]
+    requests_per_ip: u32,
+    /// Writes (`POST`, `PATCH`, `DELETE`) one address may send per second, within
+    /// `--requests-per-ip`, twice as many at once. 0: no limit of their own.
+    #[arg(long, default_value_t = 20)]
+    writes_per_ip: u32,
+    /// Connections one address may hold at once.
+    #[arg(long, default_value_t = 256)]
+    max_connections_per_ip: usize,
+    /// Addresses held to neither per-address limit: a reverse proxy in front of this server
+    /// (every client comes from its address), monitors. Giving it replaces the default.
+    #[arg(
+        long = "exempt-ip",
+        value_name = "ADDR",
+        value_delimiter = ',',
+        default_values_t = [
+            std::net::IpAddr::from([127, 0, 0, 1]),
+            std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
+        ]
+    )]
+    exempt_ips: Vec<std::net::IpAddr>,
+}
+
+impl LimitArgs {
+    fn build(self) -> app::HttpLimits {
+        app::HttpLimits {
+            requests_per_ip: (self.requests_per_ip > 0)
+                .then(|| coherent::rpc::pace::Rate::per_second(self.requests_per_ip)),
+            writes_per_ip: (self.writes_per_ip > 0)
+                .then(|| coherent::rpc::pace::Rate::per_second(self.writes_per_ip)),
+            max_connections_per_ip: self.max_connections_per_ip,
+            exempt_ips: self.exempt_ips,
+            ..app::HttpLimits::default()
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -225,6 +271,7 @@ async fn main() -> anyhow::Result<()> {
             web,
             seed,
             auth,
+            limits,
         } => {
             let auth = auth.build()?;
             if let Some(tasks) = seed {
@@ -270,15 +317,17 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 eprintln!("tasks: serving http://{addr}/api/tasks");
             }
-            app::serve_http(listener, protect(auth.as_ref(), router)).await
+            app::serve_http_with(listener, protect(auth.as_ref(), router), limits.build()).await
         }
         Cmd::Backend {
             listen,
             http,
             web,
             auth,
+            limits,
         } => {
             let auth = auth.build()?;
+            let limits = limits.build();
             if !listen.ip().is_loopback() {
                 // Its TCP connections are trusted (the tiers): every write waits for them,
                 // and they run commands without a login.
@@ -298,7 +347,7 @@ async fn main() -> anyhow::Result<()> {
                 );
                 let router = protect(auth.as_ref(), b.http_router(web::dir(web)).await?);
                 tokio::spawn(async move {
-                    if let Err(e) = app::serve_http(listener, router).await {
+                    if let Err(e) = app::serve_http_with(listener, router, limits).await {
                         tracing::error!(error = %format!("{e:#}"), "the backend's HTTP stopped");
                     }
                 });

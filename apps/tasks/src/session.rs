@@ -30,8 +30,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::api::ErrorBody;
 
-/// The cookie that carries a login.
+/// The cookie that carries a login (without `secure_cookie`).
 pub const COOKIE: &str = "tasks_session";
+
+/// The cookie that carries a login with `secure_cookie`: a browser keeps a `__Host-` cookie
+/// only if it came over HTTPS with `Secure`, `Path=/` and no `Domain`, so a page of a
+/// sibling subdomain cannot set one for this host (cookie tossing: planting its own login,
+/// which a plain name would let it do).
+pub const SECURE_COOKIE: &str = "__Host-tasks_session";
 
 type Hmac = hmac::Hmac<sha2::Sha256>;
 
@@ -55,8 +61,9 @@ pub struct AuthConfig {
     pub anonymous_reads: bool,
     /// How long a login lasts.
     pub session_ttl: Duration,
-    /// Whether the cookie is sent only over HTTPS (`Secure`): on wherever the app is
-    /// behind TLS.
+    /// Whether the cookie is sent only over HTTPS (`Secure`), and named
+    /// [`SECURE_COOKIE`] (a `__Host-` cookie) rather than [`COOKIE`]: on wherever the app
+    /// is behind TLS.
     pub secure_cookie: bool,
 }
 
@@ -95,20 +102,44 @@ struct Inner {
     secure: bool,
     /// Failed logins per configured user name, for [`Throttle`].
     throttle: parking_lot::Mutex<HashMap<String, Throttle>>,
+    /// Failed logins per client address (any name, known or not), for [`Throttle`] past
+    /// [`FREE_FAILURES_PER_ADDRESS`]: one address trying one password against many names
+    /// is held up too.
+    by_address: parking_lot::Mutex<HashMap<std::net::IpAddr, Throttle>>,
 }
 
 /// Failed logins of one user: after [`FREE_FAILURES`] in a row, each further attempt must
 /// wait, twice as long each time (1 s, 2 s, ... up to 15 min); a success forgets them.
 /// An online guesser of a weak password gets a few dozen tries a day instead of thousands
 /// a second; the user, locked out at worst for 15 minutes, logs in once it passes.
-#[derive(Default)]
+#[derive(Default, Clone, Copy)]
 struct Throttle {
     failures: u32,
     until: u64,
 }
 
+impl Throttle {
+    /// Counts a failure at `now`; past `free` of them, the next attempt waits 1 s, then
+    /// twice as long each time, up to 15 minutes.
+    fn failed(&mut self, now: u64, free: u32) {
+        self.failures += 1;
+        if self.failures > free {
+            let wait = 1u64 << (self.failures - free - 1).min(10);
+            self.until = now + wait.min(15 * 60);
+        }
+    }
+}
+
 /// Failed logins of a user allowed before [`Throttle`] makes them wait.
 const FREE_FAILURES: u32 = 5;
+
+/// Failed logins one client address may make (under any names) before its attempts wait,
+/// as a user's do after [`FREE_FAILURES`].
+const FREE_FAILURES_PER_ADDRESS: u32 = 20;
+
+/// Addresses whose failed logins are remembered at most; past it, those not held up now
+/// are forgotten (and, if every one is, a new address is not tracked until some are).
+const MAX_ADDRESSES_TRACKED: usize = 100_000;
 
 /// The shortest password a user may be given.
 pub const MIN_PASSWORD: usize = 8;
@@ -161,6 +192,7 @@ impl Auth {
                 ttl: config.session_ttl,
                 secure: config.secure_cookie,
                 throttle: parking_lot::Mutex::default(),
+                by_address: parking_lot::Mutex::default(),
             }),
         })
     }
@@ -172,14 +204,24 @@ impl Auth {
 
     /// The cookie value of a login as `name`, if the password is right.
     pub fn login(&self, name: &str, password: &str) -> Option<String> {
-        self.try_login(name, password).ok()
+        self.try_login(name, password, None).ok()
     }
 
-    /// [`login`](Self::login), saying why not: a wrong name or password, or the user's
-    /// failed logins throttled (the seconds to wait).
-    fn try_login(&self, name: &str, password: &str) -> Result<String, Refusal> {
+    /// [`login`](Self::login), saying why not: a wrong name or password, or the user's or
+    /// the client address's failed logins throttled (the seconds to wait).
+    fn try_login(
+        &self,
+        name: &str,
+        password: &str,
+        from: Option<std::net::IpAddr>,
+    ) -> Result<String, Refusal> {
         let now = now_secs();
         if let Some(t) = self.inner.throttle.lock().get(name) {
+            if t.until > now {
+                return Err(Refusal::Throttled(t.until - now));
+            }
+        }
+        if let Some(t) = from.and_then(|ip| self.inner.by_address.lock().get(&ip).copied()) {
             if t.until > now {
                 return Err(Refusal::Throttled(t.until - now));
             }
@@ -196,16 +238,29 @@ impl Auth {
         let Some(stamp) = expected.filter(|_| right) else {
             if expected.is_some() {
                 let mut throttle = self.inner.throttle.lock();
-                let t = throttle.entry(name.to_owned()).or_default();
-                t.failures += 1;
-                if t.failures > FREE_FAILURES {
-                    let wait = 1u64 << (t.failures - FREE_FAILURES - 1).min(10);
-                    t.until = now + wait.min(15 * 60);
+                throttle
+                    .entry(name.to_owned())
+                    .or_default()
+                    .failed(now, FREE_FAILURES);
+            }
+            if let Some(ip) = from {
+                let mut by_address = self.inner.by_address.lock();
+                if by_address.len() >= MAX_ADDRESSES_TRACKED {
+                    by_address.retain(|_, t| t.until > now);
+                }
+                if by_address.len() < MAX_ADDRESSES_TRACKED || by_address.contains_key(&ip) {
+                    by_address
+                        .entry(ip)
+                        .or_default()
+                        .failed(now, FREE_FAILURES_PER_ADDRESS);
                 }
             }
             return Err(Refusal::Wrong);
         };
         self.inner.throttle.lock().remove(name);
+        if let Some(ip) = from {
+            self.inner.by_address.lock().remove(&ip);
+        }
         let expires = now.saturating_add(self.inner.ttl.as_secs());
         Ok(self.token(name, expires, stamp))
     }
@@ -244,22 +299,34 @@ impl Auth {
         (expires > now_secs()).then_some(User { name })
     }
 
+    /// The name of the login cookie: [`SECURE_COOKIE`] with `secure_cookie`, else
+    /// [`COOKIE`]. Only that one is read.
+    pub fn cookie_name(&self) -> &'static str {
+        if self.inner.secure {
+            SECURE_COOKIE
+        } else {
+            COOKIE
+        }
+    }
+
     /// The user a request's cookie stands for, if any.
     pub fn user(&self, headers: &HeaderMap) -> Option<User> {
+        let name = self.cookie_name();
         headers
             .get_all(header::COOKIE)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(';'))
             .filter_map(|c| c.trim().split_once('='))
-            .filter(|(k, _)| *k == COOKIE)
+            .filter(|(k, _)| *k == name)
             .find_map(|(_, v)| self.verify(v))
     }
 
     fn cookie(&self, value: &str, max_age: u64) -> HeaderValue {
         let secure = if self.inner.secure { "; Secure" } else { "" };
+        let name = self.cookie_name();
         HeaderValue::from_str(&format!(
-            "{COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}"
+            "{name}={value}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}"
         ))
         .expect("a cookie of hex and digits is a header value")
     }
@@ -409,7 +476,12 @@ enum Refusal {
 /// is logged only when it is one, so a large body cannot flood the log).
 const MAX_LOGIN_BODY: usize = crate::api::MAX_BODY;
 
-async fn login(State(auth): State<Auth>, headers: HeaderMap, body: Bytes) -> Response {
+async fn login(
+    State(auth): State<Auth>,
+    from: Option<axum::Extension<crate::app::ClientAddr>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if !crate::api::is_json(&headers) {
         return error(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -422,7 +494,8 @@ async fn login(State(auth): State<Auth>, headers: HeaderMap, body: Bytes) -> Res
             "the body must be {\"name\": ..., \"password\": ...}",
         );
     };
-    match auth.try_login(&login.name, &login.password) {
+    let from = from.map(|axum::Extension(a)| a.0);
+    match auth.try_login(&login.name, &login.password, from) {
         Ok(token) => (
             [(
                 header::SET_COOKIE,
@@ -527,19 +600,54 @@ mod tests {
     fn failed_logins_of_a_user_are_throttled_after_a_few() {
         let a = auth();
         for _ in 0..FREE_FAILURES {
-            assert!(matches!(a.try_login("alice", "guess"), Err(Refusal::Wrong)));
+            assert!(matches!(
+                a.try_login("alice", "guess", None),
+                Err(Refusal::Wrong)
+            ));
         }
         // The next failure starts the wait; then even the right password waits.
-        assert!(matches!(a.try_login("alice", "guess"), Err(Refusal::Wrong)));
         assert!(matches!(
-            a.try_login("alice", "wonderland"),
+            a.try_login("alice", "guess", None),
+            Err(Refusal::Wrong)
+        ));
+        assert!(matches!(
+            a.try_login("alice", "wonderland", None),
             Err(Refusal::Throttled(1))
         ));
         // Other users are not held up; unknown names are not tracked.
         for _ in 0..20 {
-            assert!(matches!(a.try_login("nobody", "x"), Err(Refusal::Wrong)));
+            assert!(matches!(
+                a.try_login("nobody", "x", None),
+                Err(Refusal::Wrong)
+            ));
         }
         assert!(a.inner.throttle.lock().get("nobody").is_none());
+    }
+
+    #[test]
+    fn failed_logins_from_one_address_are_throttled_whatever_the_names() {
+        let a = auth();
+        let spray: std::net::IpAddr = [203, 0, 113, 7].into();
+        let other: std::net::IpAddr = [198, 51, 100, 1].into();
+        // One password tried against many names (none of them a user's: no user's own
+        // count moves).
+        for i in 0..FREE_FAILURES_PER_ADDRESS {
+            let name = format!("user{i}");
+            assert!(matches!(
+                a.try_login(&name, "password1", Some(spray)),
+                Err(Refusal::Wrong)
+            ));
+        }
+        assert!(matches!(
+            a.try_login("user99", "password1", Some(spray)),
+            Err(Refusal::Wrong)
+        ));
+        // Now the address waits, even with a right password; another address does not.
+        assert!(matches!(
+            a.try_login("alice", "wonderland", Some(spray)),
+            Err(Refusal::Throttled(1))
+        ));
+        assert!(a.try_login("alice", "wonderland", Some(other)).is_ok());
     }
 
     #[test]
@@ -550,6 +658,35 @@ mod tests {
         headers.insert(
             header::COOKIE,
             HeaderValue::from_str(&format!("theme=dark; {COOKIE}=junk; {COOKIE}={token}")).unwrap(),
+        );
+        assert_eq!(a.user(&headers).map(|u| u.name), Some("alice".into()));
+    }
+
+    #[test]
+    fn a_secure_login_is_a_host_cookie_and_a_plain_one_is_not_read() {
+        let mut config = AuthConfig::new(*b"0123456789abcdef").user("alice", "wonderland");
+        config.secure_cookie = true;
+        let a = Auth::new(config).unwrap();
+        let token = a.login("alice", "wonderland").unwrap();
+        let set = a.cookie(&token, 60);
+        let set = set.to_str().unwrap();
+        assert!(
+            set.starts_with(&format!("{SECURE_COOKIE}={token}; Path=/;")),
+            "{set}"
+        );
+        assert!(set.ends_with("; Secure"), "{set}");
+        assert!(!set.contains("Domain"), "{set}");
+        // A valid login under the plain name (as a sibling subdomain could plant it) is
+        // not read; under the host name it is.
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_str(&format!("{COOKIE}={token}")).unwrap(),
+        );
+        assert_eq!(a.user(&headers), None);
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_str(&format!("{SECURE_COOKIE}={token}")).unwrap(),
         );
         assert_eq!(a.user(&headers).map(|u| u.name), Some("alice".into()));
     }

@@ -461,6 +461,8 @@ async fn one_address_holds_at_most_its_share_of_connections() {
     let addr = listener.local_addr().unwrap();
     let limits = coherent_tasks::app::HttpLimits {
         max_connections_per_ip: 2,
+        // 127.0.0.1 is exempt by default (a proxy on this host): not here.
+        exempt_ips: vec![],
         ..Default::default()
     };
     let router = coherent_tasks::app::direct_router(&db.config)
@@ -593,4 +595,237 @@ async fn fill_to_the_bound(store: &coherent_tasks::store::Store) {
         other => panic!("{other:?}"),
     }
     assert_eq!(store.projects().await.unwrap().len() as i64, MAX_PROJECTS);
+}
+
+/// Sends `GET /api/projects` on a new connection from `from` (a loopback address: Linux
+/// routes all of 127.0.0.0/8 to itself); the answer's status and `Retry-After`.
+async fn get_from(from: &str, addr: std::net::SocketAddr) -> (u16, Option<String>) {
+    send_from(
+        from,
+        addr,
+        "GET /api/projects HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await
+}
+
+/// Sends `request` on a new connection from `from`; the answer's status and `Retry-After`.
+async fn send_from(from: &str, addr: std::net::SocketAddr, request: &str) -> (u16, Option<String>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    let mut s = socket.connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).await.unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    let status = text
+        .get(9..12)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {text:?}"));
+    let retry_after = text
+        .lines()
+        .find_map(|l| l.strip_prefix("retry-after: "))
+        .map(str::to_owned);
+    (status, retry_after)
+}
+
+/// An address that sends requests as fast as it can is held to its rate: a burst at once,
+/// then the rate; a request that would wait longer than the limit's wait is answered 429
+/// with a `Retry-After`. Another address, and an exempt one, are served meanwhile.
+#[tokio::test]
+async fn one_address_is_held_to_its_request_rate_and_answered_429_past_the_wait() {
+    use coherent::rpc::pace::Rate;
+    use std::sync::atomic::Ordering;
+    let db = Db::sqlite();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = coherent_tasks::app::HttpLimits {
+        requests_per_ip: Some(Rate::per_second(20).burst(5)),
+        max_pace_wait: std::time::Duration::from_millis(200),
+        ..Default::default()
+    };
+    let router = coherent_tasks::app::direct_router(&db.config)
+        .await
+        .unwrap();
+    let stats = std::sync::Arc::new(coherent_tasks::app::HttpStats::default());
+    let serving = tokio::spawn(coherent_tasks::app::serve_http_counted(
+        listener,
+        router,
+        limits,
+        stats.clone(),
+    ));
+
+    // 60 requests at once from 127.0.0.2, each on a connection of its own (closing one
+    // does not give the address its burst back).
+    let start = std::time::Instant::now();
+    let flood: Vec<_> = (0..60)
+        .map(|_| tokio::spawn(get_from("127.0.0.2", addr)))
+        .collect();
+    // Meanwhile 127.0.0.3 and the exempt 127.0.0.1 are served, the latter 30 times in a row.
+    assert_eq!(get_from("127.0.0.3", addr).await.0, 200);
+    for _ in 0..30 {
+        assert_eq!(get_from("127.0.0.1", addr).await.0, 200);
+    }
+    let mut ok = 0u64;
+    let mut refused = 0u64;
+    for f in flood {
+        match f.await.unwrap() {
+            (200, _) => ok += 1,
+            (429, Some(after)) => {
+                assert!(after.parse::<u64>().unwrap() >= 1, "Retry-After {after}");
+                refused += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let took = start.elapsed().as_secs_f64();
+    // At most the burst, what the rate allowed while the flood lasted, and what could wait
+    // the 200 ms: the rest refused.
+    let allowed = 5.0 + 20.0 * (took + 0.2);
+    assert!(
+        (ok as f64) <= allowed,
+        "{ok} served of 60 in {took:.2} s (at most {allowed:.0})"
+    );
+    assert!(ok >= 5, "{ok} served");
+    assert_eq!(ok + refused, 60);
+    assert_eq!(stats.requests_refused.load(Ordering::Relaxed), refused);
+    serving.abort();
+}
+
+/// Calls over `/rpc` count toward their address's rate with its requests: the HTTP server
+/// hands the address's pacer to the RPC endpoint with the upgrade.
+#[tokio::test]
+async fn calls_over_rpc_share_their_address_rate() {
+    use coherent::rpc::pace::Rate;
+    let db = Db::sqlite();
+    let dir = tempfile::tempdir().unwrap();
+    let backend = live_backend(&db.config).await;
+    let router = backend.http_router(dir.path().to_owned()).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = coherent_tasks::app::HttpLimits {
+        requests_per_ip: Some(Rate::per_second(20).burst(5)),
+        exempt_ips: vec![],
+        ..Default::default()
+    };
+    let serving = tokio::spawn(coherent_tasks::app::serve_http_with(
+        listener, router, limits,
+    ));
+    let url = format!("ws://{addr}/rpc");
+    let client = coherent::rpc::Endpoint::builder().build();
+    let (a, b) = (
+        CommandClient::new(client.connect_websocket(&url).await.unwrap()),
+        CommandClient::new(client.connect_websocket(&url).await.unwrap()),
+    );
+    let create = CreateProject {
+        new: NewProject { name: "p".into() },
+    };
+    // 2 x 15 calls (refused: no login; a call all the same). Each connection alone is well
+    // within the endpoint's own rate (100 a second, 200 at once); their address is not.
+    let calls = |c| {
+        let create = &create;
+        async move {
+            let c: &CommandClient<_> = c;
+            for _ in 0..15 {
+                let e = c.run(create).await.unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Unauthorized, "{e}");
+            }
+        }
+    };
+    tokio::join!(calls(&a), calls(&b));
+    let paced = backend.endpoint().stats().calls_paced;
+    assert!(paced >= 20, "{paced} of 30 calls paced");
+    serving.abort();
+    backend.stop().await;
+}
+
+/// A client that asks for a large answer and reads none of it loses its connection once a
+/// write has waited the stall limit, instead of holding it (and the answer) for ever.
+#[tokio::test]
+async fn a_client_that_stops_reading_loses_its_connection() {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = coherent_tasks::app::HttpLimits {
+        write_stall_timeout: std::time::Duration::from_millis(300),
+        ..Default::default()
+    };
+    // 64 MiB: more than the socket buffers of both ends hold.
+    let router =
+        axum::Router::new().route("/big", axum::routing::get(|| async { vec![7u8; 64 << 20] }));
+    let stats = std::sync::Arc::new(coherent_tasks::app::HttpStats::default());
+    let serving = tokio::spawn(coherent_tasks::app::serve_http_counted(
+        listener,
+        router,
+        limits,
+        stats.clone(),
+    ));
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // A bound for the test, not a measure.
+    tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        while stats.writes_stalled.load(Ordering::Relaxed) == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the stalled write was not cut");
+    // The connection is closed: what was sent before ends short of the answer.
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(30), s.read_to_end(&mut got))
+        .await
+        .expect("the connection stays open");
+    assert!(got.len() < 64 << 20, "{} bytes", got.len());
+    // Another client is served meanwhile.
+    let mut other = tokio::net::TcpStream::connect(addr).await.unwrap();
+    other
+        .write_all(b"HEAD /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    other.read_to_end(&mut answer).await.unwrap();
+    assert!(answer.starts_with(b"HTTP/1.1 200"));
+    serving.abort();
+}
+
+/// Writes have a rate of their own per address, within its rate of requests: past it they
+/// are answered 429 while the address's reads are served.
+#[tokio::test]
+async fn one_address_writes_at_most_at_its_write_rate() {
+    use coherent::rpc::pace::Rate;
+    let db = Db::sqlite();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = coherent_tasks::app::HttpLimits {
+        writes_per_ip: Some(Rate::per_second(1).burst(3)),
+        max_pace_wait: std::time::Duration::ZERO,
+        ..Default::default()
+    };
+    let router = coherent_tasks::app::direct_router(&db.config)
+        .await
+        .unwrap();
+    let serving = tokio::spawn(coherent_tasks::app::serve_http_with(
+        listener, router, limits,
+    ));
+    let body = r#"{"name":"p"}"#;
+    let post = format!(
+        "POST /api/projects HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        statuses.push(send_from("127.0.0.2", addr, &post).await.0);
+    }
+    // The burst of 3 goes through (within a second, at most one more); the rest wait a
+    // second they may not: 429.
+    let created = statuses.iter().filter(|s| **s == 201).count();
+    assert!((3..=4).contains(&created), "{statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 6 - created);
+    // Reads of the same address are served meanwhile.
+    assert_eq!(get_from("127.0.0.2", addr).await.0, 200);
+    serving.abort();
 }
