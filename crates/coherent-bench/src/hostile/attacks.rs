@@ -3,7 +3,7 @@
 //! refusal, a close or a reset is an outcome to count.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,10 +15,9 @@ use coherent_tasks::api::ApiError;
 use coherent_tasks::model::ListQuery;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::clients::{columns, protocol::Held, Http, RawReplicas};
+use super::clients::{columns, protocol::Held, tcp_from, Http, RawReplicas};
 
 /// The attacks, in the order they run.
 pub(crate) const KINDS: [&str; 7] = [
@@ -71,15 +70,16 @@ impl Tally {
 
 /// Runs attack `kind` on one connection until `until`.
 pub(crate) async fn run(kind: &'static str, t: Arc<Target>, index: usize, until: Instant) {
+    let from = attacker_address(index);
     let work = async {
         match kind {
-            "rpc_ping_flood" => ping_flood(&t, until).await,
-            "slowloris" => slowloris(&t, until).await,
-            "replica_churn" => replica_churn(&t, until).await,
-            "huge_pages" => huge_pages(&t, until).await,
-            "connection_flood" => connection_flood(&t, until).await,
-            "oversize_ws_message" => oversize_ws_message(&t, until).await,
-            "silent_holders" => silent_holders(&t, index, until).await,
+            "rpc_ping_flood" => ping_flood(&t, from, until).await,
+            "slowloris" => slowloris(&t, from, until).await,
+            "replica_churn" => replica_churn(&t, from, until).await,
+            "huge_pages" => huge_pages(&t, from, until).await,
+            "connection_flood" => connection_flood(&t, from, until).await,
+            "oversize_ws_message" => oversize_ws_message(&t, from, until).await,
+            "silent_holders" => silent_holders(&t, index, from, until).await,
             _ => unreachable!("unknown attack {kind}"),
         }
     };
@@ -89,6 +89,18 @@ pub(crate) async fn run(kind: &'static str, t: Arc<Target>, index: usize, until:
         Ok(Ok(())) | Err(_) => {}
         Ok(Err(e)) => t.tally.add(kind, format!("bench error: {e}"), 1),
     }
+}
+
+/// The addresses the attackers come from: 127.0.0.2 to 127.0.0.(1 + this), attacker `i`
+/// from the `i % this`th. Linux routes all of 127.0.0.0/8 to the loopback interface, so
+/// they are other hosts to the server: not the exempt 127.0.0.1 that the victim, the
+/// writers and the boards come from (as a proxy on the server's host, or its monitors,
+/// would), and each held to the server's per-address limits.
+pub(crate) const ATTACKER_ADDRESSES: usize = 5;
+
+/// Attacker `index`'s source address.
+pub(crate) fn attacker_address(index: usize) -> IpAddr {
+    IpAddr::from([127, 0, 0, 2 + (index % ATTACKER_ADDRESSES) as u8])
 }
 
 fn frame(kind: Kind, compression: Compression, payload: &[u8]) -> Vec<u8> {
@@ -131,9 +143,9 @@ fn io_outcome(e: &std::io::Error) -> String {
 /// send us anything), then a flood of pings whose payload is 1 MiB of zstd-compressible
 /// bytes (41 bytes on the wire each), never reading again: each ping makes the server
 /// decompress 1 MiB and queue a 1 MiB pong it cannot send.
-async fn ping_flood(t: &Target, until: Instant) -> anyhow::Result<()> {
+async fn ping_flood(t: &Target, from: IpAddr, until: Instant) -> anyhow::Result<()> {
     const KIND: &str = "rpc_ping_flood";
-    let mut s = TcpStream::connect(t.rpc).await?;
+    let mut s = tcp_from(Some(from), t.rpc).await?;
     let hello = Hello {
         version: 1,
         format: Format::Postcard,
@@ -204,9 +216,9 @@ async fn ping_flood(t: &Target, until: Instant) -> anyhow::Result<()> {
 }
 
 /// (2) Slowloris: a request head sent one byte every 100 ms, never finished.
-async fn slowloris(t: &Target, until: Instant) -> anyhow::Result<()> {
+async fn slowloris(t: &Target, from: IpAddr, until: Instant) -> anyhow::Result<()> {
     const KIND: &str = "slowloris";
-    let mut s = TcpStream::connect(t.http).await?;
+    let mut s = tcp_from(Some(from), t.http).await?;
     s.set_nodelay(true)?;
     let start = Instant::now();
     let head = b"GET /api/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\n";
@@ -258,9 +270,9 @@ async fn slowloris(t: &Target, until: Instant) -> anyhow::Result<()> {
 
 /// (3) Replica churn over WebSocket: fetch and release the same replica in a loop; every
 /// 50th round a revalidate of 10,000 copies of one held replica.
-async fn replica_churn(t: &Target, until: Instant) -> anyhow::Result<()> {
+async fn replica_churn(t: &Target, from: IpAddr, until: Instant) -> anyhow::Result<()> {
     const KIND: &str = "replica_churn";
-    let c = match RawReplicas::connect(t.http, None).await {
+    let c = match RawReplicas::connect(t.http, None, Some(from)).await {
         Ok(c) => c,
         Err(e) => {
             t.tally.add(KIND, format!("connect failed: {e}"), 1);
@@ -315,13 +327,13 @@ async fn replica_churn(t: &Target, until: Instant) -> anyhow::Result<()> {
 
 /// (4) Pages of `limit = 4294967295`: over RPC (`ReplicaHost.call` on `/rpc`) and over the
 /// gateway (`GET /gateway/TasksService.page?args=...`), in turn.
-async fn huge_pages(t: &Target, until: Instant) -> anyhow::Result<()> {
+async fn huge_pages(t: &Target, from: IpAddr, until: Instant) -> anyhow::Result<()> {
     const KIND: &str = "huge_pages";
     let q = ListQuery {
         limit: u32::MAX,
         ..columns(t.project)[0]
     };
-    let rpc = RawReplicas::connect(t.http, None).await;
+    let rpc = RawReplicas::connect(t.http, None, Some(from)).await;
     if let Err(e) = &rpc {
         t.tally.add(KIND, format!("rpc connect failed: {e}"), 1);
     }
@@ -330,7 +342,7 @@ async fn huge_pages(t: &Target, until: Instant) -> anyhow::Result<()> {
         "/gateway/TasksService.page?args={}",
         percent_encode(json.as_bytes())
     );
-    let mut http = Http::new(t.http);
+    let mut http = Http::from_address(t.http, from);
     while Instant::now() < until {
         if let Ok(c) = &rpc {
             let (method, args) = c.page_args(&q)?;
@@ -382,12 +394,12 @@ pub(crate) const FLOOD_PER_ATTACKER: usize = 40;
 
 /// (5) A connection flood: TCP connections to the RPC port that never send a `Hello`,
 /// opened as fast as the server accepts them and held.
-async fn connection_flood(t: &Target, until: Instant) -> anyhow::Result<()> {
+async fn connection_flood(t: &Target, from: IpAddr, until: Instant) -> anyhow::Result<()> {
     const KIND: &str = "connection_flood";
     let mut held = Vec::new();
     let opening = until - Duration::from_millis(30);
     while held.len() < FLOOD_PER_ATTACKER && Instant::now() < opening {
-        match tokio::time::timeout_at(opening, TcpStream::connect(t.rpc)).await {
+        match tokio::time::timeout_at(opening, tcp_from(Some(from), t.rpc)).await {
             Ok(Ok(s)) => {
                 t.tally.add(KIND, "connections opened and held", 1);
                 held.push(s);
@@ -414,10 +426,10 @@ async fn connection_flood(t: &Target, until: Instant) -> anyhow::Result<()> {
 
 /// (6) An oversize WebSocket message: a hand-made upgrade of `/rpc`, then one binary frame
 /// that declares 32 MiB, streamed as zeros until the server closes or all is sent.
-async fn oversize_ws_message(t: &Target, until: Instant) -> anyhow::Result<()> {
+async fn oversize_ws_message(t: &Target, from: IpAddr, until: Instant) -> anyhow::Result<()> {
     const KIND: &str = "oversize_ws_message";
     const SIZE: u64 = 32 << 20;
-    let mut s = TcpStream::connect(t.http).await?;
+    let mut s = tcp_from(Some(from), t.http).await?;
     s.write_all(
         b"GET /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
           Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
@@ -516,10 +528,15 @@ pub(crate) static SILENT_PUSHES: AtomicU64 = AtomicU64::new(0);
 
 /// (7) Silent replica holders: each holds the board's four columns and never answers a
 /// push; attacker 0 also changes the board's tasks (PATCH of a title) in a loop.
-async fn silent_holders(t: &Target, index: usize, until: Instant) -> anyhow::Result<()> {
+async fn silent_holders(
+    t: &Target,
+    index: usize,
+    from: IpAddr,
+    until: Instant,
+) -> anyhow::Result<()> {
     const KIND: &str = "silent_holders";
     if index == 0 {
-        let mut http = Http::new(t.http);
+        let mut http = Http::from_address(t.http, from);
         let mut n = 0u64;
         while Instant::now() < until {
             let id = t.board[n as usize % t.board.len()];
@@ -540,7 +557,7 @@ async fn silent_holders(t: &Target, index: usize, until: Instant) -> anyhow::Res
         return Ok(());
     }
     let pushes = Arc::new(AtomicU64::new(0));
-    let c = match RawReplicas::connect(t.http, Some(pushes.clone())).await {
+    let c = match RawReplicas::connect(t.http, Some(pushes.clone()), Some(from)).await {
         Ok(c) => c,
         Err(e) => {
             t.tally.add(KIND, format!("connect failed: {e}"), 1);

@@ -2,7 +2,7 @@
 //! writers), boards over WebSocket that acknowledge every invalidation (`RemoteClient`), and
 //! holders that never do (the replica protocol spoken by hand).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,9 +57,25 @@ pub(crate) mod protocol {
 
 use protocol::{ReplicaHostClient, ReplicaSink, ReplicaSinkServer};
 
+/// A TCP connection to `addr`, from the source address `from` if given (any port).
+pub(crate) async fn tcp_from(from: Option<IpAddr>, addr: SocketAddr) -> std::io::Result<TcpStream> {
+    match from {
+        None => TcpStream::connect(addr).await,
+        Some(ip) => {
+            let socket = match ip {
+                IpAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+                IpAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+            };
+            socket.bind(SocketAddr::new(ip, 0))?;
+            socket.connect(addr).await
+        }
+    }
+}
+
 /// A keep-alive HTTP/1.1 connection.
 pub(crate) struct Http {
     addr: SocketAddr,
+    from: Option<IpAddr>,
     send: Option<hyper::client::conn::http1::SendRequest<Full<Bytes>>>,
     /// Connections made after the first (the server closed one).
     pub(crate) reconnects: u64,
@@ -69,8 +85,17 @@ impl Http {
     pub(crate) fn new(addr: SocketAddr) -> Self {
         Self {
             addr,
+            from: None,
             send: None,
             reconnects: 0,
+        }
+    }
+
+    /// A connection from the source address `from`.
+    pub(crate) fn from_address(addr: SocketAddr, from: IpAddr) -> Self {
+        Self {
+            from: Some(from),
+            ..Self::new(addr)
         }
     }
 
@@ -81,7 +106,7 @@ impl Http {
             if self.send.is_some() {
                 self.reconnects += 1;
             }
-            let stream = TcpStream::connect(self.addr).await?;
+            let stream = tcp_from(self.from, self.addr).await?;
             stream.set_nodelay(true)?;
             let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
             tokio::spawn(conn);
@@ -209,11 +234,12 @@ pub(crate) struct RawReplicas {
 }
 
 impl RawReplicas {
-    /// Connects to `/rpc`; a `silent` one never answers a push (it counts them in
-    /// `pushes`), the others answer every one.
+    /// Connects to `/rpc` (from the source address `from`, if given); a `silent` one never
+    /// answers a push (it counts them in `pushes`), the others answer every one.
     pub(crate) async fn connect(
         http: SocketAddr,
         silent: Option<Arc<AtomicU64>>,
+        from: Option<IpAddr>,
     ) -> anyhow::Result<Self> {
         let builder = Endpoint::builder();
         let endpoint = match silent {
@@ -221,10 +247,15 @@ impl RawReplicas {
             None => builder.service(ReplicaSinkServer::new(Answering)),
         }
         .build();
-        let peer = tokio::time::timeout(
-            Duration::from_secs(10),
-            endpoint.connect_websocket(&rpc_url(http)),
-        )
+        let peer = tokio::time::timeout(Duration::from_secs(10), async {
+            let stream = tcp_from(from, http)
+                .await
+                .map_err(coherent::rpc::RpcError::from)?;
+            let _ = stream.set_nodelay(true);
+            endpoint
+                .connect_websocket_over(stream, &rpc_url(http), &[])
+                .await
+        })
         .await
         .map_err(|_| anyhow::anyhow!("WebSocket connect timed out"))??;
         Ok(Self {
@@ -264,7 +295,7 @@ pub(crate) async fn silent_holder(
     let mut ready = ready;
     loop {
         let held = async {
-            let c = RawReplicas::connect(http, Some(pushes.clone())).await?;
+            let c = RawReplicas::connect(http, Some(pushes.clone()), None).await?;
             c.hold_board(project).await?;
             anyhow::Ok(c)
         }

@@ -7,7 +7,8 @@
 //! - `hostile.baseline_p99_ms`: a well-behaved client's read p99 with no attackers: `GET
 //!   /api/tasks/{id}` of one of 100 tasks, in a closed loop on one keep-alive connection (the
 //!   headline; the client runs on a thread and runtime of its own);
-//! - `hostile.victim_p99_ms`: the same client while 50 hostile connections run every attack
+//! - `hostile.victim_p99_ms`: the same client while 50 hostile connections, from five
+//!   addresses other than the victim's (see [`attacks::attacker_address`]), run every attack
 //!   of `attacks.rs` in turn (a seventh of the run each), for as long as the baseline ran.
 //!   Acceptance: at most 2x the baseline;
 //! - `hostile.server_rss_mb`: the server's peak RSS (`VmHWM`, reset before the attacks)
@@ -41,7 +42,7 @@ use tokio::time::Instant;
 
 use crate::report::{percentile, progress, Report, Row};
 use crate::Timing;
-use attacks::{Tally, Target, KINDS};
+use attacks::{Tally, Target, ATTACKER_ADDRESSES, KINDS};
 use clients::{columns, Board, Http};
 pub(crate) use server::ServerArgs;
 use server::{Proc, Server};
@@ -290,10 +291,10 @@ pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
     }
     acceptance(&mut report);
     report.note(format!(
-        "one continuous run of {run:?} per row after a {warmup:?} warm-up; {tasks} tasks in {PROJECTS} projects on SQLite; the server is `LiveBackend` + `http_router` under `serve_http_with` (default HttpLimits but no per-address cap: every client is on 127.0.0.1), not behind `Auth::protect` (writes need no login), in a child process"
+        "one continuous run of {run:?} per row after a {warmup:?} warm-up; {tasks} tasks in {PROJECTS} projects on SQLite; the server is `LiveBackend` + `http_router` under `serve_http_counted` with the default HttpLimits (its per-address limits: 256 connections, 200 requests and /rpc calls a second, 400 at once; 127.0.0.1, where the victim, the writers and the boards are, exempt by default), not behind `Auth::protect` (writes need no login), in a child process"
     ));
     report.note(format!(
-        "victim: GET /api/tasks/{{id}} of 100 tasks, closed loop on one keep-alive connection, on a thread of its own; attacks: {ATTACKERS} connections, each kind for a seventh of the run in this order: {}",
+        "victim: GET /api/tasks/{{id}} of 100 tasks, closed loop on one keep-alive connection from 127.0.0.1, on a thread of its own; attacks: {ATTACKERS} connections from {ATTACKER_ADDRESSES} addresses (127.0.0.2 on), each kind for a seventh of the run in this order: {}",
         KINDS.join(", ")
     ));
     report.note(format!(

@@ -1,8 +1,9 @@
 //! The server under attack, as `tasks serve` runs it: the Tasks app's Coherent backend
 //! (`LiveBackend`: its RPC endpoint on TCP, trusted) and its HTTP router (`/api`, `/rpc` the
 //! same endpoint over WebSocket, untrusted; `/gateway`; the page's files) served by
-//! `serve_http_with` the default `HttpLimits` but the per-address cap (every client of the
-//! bench is on 127.0.0.1), over SQLite in a temporary directory. The
+//! `serve_http_counted` with the default `HttpLimits` (127.0.0.1, where the bench's own
+//! clients are, exempt from the per-address limits by default; the attackers come from
+//! other addresses), over SQLite in a temporary directory. The
 //! router is not wrapped in `session::Auth::protect`: writes through `/api` need no login.
 //!
 //! It runs in a child process of the bench (`coherent-bench hostile-server`), so that its
@@ -78,15 +79,14 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
     let router = live.http_router(web).await?;
     let http = TcpListener::bind("127.0.0.1:0").await?;
     let http_addr = http.local_addr()?;
+    let http_stats = std::sync::Arc::new(app::HttpStats::default());
+    let counted = http_stats.clone();
     tokio::spawn(async move {
-        // Every client of the bench, the 1,000 boards included, comes from 127.0.0.1: the
-        // per-address cap (256 by default, tested in the Tasks app's tests) would refuse
-        // them, so it is lifted here; every other limit is the default.
-        let limits = app::HttpLimits {
-            max_connections_per_ip: usize::MAX,
-            ..app::HttpLimits::default()
-        };
-        if let Err(e) = app::serve_http_with(http, router, limits).await {
+        // Every limit is the default. The victim, the writers and the 1,000 boards come
+        // from 127.0.0.1, which the defaults exempt from the per-address limits (a proxy
+        // on the server's host); the attackers come from other loopback addresses.
+        let limits = app::HttpLimits::default();
+        if let Err(e) = app::serve_http_counted(http, router, limits, counted).await {
             eprintln!("hostile server: HTTP stopped: {e:#}");
         }
     });
@@ -113,6 +113,12 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
                 "pushes": s.pushes,
                 "clients_closed_unresponsive": s.clients_closed_unresponsive,
                 "waits_skipped_untrusted": s.waits_skipped_untrusted,
+                "calls_paced": e.calls_paced,
+                "requests_paced": http_stats.requests_paced.load(std::sync::atomic::Ordering::Relaxed),
+                "requests_refused": http_stats.requests_refused.load(std::sync::atomic::Ordering::Relaxed),
+                "connections_refused_per_ip": http_stats
+                    .connections_refused_per_ip
+                    .load(std::sync::atomic::Ordering::Relaxed),
                 "endpoint": format!("{e:?}"),
             });
             println!("STATS {stats}");
