@@ -138,6 +138,15 @@ impl Pacer {
         self.take(Some(max))
     }
 
+    /// The wait that a take now would owe, taking nothing.
+    pub fn due(&self) -> Duration {
+        let i = &*self.0;
+        let now = Instant::now();
+        let full_at = *i.full_at.lock();
+        let at = full_at.map_or(now, |t| t.max(now));
+        (at - now).saturating_sub(i.tolerance)
+    }
+
     /// Takes one and waits as long as it owes.
     pub async fn wait(&self) {
         let wait = self.delay();
@@ -221,6 +230,7 @@ mod tests {
             Err(Duration::from_millis(70))
         );
         assert_eq!(p.stats().refused, 2);
+        assert_eq!(p.due(), Duration::from_millis(100));
         // Nothing was taken by the refusals: in 100 ms one is free again.
         tokio::time::advance(Duration::from_millis(100)).await;
         assert_eq!(p.take_within(Duration::ZERO), Ok(Duration::ZERO));

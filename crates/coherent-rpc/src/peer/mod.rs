@@ -192,16 +192,27 @@ pub(crate) struct Pacing {
 }
 
 impl Pacing {
-    /// Takes a call from each pacer, and waits for the longer of what they ask (counted in
-    /// `paced`).
-    pub(crate) async fn wait(&self, paced: &AtomicU64) {
+    /// Takes a call from each pacer of `s`, and waits for the longer of what they ask
+    /// (counted in `calls_paced`); `false` if the connection closed before or meanwhile.
+    pub(crate) async fn wait(&self, s: &Shared) -> bool {
+        if self.own.is_none() && self.shared.is_none() {
+            return true;
+        }
         let own = self.own.as_ref().map_or(Duration::ZERO, |p| p.delay());
         let shared = self.shared.as_ref().map_or(Duration::ZERO, |p| p.delay());
         let wait = own.max(shared);
         if !wait.is_zero() {
-            paced.fetch_add(1, Ordering::Relaxed);
-            tokio::time::sleep(wait).await;
+            s.totals
+                .refusals()
+                .calls_paced
+                .fetch_add(1, Ordering::Relaxed);
+            let mut closed = s.closed.subscribe();
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                _ = closed.wait_for(Option::is_some) => return false,
+            }
         }
+        s.closed_reason().is_none()
     }
 }
 

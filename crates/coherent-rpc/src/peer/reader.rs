@@ -272,6 +272,10 @@ async fn read_some<R: AsyncRead + Unpin>(
     }
 }
 
+/// The largest payload of a control frame (`Ping`, `Pong`, `StreamAck`, `Close`) from an
+/// untrusted peer, once decompressed: a larger one closes the connection (`TooLarge`).
+pub(crate) const UNTRUSTED_CONTROL_MAX: u32 = 64 * 1024;
+
 /// Handles one received frame. An `Err` closes the connection with that reason.
 /// `lone`: whether an answer sent at once may be written by this task (see [`WriteSide`]).
 ///
@@ -283,14 +287,40 @@ pub(super) async fn route(
     lone: bool,
 ) -> Result<(), RpcError> {
     let s = &**shared;
-    let payload = if h.compression == Compression::None {
-        payload
+    // A call (or a ping) of a paced connection waits for its turn before anything is done
+    // for it, its payload not even decompressed; one that waited past the connection's
+    // close is dropped.
+    if matches!(h.kind, Kind::Call | Kind::OneWay | Kind::Ping) && !s.pacing.wait(s).await {
+        return Ok(());
+    }
+    // A payload is decompressed only where it is read (not for an answer to a call this
+    // side gave up on), and a control frame of an untrusted peer to at most
+    // `UNTRUSTED_CONTROL_MAX` (an honest one carries a few bytes).
+    let control_max = if s.trust == crate::Trust::Untrusted {
+        UNTRUSTED_CONTROL_MAX.min(s.settings.local_max)
     } else {
-        codec::decompress(h.compression, payload, s.settings.local_max)?
+        s.settings.local_max
+    };
+    let open = |payload: Bytes, max: u32| -> Result<Bytes, RpcError> {
+        if h.compression == Compression::None {
+            if payload.len() > max as usize {
+                return Err(RpcError::new(
+                    crate::ErrorCode::TooLarge,
+                    format!(
+                        "a {:?} frame of {} bytes (at most {max})",
+                        h.kind,
+                        payload.len()
+                    ),
+                ));
+            }
+            Ok(payload)
+        } else {
+            codec::decompress(h.compression, payload, max)
+        }
     };
     match h.kind {
         Kind::Call | Kind::OneWay => {
-            s.pacing.wait(&s.totals.refusals().calls_paced).await;
+            let payload = open(payload, s.settings.local_max)?;
             wait_for_room(s).await;
             start_call(shared, h, payload, lone);
         }
@@ -303,6 +333,13 @@ pub(super) async fn route(
             // take the lock itself (to make its next call, or to close the connection).
             let pending = s.pending.lock().remove(&h.call_id);
             if let Some(p) = pending {
+                let payload = match open(payload, s.settings.local_max) {
+                    Ok(payload) => payload,
+                    Err(e) => {
+                        p.fail(e.clone());
+                        return Err(e);
+                    }
+                };
                 let r = if h.kind == Kind::Ok {
                     Ok(payload)
                 } else {
@@ -320,6 +357,20 @@ pub(super) async fn route(
             }
         }
         Kind::StreamItem | Kind::StreamBatch => {
+            // An unknown id is a stream this side gave up on (or a finished call): dropped
+            // unopened.
+            let known = if h.upload {
+                s.inbound
+                    .lock()
+                    .get(&h.call_id)
+                    .is_some_and(|i| i.upload.is_some())
+            } else {
+                matches!(s.pending.lock().get(&h.call_id), Some(Pending::Stream(..)))
+            };
+            if !known {
+                return Ok(());
+            }
+            let payload = open(payload, s.settings.local_max)?;
             let count = if h.kind == Kind::StreamItem {
                 1
             } else {
@@ -390,6 +441,7 @@ pub(super) async fn route(
             }
         }
         Kind::StreamAck => {
+            let payload = open(payload, control_max)?;
             let Ok(n) = <[u8; 4]>::try_from(&payload[..]) else {
                 return Err(RpcError::protocol("stream ack payload is not 4 bytes"));
             };
@@ -411,12 +463,13 @@ pub(super) async fn route(
             }
         }
         Kind::Ping => {
-            // A ping asks for work as a call does (its payload decompressed and echoed).
-            s.pacing.wait(&s.totals.refusals().calls_paced).await;
+            // Paced above, as a call: its payload is decompressed and echoed.
+            let payload = open(payload, control_max)?;
             wait_for_room(s).await;
             s.send(Kind::Pong, 0, 0, payload)?;
         }
         Kind::Pong => {
+            let payload = open(payload, control_max)?;
             // An answer to `Peer::ping` carries its number; keep-alive pongs are empty.
             if let Ok(seq) = <[u8; 8]>::try_from(&payload[..]) {
                 let seq = u64::from_le_bytes(seq);
@@ -428,7 +481,10 @@ pub(super) async fn route(
             }
         }
         Kind::Close => {
-            let reason = RpcError::from_payload(&payload);
+            let reason = match open(payload, control_max) {
+                Ok(payload) => RpcError::from_payload(&payload),
+                Err(e) => e,
+            };
             let e = RpcError::new(
                 reason.code(),
                 format!("closed by the other side: {}", reason.message()),

@@ -841,3 +841,40 @@ async fn an_accept_loop_out_of_file_descriptors_pauses_instead_of_spinning() {
     said(&mut rx, "SERVED").await;
     assert!(child.wait().unwrap().success());
 }
+
+/// An untrusted peer's control frames carry a few bytes: a ping that decompresses to more
+/// than 64 KiB closes its connection (it would make the server inflate and echo megabytes
+/// for a few bytes each, a hundred times a second); a trusted peer's may be as large as a
+/// message. An answer to no call of the server's is dropped unopened.
+#[tokio::test]
+async fn an_untrusted_peers_compressed_ping_is_held_to_a_control_frames_size() {
+    let (server, _) = calc_server(Config::default().trust(coherent_rpc::Trust::Untrusted));
+    let addr = serve_tcp(&server).await;
+    let (mut raw, answer) = Raw::tcp(addr, &hello()).await;
+    assert_eq!(answer, Kind::HelloAck);
+    // A compressed Ok for a call the server never made: dropped without a word, unread.
+    let mut ok = frame_bytes(
+        Kind::Ok,
+        77,
+        0,
+        &zstd::bulk::compress(&[0u8; 1 << 20], 1).unwrap(),
+    );
+    ok[0] |= (Compression::Zstd as u8) << 4;
+    raw.send(&ok).await;
+    // A small ping is answered.
+    raw.send(&compressed_ping(1024)).await;
+    let (h, payload) = raw.next().await.expect("a pong");
+    assert_eq!((h.kind, payload.len()), (Kind::Pong, 1024));
+    // A large one closes the connection, saying why.
+    raw.send(&compressed_ping(1 << 20)).await;
+    let reason = raw.close_reason().await;
+    assert_eq!(reason.code(), ErrorCode::TooLarge, "{reason}");
+
+    // Trusted: the same large ping is answered.
+    let (trusted, _) = calc_server(Config::default());
+    let addr = serve_tcp(&trusted).await;
+    let (mut raw, _) = Raw::tcp(addr, &hello()).await;
+    raw.send(&compressed_ping(1 << 20)).await;
+    let (h, payload) = raw.next().await.expect("a pong");
+    assert_eq!((h.kind, payload.len()), (Kind::Pong, 1 << 20));
+}
