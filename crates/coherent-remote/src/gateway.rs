@@ -237,7 +237,12 @@ async fn events(
     // The first value is read now, so that a bad request gets an HTTP error, not a stream.
     let first = fetch(&methods, &name, args.args.clone()).await?;
     let state = Feed {
-        ends_at: tokio::time::Instant::now() + methods.limits.max_sse_lifetime,
+        // `Duration::MAX` (no end) would overflow an instant: a century is as good.
+        ends_at: tokio::time::Instant::now()
+            + methods
+                .limits
+                .max_sse_lifetime
+                .min(std::time::Duration::from_secs(100 * 365 * 86_400)),
         _slot: slot,
         methods,
         name,
