@@ -95,6 +95,20 @@ impl LiveBackend {
         notifier: Option<Notifier>,
         auth: Option<crate::session::Auth>,
     ) -> anyhow::Result<Self> {
+        Self::start_paced(db, listener, notifier, auth, Some(Rate::DEFAULT_UNTRUSTED)).await
+    }
+
+    /// [`start_with`](Self::start_with), holding each untrusted connection of the endpoint
+    /// (a browser over `/rpc`) to `untrusted_call_rate` calls (`None`: no limit of its own;
+    /// the HTTP server's per-address rate still applies). `start_with` gives the
+    /// endpoint's default, 100 a second.
+    pub async fn start_paced(
+        db: &DbConfig,
+        listener: TcpListener,
+        notifier: Option<Notifier>,
+        auth: Option<crate::session::Auth>,
+        untrusted_call_rate: Option<Rate>,
+    ) -> anyhow::Result<Self> {
         let store = db.open(16).await?;
         let registry = Registry::new();
         let backend = TasksBackend::new(store, &registry);
@@ -115,6 +129,7 @@ impl LiveBackend {
         }
         let host = live::commands(builder, &backend).start().await?;
         let mut endpoint = Endpoint::builder()
+            .config(coherent::rpc::Config::default().untrusted_call_rate(untrusted_call_rate))
             .service(remote.service())
             .service(CommandServer::new(host.clone()));
         if let Some(auth) = auth {
@@ -262,8 +277,8 @@ pub struct HttpLimits {
     /// `Retry-After` (counted in [`HttpStats::requests_refused`]). Default: 200 a second,
     /// 400 at once.
     pub requests_per_ip: Option<Rate>,
-    /// The rate one IP address may send writes at (`POST`, `PUT`, `PATCH`, `DELETE`),
-    /// within `requests_per_ip`: a write costs the server many reads (a transaction, the
+    /// The rate one IP address may send writes at (any method but `GET`, `HEAD` and
+    /// `OPTIONS`), within `requests_per_ip`: a write costs the server many reads (a transaction, the
     /// invalidations it pushes). Over it, the same wait or 429. Default: 20 a second, 40
     /// at once.
     pub writes_per_ip: Option<Rate>,
@@ -388,6 +403,10 @@ pub async fn serve_http_counted(
             continue;
         };
         let pacers = ip_slot.pacers();
+        let from = ip_slot
+            .0
+            .is_some()
+            .then(|| ClientAddr(address_key(addr.ip())));
         // No Nagle: a WebSocket's small frames (an invalidation, an answer) would otherwise
         // wait for the peer's delayed ACK, 40 ms on Linux, behind an earlier one.
         let _ = stream.set_nodelay(true);
@@ -402,7 +421,7 @@ pub async fn serve_http_counted(
         };
         let service = TowerToHyperService::new(Paced {
             router: router.clone(),
-            from: ClientAddr(address_key(addr.ip())),
+            from,
             pacers,
             max_wait: limits.max_pace_wait,
             stats: stats.clone(),
@@ -526,7 +545,9 @@ impl<P: Unpin> tokio::io::AsyncWrite for Placed<P> {
 }
 
 /// The address a request came from, as its limits key it (an IPv6 address by its /64),
-/// in the request's extensions when served by [`serve_http_with`].
+/// in the request's extensions when served by [`serve_http_with`]; absent for an address in
+/// [`HttpLimits::exempt_ips`] (a proxy's stands for many clients: nothing may be held
+/// against it, such as failed logins).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ClientAddr(pub IpAddr);
 
@@ -536,7 +557,7 @@ pub struct ClientAddr(pub IpAddr);
 #[derive(Clone)]
 struct Paced {
     router: axum::Router,
-    from: ClientAddr,
+    from: Option<ClientAddr>,
     pacers: Pacers,
     max_wait: Duration,
     stats: Arc<HttpStats>,
@@ -569,16 +590,15 @@ where
                 axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
             );
             let writes = this.pacers.writes.as_ref().filter(|_| write);
-            let mut wait = Duration::ZERO;
-            for pacer in this.pacers.requests.iter().chain(writes) {
-                match pacer.take_within(this.max_wait) {
-                    Ok(w) => wait = wait.max(w),
-                    Err(after) => {
-                        this.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
-                        return Ok(too_many_requests(after));
-                    }
-                }
+            let pacers = || this.pacers.requests.iter().chain(writes);
+            // Refused by either, it takes from neither (a refused write costs its address
+            // no read).
+            let due = pacers().map(Pacer::due).max().unwrap_or_default();
+            if due > this.max_wait {
+                this.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
+                return Ok(too_many_requests(due - this.max_wait));
             }
+            let wait = pacers().map(Pacer::delay).max().unwrap_or_default();
             if !wait.is_zero() {
                 this.stats.requests_paced.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(wait).await;
@@ -586,7 +606,9 @@ where
             if let Some(pacer) = &this.pacers.requests {
                 req.extensions_mut().insert(pacer.clone());
             }
-            req.extensions_mut().insert(this.from);
+            if let Some(from) = this.from {
+                req.extensions_mut().insert(from);
+            }
             this.router.oneshot(req.map(axum::body::Body::new)).await
         })
     }

@@ -147,13 +147,17 @@ struct LimitArgs {
     /// once; past it they wait, and past a second's wait are answered 429. 0: no limit.
     #[arg(long, default_value_t = 200)]
     requests_per_ip: u32,
-    /// Writes (`POST`, `PATCH`, `DELETE`) one address may send per second, within
+    /// Writes (any method but `GET`, `HEAD`, `OPTIONS`) one address may send per second, within
     /// `--requests-per-ip`, twice as many at once. 0: no limit of their own.
     #[arg(long, default_value_t = 20)]
     writes_per_ip: u32,
-    /// Connections one address may hold at once.
+    /// Connections one address may hold at once (at least 1).
     #[arg(long, default_value_t = 256)]
     max_connections_per_ip: usize,
+    /// Calls each browser connection over `/rpc` may start per second, twice as many at
+    /// once (its address's rate applies as well). 0: no limit of its own.
+    #[arg(long, default_value_t = 100)]
+    rpc_calls_per_connection: u32,
     /// Addresses held to neither per-address limit: a reverse proxy in front of this server
     /// (every client comes from its address), monitors. Giving it replaces the default.
     #[arg(
@@ -169,6 +173,12 @@ struct LimitArgs {
 }
 
 impl LimitArgs {
+    /// The rate of each untrusted connection to the backend's endpoint.
+    fn rpc_rate(&self) -> Option<coherent::rpc::pace::Rate> {
+        (self.rpc_calls_per_connection > 0)
+            .then(|| coherent::rpc::pace::Rate::per_second(self.rpc_calls_per_connection))
+    }
+
     fn build(self) -> app::HttpLimits {
         app::HttpLimits {
             requests_per_ip: (self.requests_per_ip > 0)
@@ -301,7 +311,14 @@ async fn main() -> anyhow::Result<()> {
                 }
                 Kind::Coherent if connect.is_empty() => {
                     let listener = TcpListener::bind("127.0.0.1:0").await?;
-                    let b = LiveBackend::start_with(&db, listener, None, auth.clone()).await?;
+                    let b = LiveBackend::start_paced(
+                        &db,
+                        listener,
+                        None,
+                        auth.clone(),
+                        limits.rpc_rate(),
+                    )
+                    .await?;
                     let router = b.http_router(web::dir(web)).await?;
                     in_process = Some(b);
                     router
@@ -327,6 +344,7 @@ async fn main() -> anyhow::Result<()> {
             limits,
         } => {
             let auth = auth.build()?;
+            let rpc_rate = limits.rpc_rate();
             let limits = limits.build();
             if !listen.ip().is_loopback() {
                 // Its TCP connections are trusted (the tiers): every write waits for them,
@@ -337,7 +355,7 @@ async fn main() -> anyhow::Result<()> {
                 );
             }
             let listener = TcpListener::bind(listen).await?;
-            let b = LiveBackend::start_with(&db, listener, None, auth.clone()).await?;
+            let b = LiveBackend::start_paced(&db, listener, None, auth.clone(), rpc_rate).await?;
             eprintln!("tasks: Coherent backend on {}", b.addr);
             if let Some(http) = http {
                 let listener = TcpListener::bind(http).await?;

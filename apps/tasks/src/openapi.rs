@@ -57,7 +57,7 @@ impl utoipa::Modify for SessionCookie {
             "session",
             SecurityScheme::ApiKey(ApiKey::Cookie(ApiKeyValue::with_description(
                 crate::session::COOKIE,
-                "Set by POST /api/session",
+                "Set by POST /api/session (named __Host-tasks_session when the server runs with --secure-cookie)",
             ))),
         );
     }

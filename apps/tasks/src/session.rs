@@ -215,7 +215,17 @@ impl Auth {
         password: &str,
         from: Option<std::net::IpAddr>,
     ) -> Result<String, Refusal> {
-        let now = now_secs();
+        self.try_login_at(now_secs(), name, password, from)
+    }
+
+    /// [`try_login`](Self::try_login) at `now` (seconds since the epoch).
+    fn try_login_at(
+        &self,
+        now: u64,
+        name: &str,
+        password: &str,
+        from: Option<std::net::IpAddr>,
+    ) -> Result<String, Refusal> {
         if let Some(t) = self.inner.throttle.lock().get(name) {
             if t.until > now {
                 return Err(Refusal::Throttled(t.until - now));
@@ -257,10 +267,10 @@ impl Auth {
             }
             return Err(Refusal::Wrong);
         };
+        // A user's success forgets the user's failures, not its address's: one who sprays
+        // names from an address and logs into an account of their own in between is held
+        // up all the same.
         self.inner.throttle.lock().remove(name);
-        if let Some(ip) = from {
-            self.inner.by_address.lock().remove(&ip);
-        }
         let expires = now.saturating_add(self.inner.ttl.as_secs());
         Ok(self.token(name, expires, stamp))
     }
@@ -599,25 +609,27 @@ mod tests {
     #[test]
     fn failed_logins_of_a_user_are_throttled_after_a_few() {
         let a = auth();
+        // One instant for the whole test: a wait of 1 s must not run out between two lines.
+        let now = now_secs();
         for _ in 0..FREE_FAILURES {
             assert!(matches!(
-                a.try_login("alice", "guess", None),
+                a.try_login_at(now, "alice", "guess", None),
                 Err(Refusal::Wrong)
             ));
         }
         // The next failure starts the wait; then even the right password waits.
         assert!(matches!(
-            a.try_login("alice", "guess", None),
+            a.try_login_at(now, "alice", "guess", None),
             Err(Refusal::Wrong)
         ));
         assert!(matches!(
-            a.try_login("alice", "wonderland", None),
+            a.try_login_at(now, "alice", "wonderland", None),
             Err(Refusal::Throttled(1))
         ));
         // Other users are not held up; unknown names are not tracked.
         for _ in 0..20 {
             assert!(matches!(
-                a.try_login("nobody", "x", None),
+                a.try_login_at(now, "nobody", "x", None),
                 Err(Refusal::Wrong)
             ));
         }
@@ -627,6 +639,7 @@ mod tests {
     #[test]
     fn failed_logins_from_one_address_are_throttled_whatever_the_names() {
         let a = auth();
+        let now = now_secs();
         let spray: std::net::IpAddr = [203, 0, 113, 7].into();
         let other: std::net::IpAddr = [198, 51, 100, 1].into();
         // One password tried against many names (none of them a user's: no user's own
@@ -634,20 +647,27 @@ mod tests {
         for i in 0..FREE_FAILURES_PER_ADDRESS {
             let name = format!("user{i}");
             assert!(matches!(
-                a.try_login(&name, "password1", Some(spray)),
+                a.try_login_at(now, &name, "password1", Some(spray)),
                 Err(Refusal::Wrong)
             ));
         }
         assert!(matches!(
-            a.try_login("user99", "password1", Some(spray)),
+            a.try_login_at(now, "user99", "password1", Some(spray)),
             Err(Refusal::Wrong)
         ));
         // Now the address waits, even with a right password; another address does not.
         assert!(matches!(
-            a.try_login("alice", "wonderland", Some(spray)),
+            a.try_login_at(now, "alice", "wonderland", Some(spray)),
             Err(Refusal::Throttled(1))
         ));
-        assert!(a.try_login("alice", "wonderland", Some(other)).is_ok());
+        assert!(a
+            .try_login_at(now, "alice", "wonderland", Some(other))
+            .is_ok());
+        // Still held up after that success, and after one of its own.
+        assert!(matches!(
+            a.try_login_at(now, "alice", "wonderland", Some(spray)),
+            Err(Refusal::Throttled(1))
+        ));
     }
 
     #[test]

@@ -54,10 +54,13 @@ export function seededDatabase({ tasks = 200, projects = 2, release = false } = 
 export const USER = { name: "test", password: "a password for the tests" };
 const SESSION_SECRET = "the tests' session secret, 32 b";
 
-/** Starts `tasks serve` on `listen` over the SQLite `file`; resolves once it listens. */
-export function startTasks(file, { listen = "127.0.0.1:0", release = false } = {}) {
+/** Starts `tasks serve` on `listen` over the SQLite `file`; resolves once it listens.
+ * `unpaced`: its `/rpc` connections are not held to a rate of calls of their own (a
+ * benchmark of the client's throughput; a browser is held to 100 a second). */
+export function startTasks(file, { listen = "127.0.0.1:0", release = false, unpaced = false } = {}) {
   const args = ["--sqlite", file, "serve", "--listen", listen, "--web", join(webDir, "dist")];
   args.push("--user", `${USER.name}:${USER.password}`);
+  if (unpaced) args.push("--rpc-calls-per-connection", "0");
   const child = spawn(tasksBinary({ release }), args, {
     stdio: ["ignore", "inherit", "pipe"],
     env: { ...process.env, DATABASE_URL: "", RUST_LOG: process.env.RUST_LOG ?? "warn", TASKS_SESSION_SECRET: SESSION_SECRET },
