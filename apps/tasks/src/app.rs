@@ -274,8 +274,9 @@ pub struct HttpLimits {
     /// endpoint's own `untrusted_call_rate`); `None` for no limit. A request over the rate
     /// waits until it is due (counted in [`HttpStats::requests_paced`]), or, if that is
     /// more than [`max_pace_wait`](Self::max_pace_wait) away, is answered 429 with a
-    /// `Retry-After` (counted in [`HttpStats::requests_refused`]). Default: 200 a second,
-    /// 400 at once.
+    /// `Retry-After` (counted in [`HttpStats::requests_refused`]). Default: 100 a second,
+    /// 200 at once (a page and its calls take a few dozen; many users behind one NAT may
+    /// need more).
     pub requests_per_ip: Option<Rate>,
     /// The rate one IP address may send writes at (any method but `GET`, `HEAD` and
     /// `OPTIONS`), within `requests_per_ip`: a write costs the server many reads (a transaction, the
@@ -320,7 +321,7 @@ impl Default for HttpLimits {
             max_connections: 10_000,
             max_connections_per_ip: 256,
             max_header_bytes: 16 << 10,
-            requests_per_ip: Some(Rate::per_second(200)),
+            requests_per_ip: Some(Rate::per_second(100)),
             writes_per_ip: Some(Rate::per_second(20)),
             max_pace_wait: Duration::from_secs(1),
             exempt_ips: vec![

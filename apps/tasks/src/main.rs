@@ -145,7 +145,7 @@ struct AuthArgs {
 struct LimitArgs {
     /// Requests (and calls over `/rpc`) one address may send per second, twice as many at
     /// once; past it they wait, and past a second's wait are answered 429. 0: no limit.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 100)]
     requests_per_ip: u32,
     /// Writes (any method but `GET`, `HEAD`, `OPTIONS`) one address may send per second, within
     /// `--requests-per-ip`, twice as many at once. 0: no limit of their own.
