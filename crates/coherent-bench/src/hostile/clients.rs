@@ -307,6 +307,20 @@ pub(crate) async fn silent_holder(
                 }
                 c.peer.closed().await;
                 closed_by_server.fetch_add(1, Ordering::Relaxed);
+                // As a browser's client comes back: after its first backoff, 250 ms scaled
+                // by a random factor in [0.5, 1) (`@coherent/client`'s reconnection), so
+                // that holders closed together do not all return at once.
+                let jitter = {
+                    use rand::{RngExt as _, SeedableRng as _};
+                    let seed = u64::from(
+                        std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .unwrap_or_default()
+                            .subsec_nanos(),
+                    ) ^ (Arc::as_ptr(&pushes) as u64);
+                    rand::rngs::SmallRng::seed_from_u64(seed).random_range(125..250)
+                };
+                tokio::time::sleep(Duration::from_millis(jitter)).await;
             }
             Err(e) => {
                 if let Some(r) = ready.take() {
