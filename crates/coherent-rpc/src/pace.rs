@@ -140,11 +140,14 @@ impl Pacer {
 
     /// The wait that a take now would owe, taking nothing.
     pub fn due(&self) -> Duration {
-        let i = &*self.0;
-        let now = Instant::now();
-        let full_at = *i.full_at.lock();
+        self.owed(*self.0.full_at.lock(), Instant::now()).1
+    }
+
+    /// Where the bucket stands at `now` given `full_at` (the later of the two), and the
+    /// wait a take then owes: none while that is within the tolerance of `now`.
+    fn owed(&self, full_at: Option<Instant>, now: Instant) -> (Instant, Duration) {
         let at = full_at.map_or(now, |t| t.max(now));
-        (at - now).saturating_sub(i.tolerance)
+        (at, (at - now).saturating_sub(self.0.tolerance))
     }
 
     /// Takes one and waits as long as it owes.
@@ -171,11 +174,8 @@ impl Pacer {
 
     fn take(&self, max: Option<Duration>) -> Result<Duration, Duration> {
         let i = &*self.0;
-        let now = Instant::now();
         let mut full_at = i.full_at.lock();
-        let at = full_at.map_or(now, |t| t.max(now));
-        // The bucket holds room for another while `at` is within the tolerance of now.
-        let wait = (at - now).saturating_sub(i.tolerance);
+        let (at, wait) = self.owed(*full_at, Instant::now());
         if let Some(max) = max {
             if wait > max {
                 drop(full_at);

@@ -168,19 +168,11 @@ async fn a_page_over_the_limit_is_refused_over_rpc_and_the_gateway() {
 #[tokio::test]
 async fn a_slow_or_silent_request_head_loses_its_connection() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let db = Db::sqlite();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let limits = coherent_tasks::app::HttpLimits {
         header_read_timeout: std::time::Duration::from_millis(300),
         ..Default::default()
     };
-    let router = coherent_tasks::app::direct_router(&db.config)
-        .await
-        .unwrap();
-    let serving = tokio::spawn(coherent_tasks::app::serve_http_with(
-        listener, router, limits,
-    ));
+    let (_db, addr, _, serving) = serve_direct(limits).await;
 
     let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -456,21 +448,13 @@ async fn a_websocket_with_a_login_cookie_runs_commands_as_its_user() {
 #[tokio::test]
 async fn one_address_holds_at_most_its_share_of_connections() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let db = Db::sqlite();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let limits = coherent_tasks::app::HttpLimits {
         max_connections_per_ip: 2,
         // 127.0.0.1 is exempt by default (a proxy on this host): not here.
         exempt_ips: vec![],
         ..Default::default()
     };
-    let router = coherent_tasks::app::direct_router(&db.config)
-        .await
-        .unwrap();
-    let serving = tokio::spawn(coherent_tasks::app::serve_http_with(
-        listener, router, limits,
-    ));
+    let (_db, addr, _, serving) = serve_direct(limits).await;
     let held_1 = tokio::net::TcpStream::connect(addr).await.unwrap();
     let _held_2 = tokio::net::TcpStream::connect(addr).await.unwrap();
     // The third from 127.0.0.1: closed without an answer.
@@ -522,19 +506,11 @@ async fn one_address_holds_at_most_its_share_of_connections() {
 #[tokio::test]
 async fn a_body_dripped_slowly_ends_at_the_request_deadline() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let db = Db::sqlite();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let limits = coherent_tasks::app::HttpLimits {
         request_timeout: std::time::Duration::from_millis(500),
         ..Default::default()
     };
-    let router = coherent_tasks::app::direct_router(&db.config)
-        .await
-        .unwrap();
-    let serving = tokio::spawn(coherent_tasks::app::serve_http_with(
-        listener, router, limits,
-    ));
+    let (_db, addr, _, serving) = serve_direct(limits).await;
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(
         b"POST /api/projects HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
@@ -636,24 +612,12 @@ async fn send_from(from: &str, addr: std::net::SocketAddr, request: &str) -> (u1
 async fn one_address_is_held_to_its_request_rate_and_answered_429_past_the_wait() {
     use coherent::rpc::pace::Rate;
     use std::sync::atomic::Ordering;
-    let db = Db::sqlite();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let limits = coherent_tasks::app::HttpLimits {
         requests_per_ip: Some(Rate::per_second(20).burst(5)),
         max_pace_wait: std::time::Duration::from_millis(200),
         ..Default::default()
     };
-    let router = coherent_tasks::app::direct_router(&db.config)
-        .await
-        .unwrap();
-    let stats = std::sync::Arc::new(coherent_tasks::app::HttpStats::default());
-    let serving = tokio::spawn(coherent_tasks::app::serve_http_counted(
-        listener,
-        router,
-        limits,
-        stats.clone(),
-    ));
+    let (_db, addr, stats, serving) = serve_direct(limits).await;
 
     // 60 requests at once from 127.0.0.2, each on a connection of its own (closing one
     // does not give the address its burst back).
@@ -798,20 +762,12 @@ async fn a_client_that_stops_reading_loses_its_connection() {
 #[tokio::test]
 async fn one_address_writes_at_most_at_its_write_rate() {
     use coherent::rpc::pace::Rate;
-    let db = Db::sqlite();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let limits = coherent_tasks::app::HttpLimits {
         writes_per_ip: Some(Rate::per_second(1).burst(3)),
         max_pace_wait: std::time::Duration::ZERO,
         ..Default::default()
     };
-    let router = coherent_tasks::app::direct_router(&db.config)
-        .await
-        .unwrap();
-    let serving = tokio::spawn(coherent_tasks::app::serve_http_with(
-        listener, router, limits,
-    ));
+    let (_db, addr, _, serving) = serve_direct(limits).await;
     let body = r#"{"name":"p"}"#;
     let post = format!(
         "POST /api/projects HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
@@ -835,4 +791,30 @@ async fn one_address_writes_at_most_at_its_write_rate() {
     // Reads of the same address are served meanwhile.
     assert_eq!(get_from("127.0.0.2", addr).await.0, 200);
     serving.abort();
+}
+
+/// The `direct` backend's router over a fresh SQLite database, served on a loopback port
+/// with `limits`: the database (keep it), the address, what the limits counted, the task.
+async fn serve_direct(
+    limits: coherent_tasks::app::HttpLimits,
+) -> (
+    Db,
+    std::net::SocketAddr,
+    std::sync::Arc<coherent_tasks::app::HttpStats>,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+) {
+    let db = Db::sqlite();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = coherent_tasks::app::direct_router(&db.config)
+        .await
+        .unwrap();
+    let stats = std::sync::Arc::new(coherent_tasks::app::HttpStats::default());
+    let serving = tokio::spawn(coherent_tasks::app::serve_http_counted(
+        listener,
+        router,
+        limits,
+        stats.clone(),
+    ));
+    (db, addr, stats, serving)
 }

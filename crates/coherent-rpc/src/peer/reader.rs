@@ -290,7 +290,10 @@ pub(super) async fn route(
     // A call (or a ping) of a paced connection waits for its turn before anything is done
     // for it, its payload not even decompressed; one that waited past the connection's
     // close is dropped.
-    if matches!(h.kind, Kind::Call | Kind::OneWay | Kind::Ping) && !s.pacing.wait(s).await {
+    if matches!(h.kind, Kind::Call | Kind::OneWay | Kind::Ping)
+        && s.pacing.is_on()
+        && !s.pacing.wait(s).await
+    {
         return Ok(());
     }
     // A payload is decompressed only where it is read (not for an answer to a call this
@@ -357,18 +360,21 @@ pub(super) async fn route(
             }
         }
         Kind::StreamItem | Kind::StreamBatch => {
-            // An unknown id is a stream this side gave up on (or a finished call): dropped
-            // unopened.
-            let known = if h.upload {
-                s.inbound
-                    .lock()
-                    .get(&h.call_id)
-                    .is_some_and(|i| i.upload.is_some())
-            } else {
-                matches!(s.pending.lock().get(&h.call_id), Some(Pending::Stream(..)))
-            };
-            if !known {
-                return Ok(());
+            // A compressed item of an unknown id (a stream this side gave up on, or a
+            // finished call) is dropped unopened; an uncompressed one, as ever, where the
+            // one look-up below finds nothing.
+            if h.compression != Compression::None {
+                let known = if h.upload {
+                    s.inbound
+                        .lock()
+                        .get(&h.call_id)
+                        .is_some_and(|i| i.upload.is_some())
+                } else {
+                    matches!(s.pending.lock().get(&h.call_id), Some(Pending::Stream(..)))
+                };
+                if !known {
+                    return Ok(());
+                }
             }
             let payload = open(payload, s.settings.local_max)?;
             let count = if h.kind == Kind::StreamItem {
