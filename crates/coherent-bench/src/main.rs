@@ -10,6 +10,7 @@
 
 mod chart;
 mod cluster;
+mod cpu;
 mod dbchanges;
 mod hostile;
 mod load;
@@ -95,6 +96,10 @@ enum Suite {
     /// A host process of the `cluster` suite's checker phases (settings in its environment).
     #[command(hide = true)]
     CheckerHost,
+    /// One figure of the `local` suite's memory and scale rows (the suite starts these as
+    /// child processes, one per figure).
+    #[command(hide = true)]
+    MemoryProbe(ProbeArgs),
     /// A fixed number of single-reader `local` calls on one contender, untimed: for counting
     /// instructions per call under callgrind (see BENCHMARKS.md).
     #[command(hide = true)]
@@ -108,6 +113,20 @@ enum Suite {
         #[arg(long, default_value_t = 1)]
         threads: usize,
     },
+}
+
+/// One `local` memory or scale figure, measured in this fresh process (see `local/memory.rs`).
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct ProbeArgs {
+    /// `coherent.leaf`, `coherent.node_leaf`, `coherent.dag4`, `coherent.cascade`, `map`,
+    /// `moka` or `quickcache`.
+    shape: String,
+    /// How many results to build.
+    #[arg(long, default_value_t = 1_000_000)]
+    keys: u64,
+    /// Then read them for this many seconds (not for `coherent.cascade`).
+    #[arg(long, default_value_t = 0.0)]
+    hit_seconds: f64,
 }
 
 /// How long and how often each case runs.
@@ -156,6 +175,9 @@ fn main() -> anyhow::Result<()> {
             calls,
             threads,
         } => return local::count_calls(contender, *calls, *threads),
+        Suite::MemoryProbe(args) => {
+            return local::memory::probe(&args.shape, args.keys, args.hit_seconds)
+        }
         Suite::Local => local::run(timing)?,
         Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Remote => remote::run(timing)?,

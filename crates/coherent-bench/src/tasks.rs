@@ -100,6 +100,7 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
     ));
     report.note("get_one.static: a handler answering every GET with one stored task's JSON, through the same HTTP stack and load generator: the ceiling of any backend's reads on this machine");
     report.note("order: every backend's reads and mixed rows, then every backend's post row, the tasks each created deleted (and the table vacuumed) before the next");
+    report.note("cpu_us_per_req: processor time of everything that serves the row (this process less the load generator's threads, and every PostgreSQL process) over the measured window, divided by its requests; db_cpu_us_per_req: PostgreSQL's share (see cpu.rs)");
     report.note("get_list: the first page (20) of a random project, all or one status; get_one: a random task; summary: a random project's counts; post: a new task in a random project");
     report.note(format!("mixed: {HOT} tasks; 95% GET of one, 5% PATCH of its status (never two writes to one task at once); a read is checked when no write to its task was in flight while it ran, against the last write that returned before it was sent; write_p50_ms, write_p99_ms: the PATCHes alone, over every run of the row"));
     if with_wrk && wrk::wrk_installed() {
@@ -134,6 +135,7 @@ fn config(timing: Timing) -> LoadConfig {
         connections: 50,
         duration: timing.run,
         warmup: timing.warmup,
+        cost: None,
     }
 }
 
@@ -347,7 +349,14 @@ fn measure(
         .map(|p| format!("/api/projects/{p}/summary"))
         .collect();
     let hot: Vec<uuid::Uuid> = servers.tasks.iter().take(HOT).copied().collect();
-    let config = config(timing);
+    // Every server is in this process; on PostgreSQL, its processes serve too.
+    let config = LoadConfig {
+        cost: Some(crate::cpu::Servers {
+            children: Vec::new(),
+            postgres: matches!(db, DbConfig::Postgres { .. }),
+        }),
+        ..config(timing)
+    };
     let progress = crate::report::progress(5 * BACKENDS.len() as u64 + 1);
     let row = |name: &str, backend: &str, result: LoadResult, script: Option<WrkScript>| {
         let full = format!("{prefix}.{name}.{backend}");
@@ -360,6 +369,12 @@ fn measure(
             .with("non_2xx", result.non_2xx);
         if let Some(e) = result.first_errors.first() {
             r = r.with("first_error", e.clone());
+        }
+        if let (Some(cost), Some(spent)) = (result.cpu_us_per_req(), result.spent) {
+            r = r.with("cpu_us_per_req", round2(cost)).with(
+                "db_cpu_us_per_req",
+                round2(spent.postgres.as_secs_f64() * 1e6 / result.requests.max(1) as f64),
+            );
         }
         if backend != "direct" {
             r = r.compared_to(&format!("{prefix}.{name}.direct"));
@@ -479,6 +494,19 @@ fn measure(
             if let Some(r) = rows.iter().find(|r| r.name == full) {
                 report.push(r.clone());
             }
+        }
+        // What a request costs the machine, ours against direct (issue 32's lines).
+        let cost = |backend: &str| {
+            rows.iter()
+                .find(|r| r.name == format!("{prefix}.{name}.{backend}"))
+                .and_then(|r| r.extra.get("cpu_us_per_req"))
+                .and_then(serde_json::Value::as_f64)
+        };
+        if let (Some(ours), Some(direct)) = (cost("coherent"), cost("direct")) {
+            report.note(format!(
+                "{prefix}.{name}: cpu_us_per_req coherent / direct = {:.2} ({ours:.1} / {direct:.1} us)",
+                ours / direct
+            ));
         }
     }
     Ok(())

@@ -206,12 +206,27 @@ pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
     // Rounds of an all-acknowledging phase and a phase with `silent` of the boards replaced
     // by silent holders, in turn, so that both are measured side by side.
     let refetches = Arc::new(AtomicU64::new(0));
+    let rss_without_clients = proc.rss_mb();
     let mut boards = runtime.block_on(connect_boards(
         server.http,
         server.project,
         clients,
         refetches.clone(),
     ))?;
+    // What a browser tab holding a board costs the server (issue 32's
+    // `remote.server_bytes_per_client`: here, where the server is a process of its own).
+    let rss_with_clients = proc.rss_mb();
+    report.push(
+        Row::new(
+            "hostile.server_bytes_per_client",
+            ((rss_with_clients - rss_without_clients) * 1024.0 * 1024.0 / clients as f64)
+                .round(),
+            "B",
+        )
+        .with("clients", clients)
+        .with("rss_without_clients_mb", round(rss_without_clients))
+        .with("rss_with_clients_mb", round(rss_with_clients)),
+    );
     writer(server.http, board.clone(), warmup).join();
     let silent_pushes = Arc::new(AtomicU64::new(0));
     let silent_closed = Arc::new(AtomicU64::new(0));

@@ -61,6 +61,9 @@ pub(crate) struct LoadConfig {
     /// How long the connections run before the measured window opens: their requests are
     /// sent and checked but not recorded. Connecting happens in it.
     pub(crate) warmup: Duration,
+    /// Who serves, to measure their processor time over the window
+    /// ([`LoadResult::spent`]); `None` measures nothing.
+    pub(crate) cost: Option<crate::cpu::Servers>,
 }
 
 impl Default for LoadConfig {
@@ -72,6 +75,7 @@ impl Default for LoadConfig {
             connections: 50,
             duration: Duration::from_secs(3),
             warmup: Duration::from_secs(1),
+            cost: None,
         }
     }
 }
@@ -224,6 +228,9 @@ pub(crate) struct LoadResult {
     pub(crate) latency: Histogram<u64>,
     /// The first few error messages, for the report.
     pub(crate) first_errors: Vec<String>,
+    /// The servers' processor time over the window, with [`LoadConfig::cost`]: this process
+    /// less the load threads, and the processes it names.
+    pub(crate) spent: Option<crate::cpu::Spent>,
 }
 
 impl std::fmt::Debug for LoadResult {
@@ -253,6 +260,11 @@ impl LoadResult {
     /// The median latency in milliseconds.
     pub(crate) fn p50_ms(&self) -> f64 {
         self.percentile_ms(50.0)
+    }
+
+    /// The servers' processor time per request, in microseconds (see [`crate::cpu`]).
+    pub(crate) fn cpu_us_per_req(&self) -> Option<f64> {
+        self.spent?.us_per(self.requests)
     }
 
     /// The 99th percentile latency in milliseconds.
@@ -291,6 +303,14 @@ pub(crate) fn run<W: Workload>(
         opens: start + config.warmup,
         closes: start + config.warmup + config.duration,
     };
+    // The servers' processor time from the window's opening (the load threads read their own
+    // from then too) to the end of the last load thread.
+    let sampler = config.cost.clone().map(|servers| {
+        std::thread::spawn(move || {
+            std::thread::sleep(window.opens.saturating_duration_since(Instant::now()));
+            (servers.snapshot(), servers)
+        })
+    });
     let mut handles = Vec::with_capacity(threads);
     for thread in 0..threads {
         let indices: Vec<usize> = (thread..config.connections).step_by(threads).collect();
@@ -308,7 +328,21 @@ pub(crate) fn run<W: Workload>(
             .map_err(|_| anyhow::anyhow!("a load thread panicked"))??;
         total.merge(stats)?;
     }
+    let spent = match sampler {
+        Some(sampler) => {
+            let (before, servers) = sampler
+                .join()
+                .map_err(|_| anyhow::anyhow!("the processor-time sampler panicked"))?;
+            Some(crate::cpu::Spent::between(
+                &before,
+                &servers.snapshot(),
+                total.load_cpu,
+            ))
+        }
+        None => None,
+    };
     Ok(LoadResult {
+        spent,
         requests: total.requests,
         errors: total.errors,
         non_2xx: total.non_2xx,
@@ -345,6 +379,8 @@ struct Stats {
     latency: Histogram<u64>,
     /// See [`LoadResult::first_errors`].
     first_errors: Vec<String>,
+    /// This load thread's processor time from the window's opening to its end.
+    load_cpu: Duration,
 }
 
 /// An empty latency histogram: 1 µs to 60 s, 3 significant digits.
@@ -371,6 +407,7 @@ impl Stats {
             reconnects: 0,
             latency: latency_histogram(),
             first_errors: Vec::new(),
+            load_cpu: Duration::ZERO,
         }
     }
 
@@ -389,6 +426,7 @@ impl Stats {
         self.non_2xx += other.non_2xx;
         self.not_modified += other.not_modified;
         self.reconnects += other.reconnects;
+        self.load_cpu += other.load_cpu;
         self.latency
             .add(&other.latency)
             .map_err(|e| anyhow::anyhow!("merging latency histograms: {e:?}"))?;
@@ -413,6 +451,15 @@ fn drive_thread<W: Workload>(
         .context("building a load thread's runtime")?;
     let stats = Rc::new(RefCell::new(Stats::new()));
     let tasks = tokio::task::LocalSet::new();
+    // This thread's processor time when the window opens (now, if it has).
+    let cpu_at_open = Rc::new(std::cell::Cell::new(None));
+    {
+        let cpu_at_open = Rc::clone(&cpu_at_open);
+        tasks.spawn_local(async move {
+            tokio::time::sleep_until(tokio::time::Instant::from_std(window.opens)).await;
+            cpu_at_open.set(Some(crate::cpu::thread_cpu()));
+        });
+    }
     for index in indices {
         let workload = Arc::clone(&workload);
         let stats = Rc::clone(&stats);
@@ -426,9 +473,12 @@ fn drive_thread<W: Workload>(
         });
     }
     runtime.block_on(tasks);
-    Ok(Rc::try_unwrap(stats)
+    let now = crate::cpu::thread_cpu();
+    let mut stats = Rc::try_unwrap(stats)
         .map_err(|_| anyhow::anyhow!("a connection task outlived its runtime"))?
-        .into_inner())
+        .into_inner();
+    stats.load_cpu = now.saturating_sub(cpu_at_open.get().unwrap_or(now));
+    Ok(stats)
 }
 
 /// One connection's closed loop: connect, then send each next request as soon as the previous

@@ -76,6 +76,9 @@ fn short() -> LoadConfig {
         connections: 8,
         duration: Duration::from_millis(500),
         warmup: Duration::from_millis(100),
+        // The test server runs in this process: what it spends is this process less the
+        // load threads.
+        cost: Some(crate::cpu::Servers::default()),
     }
 }
 
@@ -191,6 +194,10 @@ fn load_mixed_workload_checks_every_response() {
     assert!(result.rps() > 0.0);
     assert!(result.p50_ms() > 0.0 && result.p50_ms() <= result.p99_ms());
     assert!(result.p99_ms() <= result.p999_ms());
+    // The server is in this process: it spent processor time on the requests, the load
+    // threads' own excluded.
+    let cost = result.cpu_us_per_req().expect("a cost with LoadConfig::cost");
+    assert!(cost > 0.0, "{:?}", result.spent);
 }
 
 #[test]
@@ -315,6 +322,7 @@ fn load_reads_interim_responses_bodies_until_close_and_trailers() {
         connections: 2,
         duration: Duration::from_millis(200),
         warmup: Duration::ZERO,
+        cost: None,
     };
     let cases: [(&[u8], bool, &[u8]); 3] = [
         (
@@ -393,6 +401,7 @@ fn load_wrk_runs_every_script() {
         connections: 4,
         duration: Duration::from_secs(1),
         warmup: Duration::ZERO,
+        cost: None,
     };
     let paths: Vec<String> = (1..=5).map(|id| format!("/items/{id}")).collect();
     let scripts = [

@@ -2,8 +2,10 @@
 //! PostgreSQL, direct (a query per call) and cached (a compute method), with one reader, and
 //! with 20 readers per core plus a mutator that writes through the service every 10 ms while
 //! every read is checked against the version committed before it started. Peers: a concurrent
-//! map, moka and quick_cache, on the same keys and the same value type.
+//! map, moka and quick_cache, on the same keys and the same value type. Then the bytes each
+//! cached result takes, and hits and invalidation at scale (`memory.rs`).
 
+pub(crate) mod memory;
 mod peers;
 pub(crate) mod service;
 pub(crate) mod store;
@@ -415,7 +417,7 @@ pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
 
 async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     let mut report = Report::new("local");
-    let bar = progress(11);
+    let bar = progress(11 + memory::steps(timing));
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("users.db");
     let sqlite = Arc::new(Store::sqlite(&path, (cores() * 2) as u32)?);
@@ -506,6 +508,18 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
         }
     }
     report.note(peers::SETTINGS);
+
+    memory::rows(timing, &mut report, &bar)?;
+    if let Some(leaf) = report.value("memory.coherent.leaf") {
+        for peer in ["map", "moka", "quickcache"] {
+            if let Some(theirs) = report.value(&format!("memory.{peer}")) {
+                report.note(format!(
+                    "memory.coherent.leaf / memory.{peer} = {:.2}",
+                    leaf / theirs
+                ));
+            }
+        }
+    }
     bar.finish_and_clear();
     Ok(report)
 }
