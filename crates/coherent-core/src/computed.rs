@@ -23,11 +23,15 @@ pub type Recompute<T> = Arc<dyn Fn() -> BoxFuture<'static, Option<Computed<T>>> 
 
 /// `repr(C)`, value first: a hit reads the value and the state at the start of the node, one
 /// run of adjacent cache lines instead of lines scattered by the compiler's field order.
+///
+/// What a cached result holds: its value and its node. How to call the method again (the
+/// [`Recompute`] that [`Computed::update`] needs) is not kept here but in each
+/// [`Computed`] handed out: a table makes one only when a caller asks for the computed,
+/// not for every result it caches.
 #[repr(C)]
 pub(crate) struct ComputedInner<T> {
     pub(crate) value: OnceLock<T>,
     pub(crate) node: Node,
-    input: Recompute<T>,
 }
 
 impl<T: Send + Sync + 'static> AnyComputed for ComputedInner<T> {
@@ -37,17 +41,16 @@ impl<T: Send + Sync + 'static> AnyComputed for ComputedInner<T> {
 }
 
 impl<T: Clone + Send + Sync + 'static> ComputedInner<T> {
-    pub(crate) fn new(node: Node, input: Recompute<T>) -> Arc<Self> {
+    pub(crate) fn new(node: Node) -> Arc<Self> {
         Arc::new(Self {
             node,
             value: OnceLock::new(),
-            input,
         })
     }
 
     /// A computed that is consistent from birth, holding `value` (used by states).
-    pub(crate) fn consistent(node: Node, input: Recompute<T>, value: T) -> Arc<Self> {
-        let this = Self::new(node, input);
+    pub(crate) fn consistent(node: Node, value: T) -> Arc<Self> {
+        let this = Self::new(node);
         let _ = this.value.set(value);
         this.node.complete();
         this
@@ -153,23 +156,26 @@ pub enum ConsistencyState {
 /// returns), its consistency state, and the means to wait for its invalidation and to get the
 /// version that replaces it.
 ///
-/// Cloning is cheap (a reference count). A `Computed` handed out always holds its output.
+/// Cloning is cheap (two reference counts). A `Computed` handed out always holds its output.
 pub struct Computed<T> {
     pub(crate) inner: Arc<ComputedInner<T>>,
+    /// How to get the version that replaces this one.
+    input: Recompute<T>,
 }
 
 impl<T> Clone for Computed<T> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
+            input: self.input.clone(),
         }
     }
 }
 
 impl<T: Clone + Send + Sync + 'static> Computed<T> {
-    pub(crate) fn from_inner(inner: Arc<ComputedInner<T>>) -> Self {
+    pub(crate) fn from_inner(inner: Arc<ComputedInner<T>>, input: Recompute<T>) -> Self {
         debug_assert!(inner.value.get().is_some());
-        Self { inner }
+        Self { inner, input }
     }
 
     /// The output, without recording a dependency.
@@ -276,7 +282,7 @@ impl<T: Clone + Send + Sync + 'static> Computed<T> {
         if self.is_consistent() {
             return self.clone();
         }
-        (self.inner.input)().await.unwrap_or_else(|| self.clone())
+        (self.input)().await.unwrap_or_else(|| self.clone())
     }
 }
 

@@ -50,8 +50,28 @@ fn next_callback_key() -> CallbackKey {
     CallbackKey(NEXT_CALLBACK_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
+/// Where computeds come from: the method (or state) name and the registry's counters, shared
+/// by every computed of one table instead of copied into each (issue 32: a cached result in
+/// as few bytes as can be).
+pub(crate) struct Origin {
+    pub(crate) name: &'static str,
+    pub(crate) counters: Arc<Counters>,
+}
+
+impl Origin {
+    pub(crate) fn new(name: &'static str, counters: Arc<Counters>) -> Arc<Self> {
+        Arc::new(Self { name, counters })
+    }
+}
+
 /// `repr(C)`: the fields a hit reads (`state`, `last_used`) come first, so that they sit right
 /// after the value in `ComputedInner` and a hit reads adjacent cache lines.
+///
+/// 48 bytes on 64-bit targets (asserted in the tests): what every computed needs inline is its state, its last
+/// use, its version, where it comes from and its edge lock. Its edges (dependencies,
+/// dependants, callbacks, an inherited version) are allocated when the first one comes: a
+/// leaf nobody depends on and nobody watches has none. The waiters' `Notify` is allocated
+/// by the first task that waits.
 #[repr(C)]
 pub(crate) struct Node {
     state: AtomicU8,
@@ -62,13 +82,14 @@ pub(crate) struct Node {
     /// Coarse clock tick of the last use, written only when the tick changes.
     last_used: AtomicU32,
     version: u64,
-    name: &'static str,
-    counters: Arc<Counters>,
-    /// A short critical section, never held across `.await` or while calling out.
-    edges: Mutex<Edges>,
+    origin: Arc<Origin>,
+    /// A short critical section, never held across `.await` or while calling out. `None`
+    /// until the first edge or callback: never reset to `None` after that.
+    edges: Mutex<Option<Box<Edges>>>,
     /// Wakes tasks waiting for completion or invalidation; they re-check the state in a loop.
+    /// Made by the first waiter; see [`Node::wake`] for why no wake-up is lost meanwhile.
     #[cfg(not(loom))]
-    notify: tokio::sync::Notify,
+    notify: once_cell::race::OnceBox<tokio::sync::Notify>,
 }
 
 #[derive(Default)]
@@ -93,6 +114,74 @@ struct Edges {
     inherited: Option<Arc<dyn AnyComputed>>,
 }
 
+/// A computed holds its dependencies (and the version it inherited) strongly, so dropping the
+/// last holder of a long chain (a table holding a million results, each computed from the
+/// one before) would drop the chain by recursion, a stack frame per link, and overflow the
+/// stack. Instead, the outermost drop on a thread drains a list that the nested drops only
+/// append to: the depth stays one link.
+impl Drop for Edges {
+    fn drop(&mut self) {
+        let mut released = std::mem::take(&mut self.dependencies);
+        released.extend(self.inherited.take());
+        if !released.is_empty() {
+            drop_iteratively(released);
+        }
+    }
+}
+
+#[cfg(not(loom))]
+fn drop_iteratively(released: Vec<Arc<dyn AnyComputed>>) {
+    use std::cell::RefCell;
+    thread_local! {
+        /// The drops queued by the outermost [`drop_iteratively`] running on this thread.
+        static QUEUED: RefCell<Option<Vec<Arc<dyn AnyComputed>>>> = const { RefCell::new(None) };
+    }
+    /// Ends the outermost drop, also when a value's own `Drop` panics: later drops on this
+    /// thread must not queue for a loop that is gone.
+    struct Outermost;
+    impl Drop for Outermost {
+        fn drop(&mut self) {
+            let left = QUEUED.try_with(|queued| queued.borrow_mut().take());
+            drop(left);
+        }
+    }
+    let outermost = QUEUED.try_with(move |queued| {
+        let mut queued = queued.borrow_mut();
+        match queued.as_mut() {
+            // A drop inside the outermost one's loop: queued, not dropped here.
+            Some(queue) => {
+                queue.extend(released);
+                None
+            }
+            None => {
+                *queued = Some(Vec::new());
+                Some(released)
+            }
+        }
+    });
+    // `Err`: this thread's locals are being torn down; `released` went by plain recursion.
+    let Ok(Some(mut next)) = outermost else {
+        return;
+    };
+    let _outermost = Outermost;
+    loop {
+        // Dropped with no borrow held: a last reference dropped here queues its own edges.
+        drop(next);
+        next = QUEUED.with(|queued| queued.borrow_mut().as_mut().map(std::mem::take))
+            .unwrap_or_default();
+        if next.is_empty() {
+            break;
+        }
+    }
+}
+
+/// Loom's model runs its threads on one OS thread, so a thread-local queue would be shared
+/// between them: the models' chains are short, dropped by recursion.
+#[cfg(loom)]
+fn drop_iteratively(released: Vec<Arc<dyn AnyComputed>>) {
+    drop(released);
+}
+
 impl Edges {
     /// Queues the live dependants (kept: another caller may need to walk them until the node
     /// settles). `true` when there is none.
@@ -109,18 +198,22 @@ impl Edges {
     }
 }
 
+/// The edges of a node that has one, allocated on first need ([`Node::edges`]).
+fn edges_of(slot: &mut Option<Box<Edges>>) -> &mut Edges {
+    slot.get_or_insert_with(Box::default)
+}
+
 impl Node {
-    pub(crate) fn new(name: &'static str, version: u64, counters: Arc<Counters>, now: u32) -> Self {
+    pub(crate) fn new(origin: Arc<Origin>, version: u64, now: u32) -> Self {
         Self {
             state: AtomicU8::new(COMPUTING),
             settled: AtomicBool::new(false),
             last_used: AtomicU32::new(now),
             version,
-            name,
-            counters,
-            edges: Mutex::new(Edges::default()),
+            origin,
+            edges: Mutex::new(None),
             #[cfg(not(loom))]
-            notify: tokio::sync::Notify::new(),
+            notify: once_cell::race::OnceBox::new(),
         }
     }
 
@@ -134,7 +227,7 @@ impl Node {
     }
 
     pub(crate) fn name(&self) -> &'static str {
-        self.name
+        self.origin.name
     }
 
     pub(crate) fn is_invalidated(&self) -> bool {
@@ -171,7 +264,7 @@ impl Node {
             Err(_) => {
                 // Only an invalidation can have moved us off COMPUTING; its cascade has run.
                 self.state.store(INVALIDATED, Ordering::Release);
-                let released = std::mem::take(&mut self.edges.lock().dependencies);
+                let released = self.edges.lock().as_mut().map(|e| std::mem::take(&mut e.dependencies));
                 drop(released);
                 INVALIDATED
             }
@@ -188,7 +281,11 @@ impl Node {
         }
         let node = this.node();
         node.state.store(INVALIDATED, Ordering::Release);
-        let released = std::mem::take(&mut node.edges.lock().dependencies);
+        let released = node
+            .edges
+            .lock()
+            .as_mut()
+            .map(|e| std::mem::take(&mut e.dependencies));
         drop(released);
         node.wake();
     }
@@ -224,7 +321,16 @@ impl Node {
         panic: &mut Option<Box<dyn std::any::Any + Send>>,
     ) -> bool {
         let (callbacks, dependencies, settled) = {
-            let mut edges = self.edges.lock();
+            let mut slot = self.edges.lock();
+            let Some(edges) = slot.as_mut() else {
+                // No edges: nothing to walk, release or call.
+                self.settled.store(true, Ordering::Release);
+                drop(slot);
+                self.origin.counters.record_invalidation();
+                tracing::debug!(target: "coherent::invalidate", method = self.origin.name, version = self.version, "invalidated");
+                self.wake();
+                return true;
+            };
             let dependencies = if self.state.load(Ordering::Acquire) == INVALIDATED {
                 std::mem::take(&mut edges.dependencies)
             } else {
@@ -249,8 +355,8 @@ impl Node {
                 settled,
             )
         };
-        self.counters.record_invalidation();
-        tracing::debug!(target: "coherent::invalidate", method = self.name, version = self.version, "invalidated");
+        self.origin.counters.record_invalidation();
+        tracing::debug!(target: "coherent::invalidate", method = self.origin.name, version = self.version, "invalidated");
         self.wake();
         for (_, callback) in callbacks {
             if let Some(callback) = callback {
@@ -267,7 +373,7 @@ impl Node {
     /// this caller walks them too. Nothing if it has settled meanwhile.
     fn help_invalidation(&self, pending: &mut Vec<Arc<dyn AnyComputed>>) {
         let edges = self.edges.lock();
-        if !self.is_settled() {
+        if let (false, Some(edges)) = (self.is_settled(), edges.as_ref()) {
             edges.queue_dependants(pending);
         }
     }
@@ -276,13 +382,15 @@ impl Node {
     /// dependant list: no walk needs it any more.
     fn settle(&self) {
         let released = {
-            let mut edges = self.edges.lock();
+            let mut slot = self.edges.lock();
             self.settled.store(true, Ordering::Release);
-            edges.compacted_len = 0;
-            (
-                std::mem::take(&mut edges.dependants),
-                edges.inherited.take(),
-            )
+            slot.as_mut().map(|edges| {
+                edges.compacted_len = 0;
+                (
+                    std::mem::take(&mut edges.dependants),
+                    edges.inherited.take(),
+                )
+            })
         };
         drop(released);
     }
@@ -300,12 +408,12 @@ impl Node {
     /// stops the walk at once. Called on a node nobody else can see yet (so not
     /// invalidated).
     pub(crate) fn inherit(&self, previous: Arc<dyn AnyComputed>) {
-        self.edges.lock().inherited = Some(previous);
+        edges_of(&mut self.edges.lock()).inherited = Some(previous);
     }
 
     /// Lets go of the inherited version once the caller saw it settle.
     pub(crate) fn release_inherited(&self) {
-        let inherited = self.edges.lock().inherited.take();
+        let inherited = self.edges.lock().as_mut().and_then(|e| e.inherited.take());
         drop(inherited);
     }
 
@@ -315,20 +423,21 @@ impl Node {
     pub(crate) fn inherits_unsettled(&self) -> bool {
         let edges = self.edges.lock();
         edges
-            .inherited
             .as_ref()
+            .and_then(|e| e.inherited.as_ref())
             .is_some_and(|p| !p.node().is_settled())
     }
 
     /// Records `dependant` as a user of this node. Returns `false` when this node is already
     /// invalidated: the dependant was built on a stale input and must be invalidated too.
     fn add_dependant(&self, dependant: Weak<dyn AnyComputed>) -> bool {
-        let mut edges = self.edges.lock();
+        let mut slot = self.edges.lock();
         // Checked under the lock: an invalidation flips the state first and then takes the
         // list under this lock, so either it sees our entry or we see its state.
         if self.is_invalidated() {
             return false;
         }
+        let edges = edges_of(&mut slot);
         edges.dependants.push(dependant);
         let len = edges.dependants.len();
         if len >= 16 && len >= 2 * edges.compacted_len {
@@ -343,9 +452,9 @@ impl Node {
     }
 
     fn add_dependency(&self, dependency: Arc<dyn AnyComputed>) {
-        let mut edges = self.edges.lock();
+        let mut slot = self.edges.lock();
         if self.state.load(Ordering::Acquire) != INVALIDATED {
-            edges.dependencies.push(dependency);
+            edges_of(&mut slot).dependencies.push(dependency);
         }
     }
 
@@ -353,12 +462,12 @@ impl Node {
     /// (its key then names nothing).
     pub(crate) fn add_callback(&self, callback: InvalidationCallback) -> CallbackKey {
         {
-            let mut edges = self.edges.lock();
+            let mut slot = self.edges.lock();
             // Checked under the lock, as in `add_dependant`: an invalidation flips the state
             // before it takes the list, so either it runs this callback or we do.
             if !self.is_invalidated() {
                 let key = next_callback_key();
-                let callbacks = &mut edges.callbacks;
+                let callbacks = &mut edges_of(&mut slot).callbacks;
                 if callbacks.len() == callbacks.capacity() && callbacks.len() >= 8 {
                     // Full: drop what removals left behind before growing. When that frees
                     // under half, grow anyway, so that the next compaction is at least as
@@ -384,7 +493,10 @@ impl Node {
     /// (it has run, or runs now on the invalidating thread). `true`: it will never run.
     pub(crate) fn remove_callback(&self, key: CallbackKey) -> bool {
         let removed = {
-            let mut edges = self.edges.lock();
+            let mut slot = self.edges.lock();
+            let Some(edges) = slot.as_mut() else {
+                return false;
+            };
             let callbacks = &mut edges.callbacks;
             let removed = callbacks
                 .binary_search_by_key(&key.0, |(k, _)| k.0)
@@ -405,22 +517,32 @@ impl Node {
     /// How many callbacks are registered and waiting for the invalidation.
     pub(crate) fn callback_count(&self) -> usize {
         let edges = self.edges.lock();
-        edges.callbacks.iter().filter(|(_, c)| c.is_some()).count()
+        edges
+            .as_ref()
+            .map_or(0, |e| e.callbacks.iter().filter(|(_, c)| c.is_some()).count())
     }
 
     /// How many entries the callback list holds, removed ones not compacted yet included.
     #[cfg(test)]
     fn callback_slots(&self) -> usize {
-        self.edges.lock().callbacks.len()
+        self.edges.lock().as_ref().map_or(0, |e| e.callbacks.len())
     }
 
     pub(crate) fn dependency_count(&self) -> usize {
-        self.edges.lock().dependencies.len()
+        self.edges.lock().as_ref().map_or(0, |e| e.dependencies.len())
     }
 
+    /// Wakes the waiters after a change of state. The state was written before this call and
+    /// a waiter makes the `Notify` before it reads the state: with a sequentially consistent
+    /// fence on both sides (here and in [`Node::wait_for`]), either this call sees the waiter's
+    /// `Notify`, or the waiter sees the new state. A `Notified` made before `notify_waiters`
+    /// is woken by it, registered or not (tokio's guarantee).
     #[cfg(not(loom))]
     fn wake(&self) {
-        self.notify.notify_waiters();
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if let Some(notify) = self.notify.get() {
+            notify.notify_waiters();
+        }
     }
 
     #[cfg(loom)]
@@ -429,12 +551,16 @@ impl Node {
     /// Waits until `done(state)` holds.
     #[cfg(not(loom))]
     pub(crate) async fn wait_for(&self, done: impl Fn(u8) -> bool) {
+        let notify = self
+            .notify
+            .get_or_init(|| Box::new(tokio::sync::Notify::new()));
         loop {
-            let notified = self.notify.notified();
+            let notified = notify.notified();
             let mut notified = std::pin::pin!(notified);
             // Registered before the check, so a transition between the check and the await
-            // still wakes us.
+            // still wakes us; the fence pairs with the one in `wake`.
             notified.as_mut().enable();
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
             if done(self.state()) {
                 return;
             }
@@ -559,7 +685,7 @@ mod loom_tests {
     }
 
     fn computing(name: &'static str) -> Arc<dyn AnyComputed> {
-        Arc::new(TestComputed(Node::new(name, 1, Arc::default(), 0)))
+        Arc::new(TestComputed(Node::new(Origin::new(name, Arc::default()), 1, 0)))
     }
 
     fn consistent(name: &'static str) -> Arc<dyn AnyComputed> {
@@ -756,7 +882,7 @@ mod tests {
 
     fn consistent() -> Arc<dyn AnyComputed> {
         let c: Arc<dyn AnyComputed> =
-            Arc::new(TestComputed(Node::new("test", 1, Arc::default(), 0)));
+            Arc::new(TestComputed(Node::new(Origin::new("test", Arc::default()), 1, 0)));
         assert_eq!(c.node().complete(), CONSISTENT);
         c
     }
@@ -780,7 +906,7 @@ mod tests {
     fn a_body_abandoned_while_it_panics_survives_a_panicking_callback_in_the_cascade() {
         let previous = consistent();
         let dependant: Arc<dyn AnyComputed> =
-            Arc::new(TestComputed(Node::new("test", 1, Arc::default(), 0)));
+            Arc::new(TestComputed(Node::new(Origin::new("test", Arc::default()), 1, 0)));
         record_use(&dependant, previous.clone());
         assert_eq!(dependant.node().complete(), CONSISTENT);
         dependant
@@ -789,7 +915,7 @@ mod tests {
         // Another caller won `previous` and has not walked it yet.
         assert!(previous.node().begin_invalidation());
         let this: Arc<dyn AnyComputed> =
-            Arc::new(TestComputed(Node::new("test", 1, Arc::default(), 0)));
+            Arc::new(TestComputed(Node::new(Origin::new("test", Arc::default()), 1, 0)));
         this.node().inherit(previous.clone());
         struct AbandonOnDrop(Arc<dyn AnyComputed>);
         impl Drop for AbandonOnDrop {
@@ -803,6 +929,49 @@ mod tests {
         }));
         assert!(outcome.is_err(), "the body's panic, not an abort");
         assert_eq!(dependant.node().state(), INVALIDATED);
+    }
+
+    /// What every computed carries inline (issue 32). Growing it is a decision: say why in
+    /// ARCHITECTURE.md ("What a cached result costs").
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn a_node_takes_48_bytes() {
+        assert_eq!(std::mem::size_of::<Node>(), 48);
+        assert_eq!(
+            std::mem::size_of::<crate::computed::ComputedInner<u64>>(),
+            64,
+            "a u64 result: its value and its node"
+        );
+    }
+
+    #[test]
+    fn dropping_a_chain_of_a_million_dependencies_does_not_overflow_the_stack() {
+        // Each computed holds the one before it, as a table of results each computed from the
+        // previous one would; the last holder goes, and the chain with it.
+        let mut last = consistent();
+        for _ in 0..1_000_000 {
+            let next: Arc<dyn AnyComputed> =
+                Arc::new(TestComputed(Node::new(Origin::new("test", Arc::default()), 1, 0)));
+            record_use(&next, last);
+            last = next;
+        }
+        // Run on a thread with a small stack: recursion would need a frame per link.
+        std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(move || drop(last))
+            .expect("a thread")
+            .join()
+            .expect("dropped without overflowing");
+    }
+
+    #[test]
+    fn a_leaf_invalidated_with_no_edges_settles_and_wakes() {
+        let c = consistent();
+        assert!(c.node().edges.lock().is_none(), "no edges allocated for a leaf");
+        assert!(invalidate(&*c));
+        assert!(c.node().is_settled());
+        assert!(c.node().edges.lock().is_none());
+        assert!(!invalidate(&*c));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 use crate::clock;
 use crate::computed::{BoxFuture, Computed, ComputedInner, Recompute};
-use crate::node::{self, Node};
+use crate::node::{self, Node, Origin};
 use crate::options::{ComputeOptions, OutputKind};
 use crate::registry::{next_version, Registry};
 use crate::sync::{Arc, Weak};
@@ -22,9 +22,8 @@ fn value_kind<T>(_: &T) -> OutputKind {
 
 fn new_node(name: &'static str, registry: &Registry) -> Node {
     Node::new(
-        name,
+        Origin::new(name, registry.counters().clone()),
         next_version(),
-        registry.counters().clone(),
         clock::now(),
     )
 }
@@ -75,10 +74,12 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
             let input: Recompute<T> = Arc::new(move || {
                 let state = weak.upgrade();
                 Box::pin(
-                    async move { state.map(|s| Computed::from_inner(s.current.lock().clone())) },
+                    async move {
+                        state.map(|s| Computed::from_inner(s.current.lock().clone(), s.input.clone()))
+                    },
                 )
             });
-            let first = ComputedInner::consistent(new_node(name, registry), input.clone(), value);
+            let first = ComputedInner::consistent(new_node(name, registry), value);
             MutableInner {
                 current: parking_lot::Mutex::new(first),
                 registry: registry.clone(),
@@ -102,7 +103,10 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
 
     /// The current version as a computed.
     pub fn computed(&self) -> Computed<T> {
-        Computed::from_inner(self.inner.current.lock().clone())
+        Computed::from_inner(
+            self.inner.current.lock().clone(),
+            self.inner.input.clone(),
+        )
     }
 
     /// Sets the value and invalidates everything that read the previous one. When this returns,
@@ -117,11 +121,7 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
         let (previous, next) = {
             let mut current = inner.current.lock();
             let value = f(current.value.get().expect("a state always holds a value"));
-            let next = ComputedInner::consistent(
-                new_node(inner.name, &inner.registry),
-                inner.input.clone(),
-                value,
-            );
+            let next = ComputedInner::consistent(new_node(inner.name, &inner.registry), value);
             // Until the previous version settles, invalidating this one walks it too: a
             // later update must not return while this one's cascade still runs.
             next.node.inherit(current.clone());
@@ -278,9 +278,9 @@ async fn compute_version<T: Clone + Send + Sync + 'static>(
     name: &'static str,
     registry: &Registry,
 ) -> Computed<T> {
-    let computed = ComputedInner::new(new_node(name, registry), input.clone());
+    let computed = ComputedInner::new(new_node(name, registry));
     computed.run(compute(), &STATE_OPTIONS, value_kind).await;
-    Computed::from_inner(computed)
+    Computed::from_inner(computed, input.clone())
 }
 
 /// Waits for the current version to be invalidated, then refreshes it; ends when the state is

@@ -13,7 +13,7 @@ use hashbrown::HashTable;
 
 use crate::clock;
 use crate::computed::{Computed, ComputedInner, Recompute};
-use crate::node::{self, Node, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVALIDATED};
+use crate::node::{self, Node, Origin, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVALIDATED};
 use crate::options::OutputKind;
 use crate::registry::{next_version, Prunable, Registry};
 use crate::service::MethodDescriptor;
@@ -39,6 +39,8 @@ pub struct Table<K, T> {
     method: &'static MethodDescriptor,
     classify: fn(&T) -> OutputKind,
     keep_alive_ticks: u32,
+    /// The name and counters every computed of this table points to.
+    origin: Arc<Origin>,
 }
 
 /// A cached value found by [`Table::hit`]: deref it, clone what it holds, drop it at once
@@ -95,10 +97,11 @@ where
         Self {
             map: CachePadded::new(StripedRwLock::new(HashTable::new())),
             hasher: foldhash::fast::RandomState::default(),
-            registry,
             method,
             classify,
             keep_alive_ticks: clock::to_ticks(method.options().keep_alive),
+            origin: Origin::new(method.name(), registry.counters().clone()),
+            registry,
         }
     }
 
@@ -150,19 +153,13 @@ where
     }
 
     /// The slow path of a call: waits for a running computation of the same key, or runs the
-    /// body. `input` tells the new computed how to call the method again (for
-    /// [`Computed::update`]).
-    pub async fn compute<F, Fut>(
-        &self,
-        key: K,
-        input: impl FnOnce(&K) -> Recompute<T>,
-        body: F,
-    ) -> T
+    /// body.
+    pub async fn compute<F, Fut>(&self, key: K, body: F) -> T
     where
         F: FnOnce(K) -> Fut,
         Fut: std::future::Future<Output = T>,
     {
-        let computed = self.resolve(key, input, body).await;
+        let computed = self.resolve(key, body).await;
         computed
             .value
             .get()
@@ -170,7 +167,8 @@ where
             .clone()
     }
 
-    /// Like [`compute`](Self::compute), but answers with the computed itself.
+    /// Like [`compute`](Self::compute), but answers with the computed itself; `input` tells
+    /// it how to call the method again (for [`Computed::update`]).
     pub async fn computed<F, Fut>(
         &self,
         key: K,
@@ -181,21 +179,16 @@ where
         F: FnOnce(K) -> Fut,
         Fut: std::future::Future<Output = T>,
     {
-        Computed::from_inner(self.resolve(key, input, body).await)
+        let input = input(&key);
+        Computed::from_inner(self.resolve(key, body).await, input)
     }
 
-    async fn resolve<F, Fut>(
-        &self,
-        key: K,
-        input: impl FnOnce(&K) -> Recompute<T>,
-        body: F,
-    ) -> Arc<ComputedInner<T>>
+    async fn resolve<F, Fut>(&self, key: K, body: F) -> Arc<ComputedInner<T>>
     where
         F: FnOnce(K) -> Fut,
         Fut: std::future::Future<Output = T>,
     {
         let hash = self.hasher.hash_one(&key);
-        let mut input = Some(input);
         let mut body = Some(body);
         // While the registry is fenced, only a result whose computation began after this
         // call did may answer it (computeds are numbered as they are made): one that began
@@ -208,10 +201,7 @@ where
             let mut inserted = false;
             let found = {
                 let mut map = self.map.write();
-                let mut new_computed = || {
-                    let input = input.take().expect("a call owns at most one computation");
-                    ComputedInner::new(self.new_node(), input(&key))
-                };
+                let new_computed = || ComputedInner::new(self.new_node());
                 match map.find_mut(hash, |e| e.key == key) {
                     Some(entry) => match entry.computed.node.state() {
                         CONSISTENT | COMPUTING
@@ -285,12 +275,7 @@ where
     }
 
     fn new_node(&self) -> Node {
-        Node::new(
-            self.method.name(),
-            next_version(),
-            self.registry.counters().clone(),
-            clock::now(),
-        )
+        Node::new(self.origin.clone(), next_version(), clock::now())
     }
 
     fn find(&self, key: &K) -> Option<Arc<ComputedInner<T>>> {
@@ -310,11 +295,16 @@ where
         }
     }
 
-    /// The cached computed for `key`, in whatever state it is, without calling the method.
-    pub fn existing(&self, key: &K) -> Option<Computed<T>> {
+    /// The cached computed for `key`, in whatever state it is, without calling the method;
+    /// `input` tells it how to call the method again (for [`Computed::update`]).
+    pub fn existing(
+        &self,
+        key: &K,
+        input: impl FnOnce(&K) -> Recompute<T>,
+    ) -> Option<Computed<T>> {
         self.find(key)
             .filter(|c| c.node.is_done() && c.value.get().is_some())
-            .map(Computed::from_inner)
+            .map(|c| Computed::from_inner(c, input(key)))
     }
 
     fn is_evictable(entry: &Entry<K, T>) -> bool {

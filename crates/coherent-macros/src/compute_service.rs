@@ -412,7 +412,6 @@ fn expand_method(
             ) -> ::core::pin::Pin<::std::boxed::Box<impl ::core::future::Future<Output = #output> + '_>> {
                 ::std::boxed::Box::pin(#table.compute(
                     __coherent_key,
-                    |__coherent_key| self.#input_fn(__coherent_key),
                     |#key| self.#body_name(#(#arg_names),*),
                 ))
             }
