@@ -76,7 +76,11 @@ fn postgres_processes() -> HashMap<u32, u64> {
         return out;
     };
     for entry in dir.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
             continue;
         };
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();

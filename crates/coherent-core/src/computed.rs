@@ -1,10 +1,11 @@
 //! `Computed<T>`: one version of a memoized result, with its consistency state, its output (a
 //! value or an error), a way to wait for its invalidation, and a way to get the fresh version.
 
+use std::cell::UnsafeCell;
 use std::fmt;
 use std::future::Future;
+use std::mem::MaybeUninit;
 use std::pin::Pin;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::context::{self, Capture};
@@ -28,10 +29,54 @@ pub type Recompute<T> = Arc<dyn Fn() -> BoxFuture<'static, Option<Computed<T>>> 
 /// [`Recompute`] that [`Computed::update`] needs) is not kept here but in each
 /// [`Computed`] handed out: a table makes one only when a caller asks for the computed,
 /// not for every result it caches.
+///
+/// The output is written once, by the one task that runs the body (or at birth, for a
+/// state's value), before the node says so (`Node::mark_output`, `Release`); read only
+/// after `Node::has_output` (`Acquire`). A `OnceLock` would do the same with a flag of its
+/// own, 8 bytes more per result once padded; the node has a spare byte.
 #[repr(C)]
 pub(crate) struct ComputedInner<T> {
-    pub(crate) value: OnceLock<T>,
+    value: UnsafeCell<MaybeUninit<T>>,
     pub(crate) node: Node,
+}
+
+// SAFETY: the output is written once before `has_output` is set and never again, and only
+// read through `&T` after it is set (see the type's docs): shared as a `T` would be, so as
+// thread-safe as `T` is `Sync`, and sent with the `T` it owns.
+unsafe impl<T: Send + Sync> Sync for ComputedInner<T> {}
+// SAFETY: it owns a `T` (and the node, which is `Send`).
+unsafe impl<T: Send> Send for ComputedInner<T> {}
+
+impl<T> ComputedInner<T> {
+    /// The output, once it is stored.
+    #[inline(always)]
+    pub(crate) fn output(&self) -> Option<&T> {
+        if self.node.has_output() {
+            // SAFETY: written before `has_output` was set (Release, read with Acquire), and
+            // never written again.
+            Some(unsafe { (*self.value.get()).assume_init_ref() })
+        } else {
+            None
+        }
+    }
+
+    /// Stores the output. Called once, by the one caller that owns the computation.
+    fn set_output(&self, output: T) {
+        debug_assert!(!self.node.has_output(), "an output is stored once");
+        // SAFETY: nobody reads the output before `has_output`, and only the owner of the
+        // computation writes it, once.
+        unsafe { (*self.value.get()).write(output) };
+        self.node.mark_output();
+    }
+}
+
+impl<T> Drop for ComputedInner<T> {
+    fn drop(&mut self) {
+        if self.node.has_output() {
+            // SAFETY: stored (see `has_output`), and dropped once, here.
+            unsafe { self.value.get_mut().assume_init_drop() };
+        }
+    }
 }
 
 impl<T: Send + Sync + 'static> AnyComputed for ComputedInner<T> {
@@ -44,14 +89,14 @@ impl<T: Clone + Send + Sync + 'static> ComputedInner<T> {
     pub(crate) fn new(node: Node) -> Arc<Self> {
         Arc::new(Self {
             node,
-            value: OnceLock::new(),
+            value: UnsafeCell::new(MaybeUninit::uninit()),
         })
     }
 
     /// A computed that is consistent from birth, holding `value` (used by states).
     pub(crate) fn consistent(node: Node, value: T) -> Arc<Self> {
         let this = Self::new(node);
-        let _ = this.value.set(value);
+        this.set_output(value);
         this.node.complete();
         this
     }
@@ -76,7 +121,7 @@ impl<T: Clone + Send + Sync + 'static> ComputedInner<T> {
         let mut abandon = AbandonOnDrop(Some(self.clone() as Arc<dyn AnyComputed>));
         let output = Capture::new(Some(self.clone() as Arc<dyn AnyComputed>), body).await;
         let kind = classify(&output);
-        let _ = self.value.set(output);
+        self.set_output(output);
         abandon.0 = None; // completed: nothing to abandon
         let state = self.node.complete();
         tracing::debug!(
@@ -174,15 +219,14 @@ impl<T> Clone for Computed<T> {
 
 impl<T: Clone + Send + Sync + 'static> Computed<T> {
     pub(crate) fn from_inner(inner: Arc<ComputedInner<T>>, input: Recompute<T>) -> Self {
-        debug_assert!(inner.value.get().is_some());
+        debug_assert!(inner.output().is_some());
         Self { inner, input }
     }
 
     /// The output, without recording a dependency.
     pub fn value(&self) -> &T {
         self.inner
-            .value
-            .get()
+            .output()
             .expect("a Computed handed out always holds its output")
     }
 
@@ -292,7 +336,7 @@ impl<T: fmt::Debug + Clone + Send + Sync + 'static> fmt::Debug for Computed<T> {
             .field("name", &self.name())
             .field("version", &self.version())
             .field("state", &self.state())
-            .field("value", &self.inner.value.get())
+            .field("value", &self.inner.output())
             .finish()
     }
 }

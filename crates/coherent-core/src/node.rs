@@ -79,6 +79,9 @@ pub(crate) struct Node {
     /// (see [`invalidate`]). Written under the edge lock; read without it by callers that
     /// may stop their walk here. It fills padding: `Node` keeps its size.
     settled: AtomicBool,
+    /// The computed's output is stored (see `ComputedInner::set_output`): set once, with
+    /// `Release`, after the output is written. It fills padding too.
+    has_output: AtomicBool,
     /// Coarse clock tick of the last use, written only when the tick changes.
     last_used: AtomicU32,
     version: u64,
@@ -167,7 +170,8 @@ fn drop_iteratively(released: Vec<Arc<dyn AnyComputed>>) {
     loop {
         // Dropped with no borrow held: a last reference dropped here queues its own edges.
         drop(next);
-        next = QUEUED.with(|queued| queued.borrow_mut().as_mut().map(std::mem::take))
+        next = QUEUED
+            .with(|queued| queued.borrow_mut().as_mut().map(std::mem::take))
             .unwrap_or_default();
         if next.is_empty() {
             break;
@@ -208,6 +212,7 @@ impl Node {
         Self {
             state: AtomicU8::new(COMPUTING),
             settled: AtomicBool::new(false),
+            has_output: AtomicBool::new(false),
             last_used: AtomicU32::new(now),
             version,
             origin,
@@ -224,6 +229,17 @@ impl Node {
 
     pub(crate) fn version(&self) -> u64 {
         self.version
+    }
+
+    /// Whether the output is stored; `Acquire`: the output's bytes are visible after `true`.
+    #[inline]
+    pub(crate) fn has_output(&self) -> bool {
+        self.has_output.load(Ordering::Acquire)
+    }
+
+    /// Records that the output is stored (after it was written; once).
+    pub(crate) fn mark_output(&self) {
+        self.has_output.store(true, Ordering::Release);
     }
 
     pub(crate) fn name(&self) -> &'static str {
@@ -264,7 +280,11 @@ impl Node {
             Err(_) => {
                 // Only an invalidation can have moved us off COMPUTING; its cascade has run.
                 self.state.store(INVALIDATED, Ordering::Release);
-                let released = self.edges.lock().as_mut().map(|e| std::mem::take(&mut e.dependencies));
+                let released = self
+                    .edges
+                    .lock()
+                    .as_mut()
+                    .map(|e| std::mem::take(&mut e.dependencies));
                 drop(released);
                 INVALIDATED
             }
@@ -517,9 +537,9 @@ impl Node {
     /// How many callbacks are registered and waiting for the invalidation.
     pub(crate) fn callback_count(&self) -> usize {
         let edges = self.edges.lock();
-        edges
-            .as_ref()
-            .map_or(0, |e| e.callbacks.iter().filter(|(_, c)| c.is_some()).count())
+        edges.as_ref().map_or(0, |e| {
+            e.callbacks.iter().filter(|(_, c)| c.is_some()).count()
+        })
     }
 
     /// How many entries the callback list holds, removed ones not compacted yet included.
@@ -529,7 +549,10 @@ impl Node {
     }
 
     pub(crate) fn dependency_count(&self) -> usize {
-        self.edges.lock().as_ref().map_or(0, |e| e.dependencies.len())
+        self.edges
+            .lock()
+            .as_ref()
+            .map_or(0, |e| e.dependencies.len())
     }
 
     /// Wakes the waiters after a change of state. The state was written before this call and
@@ -685,7 +708,11 @@ mod loom_tests {
     }
 
     fn computing(name: &'static str) -> Arc<dyn AnyComputed> {
-        Arc::new(TestComputed(Node::new(Origin::new(name, Arc::default()), 1, 0)))
+        Arc::new(TestComputed(Node::new(
+            Origin::new(name, Arc::default()),
+            1,
+            0,
+        )))
     }
 
     fn consistent(name: &'static str) -> Arc<dyn AnyComputed> {
@@ -881,8 +908,11 @@ mod tests {
     }
 
     fn consistent() -> Arc<dyn AnyComputed> {
-        let c: Arc<dyn AnyComputed> =
-            Arc::new(TestComputed(Node::new(Origin::new("test", Arc::default()), 1, 0)));
+        let c: Arc<dyn AnyComputed> = Arc::new(TestComputed(Node::new(
+            Origin::new("test", Arc::default()),
+            1,
+            0,
+        )));
         assert_eq!(c.node().complete(), CONSISTENT);
         c
     }
@@ -905,8 +935,11 @@ mod tests {
     #[test]
     fn a_body_abandoned_while_it_panics_survives_a_panicking_callback_in_the_cascade() {
         let previous = consistent();
-        let dependant: Arc<dyn AnyComputed> =
-            Arc::new(TestComputed(Node::new(Origin::new("test", Arc::default()), 1, 0)));
+        let dependant: Arc<dyn AnyComputed> = Arc::new(TestComputed(Node::new(
+            Origin::new("test", Arc::default()),
+            1,
+            0,
+        )));
         record_use(&dependant, previous.clone());
         assert_eq!(dependant.node().complete(), CONSISTENT);
         dependant
@@ -914,8 +947,11 @@ mod tests {
             .add_callback(Box::new(|| panic!("a callback failed")));
         // Another caller won `previous` and has not walked it yet.
         assert!(previous.node().begin_invalidation());
-        let this: Arc<dyn AnyComputed> =
-            Arc::new(TestComputed(Node::new(Origin::new("test", Arc::default()), 1, 0)));
+        let this: Arc<dyn AnyComputed> = Arc::new(TestComputed(Node::new(
+            Origin::new("test", Arc::default()),
+            1,
+            0,
+        )));
         this.node().inherit(previous.clone());
         struct AbandonOnDrop(Arc<dyn AnyComputed>);
         impl Drop for AbandonOnDrop {
@@ -939,7 +975,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<Node>(), 48);
         assert_eq!(
             std::mem::size_of::<crate::computed::ComputedInner<u64>>(),
-            64,
+            56,
             "a u64 result: its value and its node"
         );
     }
@@ -950,8 +986,11 @@ mod tests {
         // previous one would; the last holder goes, and the chain with it.
         let mut last = consistent();
         for _ in 0..1_000_000 {
-            let next: Arc<dyn AnyComputed> =
-                Arc::new(TestComputed(Node::new(Origin::new("test", Arc::default()), 1, 0)));
+            let next: Arc<dyn AnyComputed> = Arc::new(TestComputed(Node::new(
+                Origin::new("test", Arc::default()),
+                1,
+                0,
+            )));
             record_use(&next, last);
             last = next;
         }
@@ -967,7 +1006,10 @@ mod tests {
     #[test]
     fn a_leaf_invalidated_with_no_edges_settles_and_wakes() {
         let c = consistent();
-        assert!(c.node().edges.lock().is_none(), "no edges allocated for a leaf");
+        assert!(
+            c.node().edges.lock().is_none(),
+            "no edges allocated for a leaf"
+        );
         assert!(invalidate(&*c));
         assert!(c.node().is_settled());
         assert!(c.node().edges.lock().is_none());

@@ -73,11 +73,9 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
             let weak = weak.clone();
             let input: Recompute<T> = Arc::new(move || {
                 let state = weak.upgrade();
-                Box::pin(
-                    async move {
-                        state.map(|s| Computed::from_inner(s.current.lock().clone(), s.input.clone()))
-                    },
-                )
+                Box::pin(async move {
+                    state.map(|s| Computed::from_inner(s.current.lock().clone(), s.input.clone()))
+                })
             });
             let first = ComputedInner::consistent(new_node(name, registry), value);
             MutableInner {
@@ -95,18 +93,14 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
         let current = self.inner.current.lock().clone();
         current.record_use();
         current
-            .value
-            .get()
+            .output()
             .expect("a state always holds a value")
             .clone()
     }
 
     /// The current version as a computed.
     pub fn computed(&self) -> Computed<T> {
-        Computed::from_inner(
-            self.inner.current.lock().clone(),
-            self.inner.input.clone(),
-        )
+        Computed::from_inner(self.inner.current.lock().clone(), self.inner.input.clone())
     }
 
     /// Sets the value and invalidates everything that read the previous one. When this returns,
@@ -120,7 +114,7 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
         let inner = &*self.inner;
         let (previous, next) = {
             let mut current = inner.current.lock();
-            let value = f(current.value.get().expect("a state always holds a value"));
+            let value = f(current.output().expect("a state always holds a value"));
             let next = ComputedInner::consistent(new_node(inner.name, &inner.registry), value);
             // Until the previous version settles, invalidating this one walks it too: a
             // later update must not return while this one's cascade still runs.

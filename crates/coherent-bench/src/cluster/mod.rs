@@ -464,15 +464,18 @@ async fn writes_rows(settings: &Settings, timing: Timing) -> anyhow::Result<(Row
         None => row,
     };
     Ok((
-        cost(Row::new("cluster.commands", commands, "ops/s"), commands_cost)
-            .compared_to("cluster.plain_writes")
-            .in_group("cluster.writes")
-            .with("writers", WRITERS)
-            .with(
-                "commands_per_transaction",
-                (per_transaction * 100.0).round() / 100.0,
-            )
-            .with("batches_split", stats.batches_split),
+        cost(
+            Row::new("cluster.commands", commands, "ops/s"),
+            commands_cost,
+        )
+        .compared_to("cluster.plain_writes")
+        .in_group("cluster.writes")
+        .with("writers", WRITERS)
+        .with(
+            "commands_per_transaction",
+            (per_transaction * 100.0).round() / 100.0,
+        )
+        .with("batches_split", stats.batches_split),
         cost(Row::new("cluster.plain_writes", plain, "ops/s"), plain_cost)
             .in_group("cluster.writes")
             .with("in_a_transaction_ops_per_s", plain_tx.round())

@@ -219,8 +219,7 @@ pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
     report.push(
         Row::new(
             "hostile.server_bytes_per_client",
-            ((rss_with_clients - rss_without_clients) * 1024.0 * 1024.0 / clients as f64)
-                .round(),
+            ((rss_with_clients - rss_without_clients) * 1024.0 * 1024.0 / clients as f64).round(),
             "B",
         )
         .with("clients", clients)

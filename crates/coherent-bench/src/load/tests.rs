@@ -196,7 +196,9 @@ fn load_mixed_workload_checks_every_response() {
     assert!(result.p99_ms() <= result.p999_ms());
     // The server is in this process: it spent processor time on the requests, the load
     // threads' own excluded.
-    let cost = result.cpu_us_per_req().expect("a cost with LoadConfig::cost");
+    let cost = result
+        .cpu_us_per_req()
+        .expect("a cost with LoadConfig::cost");
     assert!(cost > 0.0, "{:?}", result.spent);
 }
 

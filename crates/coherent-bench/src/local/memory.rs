@@ -190,8 +190,12 @@ pub(crate) fn probe(shape: &str, keys: u64, hit_seconds: f64) -> anyhow::Result<
                 }
                 out["bytes_per_entry"] = json!((rss_bytes() - before) as f64 / keys as f64);
                 let map = Arc::new(map);
-                out["hits_per_s"] =
-                    json!(hits(keys, hit_seconds, |k| std::future::ready(*map.get(&k).expect("in"))).await);
+                out["hits_per_s"] = json!(
+                    hits(keys, hit_seconds, |k| std::future::ready(
+                        *map.get(&k).expect("in")
+                    ))
+                    .await
+                );
             }
             "moka" => {
                 let cache = moka::sync::Cache::new(keys);
@@ -201,8 +205,10 @@ pub(crate) fn probe(shape: &str, keys: u64, hit_seconds: f64) -> anyhow::Result<
                 cache.run_pending_tasks();
                 out["bytes_per_entry"] = json!((rss_bytes() - before) as f64 / keys as f64);
                 out["hits_per_s"] = json!(
-                    hits(keys, hit_seconds, |k| std::future::ready(cache.get(&k).unwrap_or(0)))
-                        .await
+                    hits(keys, hit_seconds, |k| std::future::ready(
+                        cache.get(&k).unwrap_or(0)
+                    ))
+                    .await
                 );
             }
             "quickcache" => {
@@ -212,8 +218,10 @@ pub(crate) fn probe(shape: &str, keys: u64, hit_seconds: f64) -> anyhow::Result<
                 }
                 out["bytes_per_entry"] = json!((rss_bytes() - before) as f64 / keys as f64);
                 out["hits_per_s"] = json!(
-                    hits(keys, hit_seconds, |k| std::future::ready(cache.get(&k).unwrap_or(0)))
-                        .await
+                    hits(keys, hit_seconds, |k| std::future::ready(
+                        cache.get(&k).unwrap_or(0)
+                    ))
+                    .await
                 );
             }
             other => anyhow::bail!(
@@ -250,7 +258,11 @@ fn field(value: &Value, name: &str) -> f64 {
 
 /// The `memory` rows (bytes per entry, ours and the peers') and the `scale` rows (hits and
 /// bytes per entry at three sizes; the cascade at two).
-pub(crate) fn rows(timing: Timing, report: &mut Report, bar: &indicatif::ProgressBar) -> anyhow::Result<()> {
+pub(crate) fn rows(
+    timing: Timing,
+    report: &mut Report,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<()> {
     let quick = timing.runs <= 1;
     // At least a million keys (the line), a tenth of that in a smoke run.
     let keys: u64 = if quick { 100_000 } else { 1_000_000 };
