@@ -20,6 +20,8 @@ use crate::metrics::Counters;
 use std::collections::HashSet;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
+use smallvec::SmallVec;
+
 use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU8, Mutex, Ordering, Weak};
 
 pub(crate) const COMPUTING: u8 = 0;
@@ -99,9 +101,9 @@ pub(crate) struct Node {
 struct Edges {
     /// Strong: a dependency lives as long as a computed that used it, so that invalidating it
     /// still reaches this computed.
-    dependencies: Vec<Arc<dyn AnyComputed>>,
+    dependencies: Dependencies,
     /// Weak: a dependant that was dropped or recomputed is not kept alive by its inputs.
-    dependants: Vec<Weak<dyn AnyComputed>>,
+    dependants: SmallVec<[Weak<dyn AnyComputed>; 1]>,
     /// Length of `dependants` after the last compaction; the list is compacted when it doubles.
     compacted_len: usize,
     /// In the order they were registered, so keys ascend (each is taken under this lock) and
@@ -116,6 +118,11 @@ struct Edges {
     /// [`Node::release_inherited`].
     inherited: Option<Arc<dyn AnyComputed>>,
 }
+
+/// A computed's dependencies, the first one inline: most computeds read one input, and a
+/// separate buffer for it would cost an allocation of 80 bytes and a cache miss when the
+/// cascade releases it. The same for dependants.
+type Dependencies = SmallVec<[Arc<dyn AnyComputed>; 1]>;
 
 /// A computed holds its dependencies (and the version it inherited) strongly, so dropping the
 /// last holder of a long chain (a table holding a million results, each computed from the
@@ -133,7 +140,7 @@ impl Drop for Edges {
 }
 
 #[cfg(not(loom))]
-fn drop_iteratively(released: Vec<Arc<dyn AnyComputed>>) {
+fn drop_iteratively(released: Dependencies) {
     use std::cell::RefCell;
     thread_local! {
         /// The drops queued by the outermost [`drop_iteratively`] running on this thread.
@@ -163,26 +170,27 @@ fn drop_iteratively(released: Vec<Arc<dyn AnyComputed>>) {
         }
     });
     // `Err`: this thread's locals are being torn down; `released` went by plain recursion.
-    let Ok(Some(mut next)) = outermost else {
+    let Ok(Some(released)) = outermost else {
         return;
     };
     let _outermost = Outermost;
+    // Dropped with no borrow held: a last reference dropped here queues its own edges.
+    drop(released);
     loop {
-        // Dropped with no borrow held: a last reference dropped here queues its own edges.
-        drop(next);
-        next = QUEUED
+        let next = QUEUED
             .with(|queued| queued.borrow_mut().as_mut().map(std::mem::take))
             .unwrap_or_default();
         if next.is_empty() {
             break;
         }
+        drop(next);
     }
 }
 
 /// Loom's model runs its threads on one OS thread, so a thread-local queue would be shared
 /// between them: the models' chains are short, dropped by recursion.
 #[cfg(loom)]
-fn drop_iteratively(released: Vec<Arc<dyn AnyComputed>>) {
+fn drop_iteratively(released: Dependencies) {
     drop(released);
 }
 
@@ -355,7 +363,7 @@ impl Node {
                 std::mem::take(&mut edges.dependencies)
             } else {
                 // The body still runs and may add more; `complete` releases them.
-                Vec::new()
+                Dependencies::new()
             };
             let settled = edges.queue_dependants(pending);
             let released = if settled {
@@ -367,7 +375,7 @@ impl Node {
                     edges.inherited.take(),
                 )
             } else {
-                (Vec::new(), None)
+                (Default::default(), None)
             };
             (
                 std::mem::take(&mut edges.callbacks),
@@ -973,6 +981,9 @@ mod tests {
     #[cfg(target_pointer_width = "64")]
     fn a_node_takes_48_bytes() {
         assert_eq!(std::mem::size_of::<Node>(), 48);
+        // Boxed, for a computed with an edge or a callback; one dependency and one dependant
+        // inline.
+        assert_eq!(std::mem::size_of::<Edges>(), 96);
         assert_eq!(
             std::mem::size_of::<crate::computed::ComputedInner<u64>>(),
             56,
