@@ -38,6 +38,17 @@ fn max_ws_message(config: &Config) -> usize {
     MAX_WS_MESSAGE.max(config.max_message_size as usize + crate::frame::MAX_HEADER_LEN)
 }
 
+/// The read buffer of an accepted WebSocket: a larger message reserves its own length as it
+/// arrives. tungstenite's default (128 KiB) is allocated per connection, and its read
+/// position walks through the whole of it before it starts over, so an idle tab held
+/// 128 KiB of the server's memory (issue 32: 168 KB per connected board, measured by the
+/// `hostile` suite's `server_bytes_per_client`).
+const WEBSOCKET_READ_BUFFER: usize = 4 * 1024;
+
+/// How much an accepted WebSocket's writes gather before they go to the socket: none, since
+/// the endpoint's writer already batches frames into one message per write.
+const WEBSOCKET_WRITE_BUFFER: usize = 0;
+
 /// Why an upgrade request from a web page may not open a WebSocket, or `None` when it may:
 /// no `Origin` (not a browser), the request's own origin, or one `allowed` lists.
 fn origin_refusal(allowed: &Origins, headers: &HeaderMap, uri: &Uri) -> Option<String> {
@@ -295,6 +306,9 @@ impl Endpoint {
             }
             let max = max_ws_message(config);
             let this = this.clone();
+            let ws = ws
+                .read_buffer_size(WEBSOCKET_READ_BUFFER)
+                .write_buffer_size(WEBSOCKET_WRITE_BUFFER);
             std::future::ready(ws.max_message_size(max).max_frame_size(max).on_upgrade(
                 move |socket| async move {
                     let pacer = pacer.map(|Extension(p)| p);
