@@ -47,6 +47,12 @@ unsafe impl<T: Send + Sync> Sync for ComputedInner<T> {}
 // SAFETY: it owns a `T` (and the node, which is `Send`).
 unsafe impl<T: Send> Send for ComputedInner<T> {}
 
+/// The impls above vouch for the node too: it must stay `Send` and `Sync` on its own.
+const _: () = {
+    const fn thread_safe<N: Send + Sync>() {}
+    thread_safe::<Node>();
+};
+
 impl<T> ComputedInner<T> {
     /// The output, once it is stored.
     #[inline(always)]
@@ -176,7 +182,7 @@ impl Drop for ExpireOnDrop {
 
 /// Invalidates a computing computed whose body was dropped before completing (the caller was
 /// cancelled, or the body panicked), so that callers waiting for it retry instead of hanging.
-struct AbandonOnDrop(Option<Arc<dyn AnyComputed>>);
+pub(crate) struct AbandonOnDrop(pub(crate) Option<Arc<dyn AnyComputed>>);
 
 impl Drop for AbandonOnDrop {
     fn drop(&mut self) {

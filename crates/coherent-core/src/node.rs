@@ -176,14 +176,18 @@ fn drop_iteratively(released: Dependencies) {
     let _outermost = Outermost;
     // Dropped with no borrow held: a last reference dropped here queues its own edges.
     drop(released);
+    // Two buffers in turn: the batch being dropped, and the queue its drops fill.
+    let mut batch = Vec::new();
     loop {
-        let next = QUEUED
-            .with(|queued| queued.borrow_mut().as_mut().map(std::mem::take))
-            .unwrap_or_default();
-        if next.is_empty() {
+        QUEUED.with(|queued| {
+            if let Some(queue) = queued.borrow_mut().as_mut() {
+                std::mem::swap(queue, &mut batch);
+            }
+        });
+        if batch.is_empty() {
             break;
         }
-        drop(next);
+        batch.clear();
     }
 }
 
@@ -459,6 +463,9 @@ impl Node {
     /// Records `dependant` as a user of this node. Returns `false` when this node is already
     /// invalidated: the dependant was built on a stale input and must be invalidated too.
     fn add_dependant(&self, dependant: Weak<dyn AnyComputed>) -> bool {
+        // What the compaction upgraded, dropped after the lock: the last reference to a
+        // dependant may be one of these, and its drop must not run under this node's lock.
+        let mut upgraded = Vec::new();
         let mut slot = self.edges.lock();
         // Checked under the lock: an invalidation flips the state first and then takes the
         // list under this lock, so either it sees our entry or we see its state.
@@ -471,11 +478,18 @@ impl Node {
         if len >= 16 && len >= 2 * edges.compacted_len {
             // Dependants that were dropped or already settled need no notification; without
             // this, a long-lived input read by churning dependants would grow without bound.
-            edges
-                .dependants
-                .retain(|w| w.upgrade().is_some_and(|d| !d.node().is_settled()));
+            edges.dependants.retain(|w| match w.upgrade() {
+                Some(d) => {
+                    let keep = !d.node().is_settled();
+                    upgraded.push(d);
+                    keep
+                }
+                None => false,
+            });
             edges.compacted_len = edges.dependants.len();
         }
+        drop(slot);
+        drop(upgraded);
         true
     }
 

@@ -20,12 +20,9 @@ fn value_kind<T>(_: &T) -> OutputKind {
     OutputKind::Value
 }
 
-fn new_node(name: &'static str, registry: &Registry) -> Node {
-    Node::new(
-        Origin::new(name, registry.counters().clone()),
-        next_version(),
-        clock::now(),
-    )
+/// A new version's node: one `Origin` per state, shared by all its versions.
+fn new_node(origin: &Arc<Origin>) -> Node {
+    Node::new(origin.clone(), next_version(), clock::now())
 }
 
 /// A value that compute methods can read as a dependency: setting it invalidates them.
@@ -56,8 +53,8 @@ impl<T> Clone for MutableState<T> {
 struct MutableInner<T> {
     /// A std-style mutex held only to swap the pointer; invalidation happens after release.
     current: parking_lot::Mutex<Arc<ComputedInner<T>>>,
-    registry: Registry,
-    name: &'static str,
+    /// The name and the registry's counters, shared by every version.
+    origin: Arc<Origin>,
     input: Recompute<T>,
 }
 
@@ -77,11 +74,11 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
                     state.map(|s| Computed::from_inner(s.current.lock().clone(), s.input.clone()))
                 })
             });
-            let first = ComputedInner::consistent(new_node(name, registry), value);
+            let origin = Origin::new(name, registry.counters().clone());
+            let first = ComputedInner::consistent(new_node(&origin), value);
             MutableInner {
                 current: parking_lot::Mutex::new(first),
-                registry: registry.clone(),
-                name,
+                origin,
                 input,
             }
         });
@@ -115,7 +112,7 @@ impl<T: Clone + Send + Sync + 'static> MutableState<T> {
         let (previous, next) = {
             let mut current = inner.current.lock();
             let value = f(current.output().expect("a state always holds a value"));
-            let next = ComputedInner::consistent(new_node(inner.name, &inner.registry), value);
+            let next = ComputedInner::consistent(new_node(&inner.origin), value);
             // Until the previous version settles, invalidating this one walks it too: a
             // later update must not return while this one's cascade still runs.
             next.node.inherit(current.clone());
@@ -177,8 +174,8 @@ struct StateInner<T> {
     /// Serializes recomputation, so that two refreshes never race to publish.
     refreshing: tokio::sync::Mutex<()>,
     sender: watch::Sender<T>,
-    registry: Registry,
-    name: &'static str,
+    /// The name and the registry's counters, shared by every version.
+    origin: Arc<Origin>,
     input: Recompute<T>,
     updater: parking_lot::Mutex<Option<tokio::task::AbortHandle>>,
 }
@@ -245,15 +242,15 @@ impl ComputedStateBuilder {
                 })
             })
         };
-        let first = compute_version(&compute, &input, self.name, &self.registry).await;
+        let origin = Origin::new(self.name, self.registry.counters().clone());
+        let first = compute_version(&compute, &input, &origin).await;
         let (sender, _) = watch::channel(first.value().clone());
         let inner = Arc::new(StateInner {
             compute,
             current: parking_lot::Mutex::new(first),
             refreshing: tokio::sync::Mutex::new(()),
             sender,
-            registry: self.registry,
-            name: self.name,
+            origin,
             input,
             updater: parking_lot::Mutex::new(None),
         });
@@ -269,10 +266,9 @@ const STATE_OPTIONS: ComputeOptions = ComputeOptions::DEFAULT;
 async fn compute_version<T: Clone + Send + Sync + 'static>(
     compute: &Compute<T>,
     input: &Recompute<T>,
-    name: &'static str,
-    registry: &Registry,
+    origin: &Arc<Origin>,
 ) -> Computed<T> {
-    let computed = ComputedInner::new(new_node(name, registry));
+    let computed = ComputedInner::new(new_node(origin));
     computed.run(compute(), &STATE_OPTIONS, value_kind).await;
     Computed::from_inner(computed, input.clone())
 }
@@ -307,7 +303,7 @@ impl<T: Clone + Send + Sync + 'static> StateInner<T> {
         if current.is_consistent() {
             return current;
         }
-        let next = compute_version(&self.compute, &self.input, self.name, &self.registry).await;
+        let next = compute_version(&self.compute, &self.input, &self.origin).await;
         *self.current.lock() = next.clone();
         self.sender.send_replace(next.value().clone());
         next

@@ -12,7 +12,7 @@ use crossbeam_utils::CachePadded;
 use hashbrown::HashTable;
 
 use crate::clock;
-use crate::computed::{Computed, ComputedInner, Recompute};
+use crate::computed::{AbandonOnDrop, Computed, ComputedInner, Recompute};
 use crate::node::{self, Node, Origin, COMPUTING, COMPUTING_INVALIDATED, CONSISTENT, INVALIDATED};
 use crate::options::OutputKind;
 use crate::registry::{next_version, Prunable, Registry};
@@ -20,8 +20,11 @@ use crate::service::MethodDescriptor;
 use crate::striped::{ReadGuard, StripedRwLock};
 use crate::sync::Arc;
 
-/// No stored hash: the table hashes a key again when it grows, once per entry per doubling,
-/// and every entry is 8 bytes smaller for it (issue 32).
+/// No stored hash: every entry is 8 bytes smaller for it (issue 32), and the table hashes
+/// each key again when it rehashes, under its write lock: when it grows (once per entry per
+/// doubling), and when it rehashes in place to reclaim what evictions left. For a key
+/// behind a pointer (a `String`) that is a cache miss per entry while hits wait; a key's
+/// `Hash` runs under the lock as its `Eq` always did.
 struct Entry<K, T> {
     key: K,
     computed: Arc<ComputedInner<T>>,
@@ -199,6 +202,9 @@ where
             .then(crate::registry::current_version);
         loop {
             let mut inserted = false;
+            // The version a new one replaces, dropped after the table lock: its output's drop
+            // is the user's code.
+            let mut replaced = None;
             let found = {
                 let mut map = self.map.write();
                 let new_computed = || ComputedInner::new(self.new_node());
@@ -218,7 +224,8 @@ where
                                 // invalidation of the new version must not return first.
                                 computed.node.inherit(entry.computed.clone());
                             }
-                            entry.computed = computed.clone();
+                            replaced =
+                                Some(std::mem::replace(&mut entry.computed, computed.clone()));
                             Found::Own(computed)
                         }
                     },
@@ -233,6 +240,13 @@ where
                         Found::Own(computed)
                     }
                 }
+            };
+            drop(replaced);
+            // A computation this call owns is abandoned (its waiters retry) if this call ends
+            // before its body runs: a prune below may drop user values, which may panic.
+            let mut owned = match &found {
+                Found::Own(computed) => AbandonOnDrop(Some(computed.clone() as _)),
+                _ => AbandonOnDrop(None),
             };
             if inserted {
                 // Outside the table lock: this may prune, which takes table locks.
@@ -263,8 +277,11 @@ where
                 Found::Own(computed) => {
                     self.registry.counters().record_miss();
                     let body = body.take().expect("a call owns at most one computation");
+                    let body = body(key);
+                    // `run` abandons it from here on.
+                    owned.0 = None;
                     computed
-                        .run(body(key), self.method.options(), self.classify)
+                        .run(body, self.method.options(), self.classify)
                         .await;
                     computed.record_use();
                     return computed;

@@ -37,6 +37,9 @@ const MEMORY_SHAPES: [&str; 6] = [
     "quickcache",
 ];
 
+/// The peers whose hits the `scale.hits` rows carry beside ours.
+const SCALE_PEERS: [&str; 2] = ["map", "quickcache"];
+
 /// Bytes of resident memory of this process.
 fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
@@ -308,6 +311,15 @@ pub(crate) fn rows(
         if size != sizes[0] {
             row = row.compared_to(&format!("scale.hits.{}", sizes[0]));
         }
+        // The peers at the same size: how much of the fall is any map's, once its
+        // entries no longer fit in the caches.
+        for peer in SCALE_PEERS {
+            let probe = run_probe(peer, size, hit_seconds)?;
+            row = row.with(
+                &format!("{peer}_hits_per_s"),
+                field(&probe, "hits_per_s").round(),
+            );
+        }
         report.push(row);
         bar.inc(1);
     }
@@ -333,8 +345,9 @@ pub(crate) fn rows(
         bar.inc(1);
     }
     report.note(
-        "scale: one reader over N cached u64 results (random keys, all hits), and one \
-         invalidation reaching N dependants, each in a fresh process",
+        "scale: one reader over N cached u64 results (random keys, all hits; map_hits_per_s and \
+         quickcache_hits_per_s: the peers over the same N), and one invalidation reaching N \
+         dependants, each in a fresh process",
     );
     Ok(())
 }
