@@ -186,6 +186,11 @@ pub(crate) fn format_value(value: f64) -> String {
     }
 }
 
+/// `x` to two decimals, for a row's extra fields.
+pub(crate) fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
 /// The value at fraction `p` of `sorted` (nearest rank); 0 when empty.
 pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

@@ -24,7 +24,7 @@ use tokio::net::TcpListener;
 
 use crate::load::wrk::{self, WrkScript};
 use crate::load::{self, LoadConfig, LoadResult, Request, Response, Workload};
-use crate::report::{Report, Row};
+use crate::report::{round2, Report, Row};
 use crate::Timing;
 
 const PROJECTS: usize = 20;
@@ -539,10 +539,6 @@ fn best_of<W: Workload>(
     best.errors = errors;
     best.non_2xx = non_2xx;
     Ok(best)
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
 }
 
 /// GETs every path once (16 at a time), so that every backend starts its rows with the same

@@ -354,38 +354,38 @@ impl Node {
     ) -> bool {
         let (callbacks, dependencies, settled) = {
             let mut slot = self.edges.lock();
-            let Some(edges) = slot.as_mut() else {
+            match slot.as_mut() {
                 // No edges: nothing to walk, release or call.
-                self.settled.store(true, Ordering::Release);
-                drop(slot);
-                self.origin.counters.record_invalidation();
-                tracing::debug!(target: "coherent::invalidate", method = self.origin.name, version = self.version, "invalidated");
-                self.wake();
-                return true;
-            };
-            let dependencies = if self.state.load(Ordering::Acquire) == INVALIDATED {
-                std::mem::take(&mut edges.dependencies)
-            } else {
-                // The body still runs and may add more; `complete` releases them.
-                Dependencies::new()
-            };
-            let settled = edges.queue_dependants(pending);
-            let released = if settled {
-                self.settled.store(true, Ordering::Release);
-                // Only dropped dependants left: their memory goes now.
-                edges.compacted_len = 0;
-                (
-                    std::mem::take(&mut edges.dependants),
-                    edges.inherited.take(),
-                )
-            } else {
-                (Default::default(), None)
-            };
-            (
-                std::mem::take(&mut edges.callbacks),
-                (dependencies, released),
-                settled,
-            )
+                None => {
+                    self.settled.store(true, Ordering::Release);
+                    (Vec::new(), Default::default(), true)
+                }
+                Some(edges) => {
+                    let dependencies = if self.state.load(Ordering::Acquire) == INVALIDATED {
+                        std::mem::take(&mut edges.dependencies)
+                    } else {
+                        // The body still runs and may add more; `complete` releases them.
+                        Dependencies::new()
+                    };
+                    let settled = edges.queue_dependants(pending);
+                    let released = if settled {
+                        self.settled.store(true, Ordering::Release);
+                        // Only dropped dependants left: their memory goes now.
+                        edges.compacted_len = 0;
+                        (
+                            std::mem::take(&mut edges.dependants),
+                            edges.inherited.take(),
+                        )
+                    } else {
+                        (Default::default(), None)
+                    };
+                    (
+                        std::mem::take(&mut edges.callbacks),
+                        (dependencies, released),
+                        settled,
+                    )
+                }
+            }
         };
         self.origin.counters.record_invalidation();
         tracing::debug!(target: "coherent::invalidate", method = self.origin.name, version = self.version, "invalidated");

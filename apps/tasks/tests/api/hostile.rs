@@ -711,8 +711,6 @@ async fn calls_over_rpc_share_their_address_rate() {
 async fn a_client_that_stops_reading_loses_its_connection() {
     use std::sync::atomic::Ordering;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let limits = coherent_tasks::app::HttpLimits {
         write_stall_timeout: std::time::Duration::from_millis(300),
         ..Default::default()
@@ -720,13 +718,7 @@ async fn a_client_that_stops_reading_loses_its_connection() {
     // 64 MiB: more than the socket buffers of both ends hold.
     let router =
         axum::Router::new().route("/big", axum::routing::get(|| async { vec![7u8; 64 << 20] }));
-    let stats = std::sync::Arc::new(coherent_tasks::app::HttpStats::default());
-    let serving = tokio::spawn(coherent_tasks::app::serve_http_counted(
-        listener,
-        router,
-        limits,
-        stats.clone(),
-    ));
+    let (addr, stats, serving) = serve_counted(router, limits).await;
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
         .await
@@ -804,11 +796,25 @@ async fn serve_direct(
     tokio::task::JoinHandle<anyhow::Result<()>>,
 ) {
     let db = Db::sqlite();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let router = coherent_tasks::app::direct_router(&db.config)
         .await
         .unwrap();
+    let (addr, stats, serving) = serve_counted(router, limits).await;
+    (db, addr, stats, serving)
+}
+
+/// `router` served on a loopback port with `limits`: the address, what the limits counted,
+/// the task.
+async fn serve_counted(
+    router: axum::Router,
+    limits: coherent_tasks::app::HttpLimits,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<coherent_tasks::app::HttpStats>,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
     let stats = std::sync::Arc::new(coherent_tasks::app::HttpStats::default());
     let serving = tokio::spawn(coherent_tasks::app::serve_http_counted(
         listener,
@@ -816,5 +822,5 @@ async fn serve_direct(
         limits,
         stats.clone(),
     ));
-    (db, addr, stats, serving)
+    (addr, stats, serving)
 }

@@ -65,7 +65,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::local::store::{create_users, now_micros, to_i64, Store, PG_UPDATE};
 use crate::local::Ids;
-use crate::report::{percentile, progress, Report, Row};
+use crate::report::{percentile, progress, round2, Report, Row};
 use crate::Timing;
 use board::{now_us, Board, Floors};
 pub(crate) use host::HostArgs;
@@ -514,10 +514,6 @@ where
         total += task.await??;
     }
     Ok((total as f64 / started.elapsed().as_secs_f64(), total))
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
 }
 
 /// Runs the suite.

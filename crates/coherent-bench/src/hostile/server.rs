@@ -262,25 +262,9 @@ impl Proc {
         std::fs::write(format!("/proc/{}/clear_refs", self.0), "5").is_ok()
     }
 
-    /// User + system CPU time so far, in seconds (`/proc/PID/stat` fields 14 and 15).
+    /// User + system CPU time so far, in seconds (see [`crate::cpu::pid_cpu`]); 0 once the
+    /// process is gone.
     pub(crate) fn cpu_seconds(self) -> f64 {
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", self.0)) else {
-            return 0.0;
-        };
-        // After the command name (in parentheses, which may hold spaces): field 3 onwards.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            return 0.0;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let ticks = |i: usize| {
-            fields
-                .get(i)
-                .and_then(|f| f.parse::<u64>().ok())
-                .unwrap_or(0)
-        };
-        // `rest` starts at field 3 (state): utime is field 14, stime 15.
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-        (ticks(14 - 3) + ticks(15 - 3)) as f64 / hz
+        crate::cpu::pid_cpu(self.0).map_or(0.0, |t| t.as_secs_f64())
     }
 }

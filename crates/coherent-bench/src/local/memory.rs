@@ -3,7 +3,7 @@
 //!
 //! Each figure comes from a fresh process (`coherent-bench memory-probe SHAPE --keys N`), so
 //! that no earlier case's heap (freed but kept by the allocator) hides a later one's growth:
-//! the probe reads its resident set (`/proc/self/statm`) before building anything and again
+//! the probe reads its resident set (`VmRSS`) before building anything and again
 //! after `N` results are cached, and prints the difference divided by `N`. Shapes:
 //! - `coherent.leaf`: a compute method `u64 -> u64` with no dependency, called for `N` keys;
 //! - `coherent.node_leaf`: a method calling that leaf for its key (one edge): `N` pairs, so the
@@ -41,16 +41,8 @@ const MEMORY_SHAPES: [&str; 6] = [
 const SCALE_PEERS: [&str; 2] = ["map", "quickcache"];
 
 /// Bytes of resident memory of this process.
-fn rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    pages * page.max(1) as u64
+fn rss_bytes() -> f64 {
+    crate::hostile::server::Proc(std::process::id()).rss_mb() * 1024.0 * 1024.0
 }
 
 /// The results under test: a leaf, a node over it, a DAG of fan-in 4, and a root with its
@@ -93,19 +85,6 @@ impl Shapes {
     }
 }
 
-/// A cheap deterministic key in `0..n`.
-struct Keys(u64);
-
-impl Keys {
-    #[inline]
-    fn next(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) % n
-    }
-}
-
 /// Reads `n` keys at random from `get` for `seconds`: hits per second.
 async fn hits<F, Fut>(n: u64, seconds: f64, mut get: F) -> f64
 where
@@ -115,14 +94,14 @@ where
     if seconds <= 0.0 {
         return 0.0;
     }
-    let mut keys = Keys(0x9E37_79B9_7F4A_7C15);
+    let mut keys = super::Ids(0x9E37_79B9_7F4A_7C15);
     let deadline = Duration::from_secs_f64(seconds);
     let started = Instant::now();
     let mut calls = 0u64;
     let mut sum = 0u64;
     while started.elapsed() < deadline {
         for _ in 0..1024 {
-            sum = sum.wrapping_add(std::hint::black_box(get(keys.next(n)).await));
+            sum = sum.wrapping_add(std::hint::black_box(get(keys.below(n)).await));
         }
         calls += 1024;
     }
@@ -157,7 +136,7 @@ pub(crate) fn probe(shape: &str, keys: u64, hit_seconds: f64) -> anyhow::Result<
                         _ => shapes.dependant(key).await,
                     });
                 }
-                out["bytes_per_entry"] = json!((rss_bytes() - before) as f64 / keys as f64);
+                out["bytes_per_entry"] = json!((rss_bytes() - before) / keys as f64);
                 match shape {
                     "coherent.leaf" => {
                         out["hits_per_s"] =
@@ -191,7 +170,7 @@ pub(crate) fn probe(shape: &str, keys: u64, hit_seconds: f64) -> anyhow::Result<
                 for key in 0..keys {
                     map.insert(key, key.wrapping_mul(0x9E37_79B9_7F4A_7C15));
                 }
-                out["bytes_per_entry"] = json!((rss_bytes() - before) as f64 / keys as f64);
+                out["bytes_per_entry"] = json!((rss_bytes() - before) / keys as f64);
                 let map = Arc::new(map);
                 out["hits_per_s"] = json!(
                     hits(keys, hit_seconds, |k| std::future::ready(
@@ -206,7 +185,7 @@ pub(crate) fn probe(shape: &str, keys: u64, hit_seconds: f64) -> anyhow::Result<
                     cache.insert(key, key.wrapping_mul(0x9E37_79B9_7F4A_7C15));
                 }
                 cache.run_pending_tasks();
-                out["bytes_per_entry"] = json!((rss_bytes() - before) as f64 / keys as f64);
+                out["bytes_per_entry"] = json!((rss_bytes() - before) / keys as f64);
                 out["hits_per_s"] = json!(
                     hits(keys, hit_seconds, |k| std::future::ready(
                         cache.get(&k).unwrap_or(0)
@@ -219,7 +198,7 @@ pub(crate) fn probe(shape: &str, keys: u64, hit_seconds: f64) -> anyhow::Result<
                 for key in 0..keys {
                     cache.insert(key, key.wrapping_mul(0x9E37_79B9_7F4A_7C15));
                 }
-                out["bytes_per_entry"] = json!((rss_bytes() - before) as f64 / keys as f64);
+                out["bytes_per_entry"] = json!((rss_bytes() - before) / keys as f64);
                 out["hits_per_s"] = json!(
                     hits(keys, hit_seconds, |k| std::future::ready(
                         cache.get(&k).unwrap_or(0)
@@ -301,16 +280,7 @@ pub(crate) fn rows(
     for &size in sizes {
         bar.set_message(format!("scale.hits.{size}"));
         let probe = run_probe("coherent.leaf", size, hit_seconds)?;
-        let mut row = Row::new(
-            format!("scale.hits.{size}"),
-            field(&probe, "hits_per_s"),
-            "calls/s",
-        )
-        .with("bytes_per_entry", field(&probe, "bytes_per_entry"))
-        .in_group("scale.hits");
-        if size != sizes[0] {
-            row = row.compared_to(&format!("scale.hits.{}", sizes[0]));
-        }
+        let mut row = scale_row("hits", size, sizes[0], &probe, "hits_per_s", "calls/s");
         // The peers at the same size: how much of the fall is any map's, once its
         // entries no longer fit in the caches.
         for peer in SCALE_PEERS {
@@ -331,17 +301,14 @@ pub(crate) fn rows(
     for &size in cascades {
         bar.set_message(format!("scale.cascade.{size}"));
         let probe = run_probe("coherent.cascade", size, 0.0)?;
-        let mut row = Row::new(
-            format!("scale.cascade.{size}"),
-            field(&probe, "cascade_ms"),
+        report.push(scale_row(
+            "cascade",
+            size,
+            cascades[0],
+            &probe,
+            "cascade_ms",
             "ms",
-        )
-        .with("bytes_per_entry", field(&probe, "bytes_per_entry"))
-        .in_group("scale.cascade");
-        if size != cascades[0] {
-            row = row.compared_to(&format!("scale.cascade.{}", cascades[0]));
-        }
-        report.push(row);
+        ));
         bar.inc(1);
     }
     report.note(
@@ -350,6 +317,26 @@ pub(crate) fn rows(
          dependants, each in a fresh process",
     );
     Ok(())
+}
+
+/// `scale.KIND.SIZE`: the probe's `value` field, its bytes per entry, compared with the
+/// smallest size's row.
+fn scale_row(
+    kind: &str,
+    size: u64,
+    smallest: u64,
+    probe: &Value,
+    value: &str,
+    unit: &'static str,
+) -> Row {
+    let row = Row::new(format!("scale.{kind}.{size}"), field(probe, value), unit)
+        .with("bytes_per_entry", field(probe, "bytes_per_entry"))
+        .in_group(&format!("scale.{kind}"));
+    if size == smallest {
+        row
+    } else {
+        row.compared_to(&format!("scale.{kind}.{smallest}"))
+    }
 }
 
 /// The number of progress steps [`rows`] takes.

@@ -35,13 +35,20 @@ const MUTATOR_PERIOD: Duration = Duration::from_millis(10);
 pub(crate) struct Ids(pub(crate) u64);
 
 impl Ids {
+    /// A user's id, in `1..=USERS`.
     #[inline]
     pub(crate) fn next(&mut self) -> u64 {
+        self.below(USERS) + 1
+    }
+
+    /// A number in `0..n` (`n` at most 2^32).
+    #[inline]
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         // xorshift64*
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) % USERS + 1
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) % n
     }
 }
 
