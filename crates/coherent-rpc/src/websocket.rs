@@ -42,8 +42,9 @@ fn max_ws_message(config: &Config) -> usize {
 /// arrives. tungstenite's default (128 KiB) is allocated per connection, and its read
 /// position walks through the whole of it before it starts over, so an idle tab held
 /// 128 KiB of the server's memory (issue 32: 168 KB per connected board, measured by the
-/// `hostile` suite's `server_bytes_per_client`).
-const WEBSOCKET_READ_BUFFER: usize = 4 * 1024;
+/// `hostile` suite's `server_bytes_per_client`). Each read of the socket takes at most this
+/// much: a browser's frames (calls, acknowledgements) are far smaller.
+const WEBSOCKET_READ_BUFFER: usize = 2 * 1024;
 
 /// How much an accepted WebSocket's writes gather before they go to the socket: none, since
 /// the endpoint's writer already batches frames into one message per write.

@@ -53,7 +53,12 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     let answer_within = shared.early.as_ref().map(|e| e.lock().within);
     let mut answer_due = answer_within.map(|d| Box::pin(tokio::time::sleep(d)));
     let mut large: Option<Large> = None;
-    let mut buffers = ReadBuffers::default();
+    // The handshake's buffer (4 KiB) is let go of as soon as it is empty: a connection
+    // starts quiet.
+    let mut buffers = ReadBuffers {
+        shrink: true,
+        ..ReadBuffers::default()
+    };
     // The low-water mark asked of the socket, and whether it must wake at every byte.
     let (mut marked, mut every_byte) = (0u32, false);
     let reason = 'conn: loop {
@@ -112,9 +117,13 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             uncork = false;
             shared.uncork();
         }
-        if large.is_none() && buf.capacity() - buf.len() < 4096 {
+        if large.is_none() && buffers.shrink(&buf) {
+            buf = BytesMut::with_capacity(QUIET_BUFFER);
+        }
+        if large.is_none() && buf.capacity() - buf.len() < buffers.low_water() {
             buf.reserve(buffers.size());
         }
+        let room = buf.capacity() - buf.len();
         // While a large frame arrives, the socket need not wake this task before a good part
         // of its rest is queued (see `Due`); after a keep-alive tick, it wakes at every byte
         // until some arrive, so that a slow sender is not taken for a dead one.
@@ -133,7 +142,7 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                 Ok(0) => break (RpcError::disconnected("the other side closed the connection"), false),
                 Ok(n) => {
                     if large.is_none() {
-                        buffers.read(n);
+                        buffers.read(n, room);
                     }
                     shared.counters.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
                     last_recv = tokio::time::Instant::now();
@@ -163,7 +172,7 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     shared.shutdown(reason.0, reason.1);
 }
 
-/// How much the reader reserves when its buffer is full.
+/// How much the reader reserves when its buffer is (nearly) full.
 ///
 /// Frames are split off the read buffer and handed on without a copy, so a buffer's memory
 /// lives until the last of its frames is dropped, often on another thread; glibc then takes
@@ -172,42 +181,90 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
 /// buffers instead of 64 KiB: a quarter of the buffers to allocate and free, and fewer frames
 /// cut in two (whose start is copied to the next buffer). Streaming 100-byte items
 /// (`examples/streams 16 100`, medians of six runs in turns): 19.6M -> 20.4M items/s,
-/// `madvise` calls halved. A quiet connection keeps the small buffer.
+/// `madvise` calls halved.
+///
+/// A quiet connection (a browser tab holding replicas: a few small frames a minute) reads
+/// into 1 KiB: a 64 KiB buffer for each of ten thousand of them would be most of what the
+/// server holds for them (issue 32, `hostile.server_bytes_per_client`). A read that fills
+/// all the room it had (more may be waiting) moves a quiet connection up to 64 KiB at once.
 #[derive(Default)]
 struct ReadBuffers {
-    /// Short reads in a row since the last long one.
+    /// Reads in a row since the last one that kept the connection at its level.
     calm: u32,
-    busy: bool,
+    level: Level,
+    /// Gone quiet: the larger buffer is to be let go of once it holds nothing.
+    shrink: bool,
+}
+
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    /// Small reads, far apart: [`QUIET_BUFFER`].
+    #[default]
+    Quiet,
+    /// Reads that filled their buffer: [`BATCH`].
+    Active,
+    /// Reads of [`BUSY_READ`] and more: [`BUSY_BUFFER`].
+    Busy,
 }
 
 /// A read at least this long makes a connection busy.
 const BUSY_READ: usize = 32 * 1024;
 /// The read buffer of a busy connection.
 const BUSY_BUFFER: usize = 256 * 1024;
-/// Short reads in a row after which a busy connection is quiet again.
+/// The read buffer of a quiet connection.
+const QUIET_BUFFER: usize = 1024;
+/// Reads in a row below its level after which a connection goes down one level.
 const CALM_READS: u32 = 16;
 
 impl ReadBuffers {
-    /// Counts a read of `n` bytes.
-    fn read(&mut self, n: usize) {
-        if n >= BUSY_READ {
-            self.busy = true;
+    /// Counts a read of `n` bytes into `room` bytes of free buffer.
+    fn read(&mut self, n: usize, room: usize) {
+        let level = if n >= BUSY_READ {
+            Level::Busy
+        } else if n >= room {
+            Level::Active
+        } else {
+            Level::Quiet
+        };
+        if level >= self.level {
+            self.level = level;
             self.calm = 0;
-        } else if self.busy {
+        } else {
             self.calm += 1;
             if self.calm >= CALM_READS {
-                self.busy = false;
+                self.calm = 0;
+                self.level = match self.level {
+                    Level::Busy => Level::Active,
+                    _ => Level::Quiet,
+                };
+                self.shrink = self.level == Level::Quiet;
             }
         }
     }
 
     /// What a full buffer reserves.
     fn size(&self) -> usize {
-        if self.busy {
-            BUSY_BUFFER
-        } else {
-            BATCH
+        match self.level {
+            Level::Quiet => QUIET_BUFFER,
+            Level::Active => BATCH,
+            Level::Busy => BUSY_BUFFER,
         }
+    }
+
+    /// Whether `buf`, quiet again and empty, is to be replaced by a small one: else a
+    /// long-lived connection that once read a burst would walk its 64 KiB over the hours,
+    /// every page of it resident.
+    fn shrink(&mut self, buf: &BytesMut) -> bool {
+        if !self.shrink || !buf.is_empty() {
+            return false;
+        }
+        self.shrink = false;
+        buf.capacity() > QUIET_BUFFER
+    }
+
+    /// Less free room than this, and the buffer reserves [`size`](Self::size) more.
+    fn low_water(&self) -> usize {
+        self.size().min(4 * 4096) / 4
     }
 }
 
@@ -513,25 +570,46 @@ mod tests {
     #[test]
     fn a_connection_reads_into_big_buffers_while_its_reads_come_in_bulk() {
         let mut b = ReadBuffers::default();
-        assert_eq!(b.size(), BATCH, "quiet at first");
-        b.read(BUSY_READ - 1);
-        assert_eq!(b.size(), BATCH, "a short read changes nothing");
-        b.read(BUSY_READ);
+        assert_eq!(b.size(), QUIET_BUFFER, "quiet at first");
+        assert_eq!(b.low_water(), QUIET_BUFFER / 4);
+        b.read(100, QUIET_BUFFER);
+        assert_eq!(b.size(), QUIET_BUFFER, "a short read changes nothing");
+        b.read(QUIET_BUFFER, QUIET_BUFFER);
+        assert_eq!(
+            b.size(),
+            BATCH,
+            "a read that filled its room: more may wait"
+        );
+        assert_eq!(b.low_water(), 4096);
+        b.read(BUSY_READ - 1, BATCH);
+        assert_eq!(b.size(), BATCH, "not yet a bulk read");
+        b.read(BUSY_READ, BATCH);
         assert_eq!(b.size(), BUSY_BUFFER);
         for _ in 1..CALM_READS {
-            b.read(100);
+            b.read(100, BUSY_BUFFER);
         }
         assert_eq!(
             b.size(),
             BUSY_BUFFER,
             "busy until enough short reads in a row"
         );
-        b.read(BUSY_READ);
+        b.read(BUSY_READ, BUSY_BUFFER);
         for _ in 1..CALM_READS {
-            b.read(100);
+            b.read(100, BUSY_BUFFER);
         }
         assert_eq!(b.size(), BUSY_BUFFER, "a long read starts the count again");
-        b.read(100);
-        assert_eq!(b.size(), BATCH, "quiet again");
+        b.read(100, BUSY_BUFFER);
+        assert_eq!(b.size(), BATCH, "down one level");
+        let big = BytesMut::with_capacity(BATCH);
+        assert!(!b.shrink(&big), "not quiet yet");
+        for _ in 0..CALM_READS {
+            b.read(100, BATCH);
+        }
+        assert_eq!(b.size(), QUIET_BUFFER, "quiet again");
+        let mut holding = BytesMut::with_capacity(BATCH);
+        holding.extend_from_slice(b"part of a frame");
+        assert!(!b.shrink(&holding), "not while it holds bytes");
+        assert!(b.shrink(&big), "the big buffer goes once empty");
+        assert!(!b.shrink(&big), "once");
     }
 }

@@ -42,6 +42,9 @@ pub(super) const BATCH: usize = 64 * 1024;
 /// event can add their frames to the batch (a wake-up costs more than a short wait).
 const SMALL_BATCH: usize = 4 * 1024;
 
+/// The most `WriteSide::carry` keeps once written: lone frames are mostly small.
+const CARRY_KEPT: usize = 1024;
+
 /// An encoded frame waiting for the writer, or an order to it.
 pub(crate) enum Out {
     Frame {
@@ -88,6 +91,11 @@ impl WriteSide {
                 std::task::Poll::Ready(Err(e)) => return std::task::Poll::Ready(Err(e)),
                 std::task::Poll::Pending => return std::task::Poll::Pending,
             }
+        }
+        if self.carry.capacity() > CARRY_KEPT {
+            // A large answer written alone (a replica's first value) would otherwise keep
+            // its size here for the connection's life.
+            self.carry = Vec::new();
         }
         self.corked = false;
         std::task::Poll::Ready(Ok(()))
@@ -441,10 +449,27 @@ async fn write_batches(
     // Grown as batches need (up to about `BATCH`), not allocated at full size: most
     // connections write little, and freeing a 64 KiB buffer per connection made glibc give
     // the memory back to the kernel each time (an `madvise` and a TLB shootdown, which
-    // interrupts the other cores: counted with `strace -c` on `examples/connect`).
-    let mut buf: Vec<u8> = Vec::with_capacity(SMALL_BATCH);
+    // interrupts the other cores: counted with `strace -c` on `examples/connect`). And
+    // let go of while nothing waits (see `WriteBuffer`).
+    let mut buf: Vec<u8> = Vec::new();
+    let mut sizing = WriteBuffer::default();
     let stall = shared.settings.write_stall_timeout;
-    while let Some(first) = rx.recv().await {
+    loop {
+        let first = match rx.try_recv() {
+            Ok(m) => m,
+            Err(_) => {
+                if sizing.idle(&buf) {
+                    buf = Vec::new();
+                }
+                match rx.recv().await {
+                    Some(m) => m,
+                    None => break,
+                }
+            }
+        };
+        if buf.capacity() == 0 {
+            buf.reserve(SMALL_BATCH);
+        }
         let mut items = 1;
         let mut stop = match append(&mut buf, first, taken) {
             None => false,
@@ -469,6 +494,7 @@ async fn write_batches(
                 break;
             }
         }
+        sizing.wrote(buf.len());
         flush(&mut wr, &mut buf, stall).await?;
         let written = std::mem::take(taken);
         shared
@@ -487,6 +513,35 @@ async fn write_batches(
         }
     }
     Ok(())
+}
+
+/// When the writer lets go of its batch buffer: a connection that has nothing to write
+/// holds none (a browser tab's connection waits minutes between invalidations; ten
+/// thousand 4 KiB buffers are 40 MB), unless its recent batches were large, where
+/// allocating and freeing a large buffer at every pause would cost more than the write
+/// (see `write_batches`): then after [`CALM_BATCHES`] small ones in a row.
+#[derive(Default)]
+struct WriteBuffer {
+    calm: u32,
+}
+
+/// Batches of at most [`SMALL_BATCH`] in a row after which a grown buffer is let go of.
+const CALM_BATCHES: u32 = 16;
+
+impl WriteBuffer {
+    /// Counts a batch of `len` bytes.
+    fn wrote(&mut self, len: usize) {
+        if len > SMALL_BATCH {
+            self.calm = 0;
+        } else {
+            self.calm = self.calm.saturating_add(1);
+        }
+    }
+
+    /// Whether `buf` is to be let go of now that nothing waits to be written.
+    fn idle(&mut self, buf: &Vec<u8>) -> bool {
+        buf.capacity() > 0 && (buf.capacity() <= SMALL_BATCH || self.calm >= CALM_BATCHES)
+    }
 }
 
 /// Appends a frame to the batch when none of its parts is written on its own (the usual
@@ -629,5 +684,31 @@ pub(super) async fn wait_for_room(s: &Shared) {
             break;
         }
         drained.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_quiet_connection_holds_no_batch_buffer() {
+        let mut sizing = WriteBuffer::default();
+        assert!(!sizing.idle(&Vec::new()), "nothing to let go of");
+        let mut small = Vec::with_capacity(SMALL_BATCH);
+        sizing.wrote(100);
+        assert!(sizing.idle(&small), "a small buffer goes at every pause");
+        small.reserve(BATCH);
+        sizing.wrote(BATCH);
+        assert!(
+            !sizing.idle(&small),
+            "a grown one stays while batches are large"
+        );
+        for _ in 1..CALM_BATCHES {
+            sizing.wrote(100);
+        }
+        assert!(!sizing.idle(&small));
+        sizing.wrote(100);
+        assert!(sizing.idle(&small), "and goes after enough small ones");
     }
 }
