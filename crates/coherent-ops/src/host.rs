@@ -164,6 +164,10 @@ pub struct HostStats {
     /// alone. The other hosts apply those operations from the log and acknowledge them
     /// then; the command waits for them as for any other.
     pub notices_dropped: u64,
+    /// Notices of this host's commands not sent because it knew no other live host (see
+    /// the crate's docs, "A host alone"): a command that nobody else needs to hear of
+    /// costs no `NOTIFY` (nor NATS message).
+    pub notices_skipped: u64,
     /// Acknowledgements this host did not send, for the same reasons: the host whose
     /// command it was waits out its [`HostBuilder::acknowledgements`] (and counts it in
     /// its `ack_timeouts`), then does not wait for this host until it hears from it.
@@ -198,6 +202,7 @@ struct Counters {
     log_waits: AtomicU64,
     log_wait_timeouts: AtomicU64,
     commits_retried: AtomicU64,
+    notices_skipped: AtomicU64,
 }
 
 /// An acknowledgement: `from` applied these operations of the host it is sent to.
@@ -1214,6 +1219,7 @@ impl Host {
             acks_waiting,
             notify_queued,
             notices_dropped: r(&self.inner.outbox.notices_dropped),
+            notices_skipped: r(&c.notices_skipped),
             acks_dropped: r(&self.inner.outbox.acks_dropped),
         }
     }
@@ -1479,6 +1485,20 @@ impl Inner {
     }
 
     /// Registers a command's wait for the other live hosts' acknowledgements, if it waits.
+    /// Whether no other host may need this host's notices now: it keeps its peers (the
+    /// acknowledgements are on) and knows none. Asked under the publisher's lock, as a
+    /// hello is answered: a host that joins is fenced until every live host welcomes it,
+    /// and reads the log once welcomed, so an operation whose notice was skipped before
+    /// the welcome (it committed before) is in what it reads; after the welcome, the
+    /// joiner is a peer and the notices go. One that lifts its fence without this host's
+    /// welcome (it waited [`HostBuilder::acknowledgements`]'s rejoin time out: this host
+    /// paused or cut off) was never waited for by this host's commands, notified or not;
+    /// it applies what this host skipped at its next read of the log (every poll
+    /// interval) instead of at the notice.
+    fn alone(&self, publisher: &Publisher) -> bool {
+        self.acknowledgements.is_some() && publisher.acks() && self.peers.lock().is_empty()
+    }
+
     fn expect_acks(&self, id: i64, publisher: &Publisher) -> Option<AckWait> {
         self.acknowledgements?;
         let sends = publisher.sends()?.clone();
@@ -2222,18 +2242,26 @@ impl<C: Command> Job for TypedJob<C> {
                 let publisher = inner.publisher.lock();
                 // Registered before the notice goes: an acknowledgement cannot come first.
                 let mut acks = inner.expect_acks(id, &publisher);
-                let seq = publisher.publish(Notice {
-                    id,
-                    position,
-                    host: inner.id.clone(),
-                    committed_at,
-                    op: Some(NoticeOp {
-                        kind: C::NAME.to_owned(),
-                        command: job.command_json,
-                        output: output_json,
-                    }),
-                    seq: 0,
-                });
+                let seq = if inner.alone(&publisher) {
+                    inner
+                        .counters
+                        .notices_skipped
+                        .fetch_add(1, Ordering::Relaxed);
+                    0
+                } else {
+                    publisher.publish(Notice {
+                        id,
+                        position,
+                        host: inner.id.clone(),
+                        committed_at,
+                        op: Some(NoticeOp {
+                            kind: C::NAME.to_owned(),
+                            command: job.command_json,
+                            output: output_json,
+                        }),
+                        seq: 0,
+                    })
+                };
                 if let Some(wait) = &mut acks {
                     wait.seq = seq;
                     wait.position = position;

@@ -31,6 +31,17 @@
 //! ordering argument in `db.rs` and ARCHITECTURE.md). Old operations are trimmed once every
 //! live host has passed them.
 //!
+//! # A host alone
+//!
+//! A host that keeps its peers (acknowledgements on, a notifier that carries them) and
+//! knows no other live host sends no notice for its commands: nobody would read it, and
+//! on PostgreSQL each is a `NOTIFY` that wakes the listening connections
+//! ([`HostStats::notices_skipped`]). A host that joins is fenced until every live host has
+//! welcomed it; a host answers a hello, and decides to skip a notice, under the same lock,
+//! so every operation whose notice it skipped committed before its welcome went out, and
+//! the joiner, reading the log once welcomed, has it. From the welcome on, the joiner is a
+//! peer: notified and waited for.
+//!
 //! Remote clients send commands over Coherent RPC ([`CommandServer`], [`CommandClient`]);
 //! the answer returns after the invalidation ran on the host that ran the command, and
 //! the other live hosts acknowledged it.

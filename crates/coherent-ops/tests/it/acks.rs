@@ -330,3 +330,89 @@ async fn postgres_a_notice_that_does_not_go_out_is_waited_for_through_the_log_by
     b.stop().await;
     drop(a);
 }
+
+/// A host that knows no other live host sends no notices (no `NOTIFY`, no NATS message:
+/// nobody would read them). A host that joins while it writes misses none of its
+/// operations: it is fenced (it answers from the database) until the lone host has
+/// welcomed it, and the welcome comes after every notice that host skipped, each of whose
+/// operations committed before it, so that the joiner's read of the log has them; from
+/// then on the first host notifies it and waits for it, as for any peer.
+async fn a_host_alone_skips_its_notices_and_a_joining_host_misses_nothing(
+    db: Database,
+    notifier: impl Fn(HostBuilder) -> HostBuilder,
+) {
+    let configure = |b: HostBuilder| notifier(b).acknowledgements(Some(PATIENT));
+    let (a, items_a) = host(&db, &configure).await;
+    wait_until(|| a.notifier_connected()).await;
+    for value in 1..=10 {
+        a.run(SetValue { id: 1, value }).await.unwrap();
+    }
+    assert_eq!(items_a.value(1).await, Ok(10));
+    let alone = a.stats();
+    assert_eq!(alone.peers, 0);
+    assert_eq!(alone.notices_skipped, 10, "{alone:?}");
+
+    // A writes on while B joins.
+    let a = std::sync::Arc::new(a);
+    let writing = tokio::spawn({
+        let a = a.clone();
+        async move {
+            for value in 1..=300 {
+                a.run(SetValue { id: 2, value }).await.unwrap();
+            }
+        }
+    });
+    let (b, items_b) = host(&db, &configure).await;
+    // Fenced or not, B never answers a value older than the last one A answered.
+    wait_until(|| !b.is_fenced()).await;
+    wait_until(|| a.stats().peers == 1).await;
+    for round in 1..=30 {
+        a.run(SetValue {
+            id: 3,
+            value: round,
+        })
+        .await
+        .unwrap();
+        assert_eq!(items_b.value(3).await, Ok(round), "B, round {round}");
+        assert_eq!(items_b.value(1).await, Ok(10), "a skipped notice's write");
+    }
+    writing.await.unwrap();
+    assert_eq!(
+        items_b.value(2).await,
+        Ok(300),
+        "the writes made while B joined"
+    );
+    let joined = a.stats();
+    assert!(
+        joined.notices_skipped < alone.notices_skipped + 300,
+        "A notified B once it knew it: {joined:?}"
+    );
+    assert_eq!(joined.ack_timeouts, 0);
+    b.stop().await;
+    // Alone again once B said goodbye.
+    wait_until(|| a.stats().peers == 0).await;
+    let before = a.stats().notices_skipped;
+    a.run(SetValue { id: 1, value: 11 }).await.unwrap();
+    assert_eq!(a.stats().notices_skipped, before + 1);
+    a.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_host_alone_skips_its_notices_and_a_joining_host_misses_nothing() {
+    let Some(db) = postgres_db("alone").await else {
+        return;
+    };
+    a_host_alone_skips_its_notices_and_a_joining_host_misses_nothing(db, |b| b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_host_alone_skips_its_notices_and_a_joining_host_misses_nothing_by_nats() {
+    let Some(url) = nats_url() else { return };
+    let Some(db) = postgres_db("alone_nats").await else {
+        return;
+    };
+    a_host_alone_skips_its_notices_and_a_joining_host_misses_nothing(db, move |b| {
+        b.notifier(Notifier::Nats(url.clone()))
+    })
+    .await;
+}
