@@ -191,12 +191,17 @@ impl LiveBackend {
             .merge(web::files(dir))
     }
 
-    /// Everything this backend serves over HTTP: the API (`/api`, a tier of this backend,
+    /// The API (`/api`) served by a tier in this process ([`LiveTier::in_process`]): its
+    /// reads are computed from this backend's results, its writes are commands run on this
+    /// backend's host, with no connection between.
+    pub fn api_router(&self) -> axum::Router {
+        api::router(Arc::new(LiveTier::in_process(&self.backend, &self.host)))
+    }
+
+    /// Everything this backend serves over HTTP: the API ([`api_router`](Self::api_router),
     /// since the page writes through it) beside [`web_router_in`](Self::web_router_in)`(dir)`.
     pub async fn http_router(&self, dir: PathBuf) -> anyhow::Result<axum::Router> {
-        Ok(live_router(&[self.addr])
-            .await?
-            .merge(self.web_router_in(dir)))
+        Ok(self.api_router().merge(self.web_router_in(dir)))
     }
 
     /// Stops serving and leaves the cluster.

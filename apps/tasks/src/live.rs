@@ -341,11 +341,51 @@ pub fn commands(
         .command::<CreateProject>(backend.clone())
 }
 
-/// The HTTP tier's cache: each answer's JSON and entity tag, computed from the replicas.
+/// The HTTP tier's cache: each answer's JSON and entity tag, computed from the replicas
+/// (or, in the backend's process, from its results).
 #[derive(Clone, ComputeService)]
 pub struct Views {
     handle: ServiceHandle,
-    api: TasksServiceClient,
+    api: Source,
+}
+
+/// What [`Views`] are computed from.
+#[derive(Clone)]
+enum Source {
+    /// Replicas of a backend's results.
+    Remote(TasksServiceClient),
+    /// The backend's results, in this process.
+    Local(TasksBackend),
+}
+
+impl Source {
+    async fn task(&self, id: Uuid) -> Result<Option<Arc<Task>>, ApiError> {
+        match self {
+            Self::Remote(c) => c.task(id).await,
+            Self::Local(b) => b.task(id).await,
+        }
+    }
+
+    async fn page(&self, q: ListQuery) -> Result<Arc<Page>, ApiError> {
+        match self {
+            Self::Remote(c) => c.page(q).await,
+            Self::Local(b) => b.page(q).await,
+        }
+    }
+
+    async fn summary(&self, project: Uuid) -> Result<Option<Summary>, ApiError> {
+        match self {
+            Self::Remote(c) => c.summary(project).await,
+            Self::Local(b) => b.summary(project).await,
+        }
+    }
+
+    async fn projects(&self) -> Result<Arc<Vec<Project>>, ApiError> {
+        match self {
+            Self::Remote(c) => c.projects().await,
+            Self::Local(b) => b.projects().await,
+        }
+    }
 }
 
 #[compute_service]
@@ -381,23 +421,57 @@ impl Views {
     }
 }
 
-/// An HTTP tier of the `coherent` backend: reads from replicas, writes as commands, both over
-/// one connection to a backend.
+/// An HTTP tier of the `coherent` backend: reads from the backend's compute service, writes
+/// as its commands. Over one connection to a backend in another process (replicas kept
+/// coherent by its pushed invalidations, commands over RPC), or in the backend's own
+/// process ([`LiveTier::in_process`]: the tier calls the compute service and runs commands
+/// on the host directly, with no socket and no replica between).
 pub struct LiveTier<C> {
     views: Views,
-    commands: CommandClient<C>,
+    commands: Commands<C>,
+}
+
+/// Where a tier's commands run.
+enum Commands<C> {
+    /// On a backend at the other end of a connection.
+    Remote(CommandClient<C>),
+    /// On the host of this process.
+    Local(coherent::ops::Host),
+}
+
+impl<C: Caller> Commands<C> {
+    async fn run<K: Command>(&self, command: K) -> Result<K::Output, ApiError> {
+        match self {
+            Self::Remote(client) => client.run(&command).await,
+            Self::Local(host) => host.run(command).await,
+        }
+        .map_err(api_error)
+    }
 }
 
 impl LiveTier<Reconnecting> {
     /// A tier over `client`'s connection, its cache in `registry`.
     pub fn new(client: RemoteClient, registry: &Registry) -> Self {
-        let commands = CommandClient::new(client.caller());
+        let commands = Commands::Remote(CommandClient::new(client.caller()));
         Self {
             views: Views {
                 handle: ServiceHandle::with_registry(registry),
-                api: TasksServiceClient::new(client),
+                api: Source::Remote(TasksServiceClient::new(client)),
             },
             commands,
+        }
+    }
+
+    /// A tier in the process of `backend`, whose commands `host` runs: its views are
+    /// computed from `backend`'s results in the same registry, so a command's
+    /// invalidation reaches them before `host.run` returns, as it reaches the backend's.
+    pub fn in_process(backend: &TasksBackend, host: &coherent::ops::Host) -> Self {
+        Self {
+            views: Views {
+                handle: ServiceHandle::with_registry(backend.handle.registry()),
+                api: Source::Local(backend.clone()),
+            },
+            commands: Commands::Local(host.clone()),
         }
     }
 }
@@ -420,31 +494,19 @@ impl<C: Caller + Send + Sync + 'static> Backend for LiveTier<C> {
     }
 
     async fn create(&self, new: NewTask) -> Result<Task, ApiError> {
-        self.commands
-            .run(&CreateTask { new })
-            .await
-            .map_err(api_error)
+        self.commands.run(CreateTask { new }).await
     }
 
     async fn update(&self, id: Uuid, patch: TaskPatch) -> Result<Task, ApiError> {
-        self.commands
-            .run(&UpdateTask { id, patch })
-            .await
-            .map_err(api_error)
+        self.commands.run(UpdateTask { id, patch }).await
     }
 
     async fn delete(&self, id: Uuid) -> Result<(), ApiError> {
-        self.commands
-            .run(&DeleteTask { id })
-            .await
-            .map_err(api_error)?;
+        self.commands.run(DeleteTask { id }).await?;
         Ok(())
     }
 
     async fn create_project(&self, new: NewProject) -> Result<Project, ApiError> {
-        self.commands
-            .run(&CreateProject { new })
-            .await
-            .map_err(api_error)
+        self.commands.run(CreateProject { new }).await
     }
 }

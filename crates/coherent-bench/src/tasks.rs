@@ -33,7 +33,16 @@ const TASKS: usize = 10_000;
 const HOT: usize = 1_000;
 /// Tasks in a `--quick` run (a smoke test: the warm-up sweep asks each one).
 const QUICK_TASKS: usize = 1_000;
-const BACKENDS: [&str; 3] = ["direct", "grpc", "coherent"];
+/// `coherent` is the Tasks app's tier in its backend's process (`LiveBackend::api_router`:
+/// views over the backend's results, commands run on its host); `coherent_rpc` a tier over
+/// a loopback connection to the same backend (replicas, commands over RPC), as a tier in
+/// a process of its own runs: its rows are get_one and mixed only (see [`measured`]).
+const BACKENDS: [&str; 4] = ["direct", "grpc", "coherent", "coherent_rpc"];
+
+/// Whether `backend` has a `name` row.
+fn measured(name: &str, backend: &str) -> bool {
+    backend != "coherent_rpc" || matches!(name, "get_one" | "mixed")
+}
 
 /// Runs the suite.
 pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<Report> {
@@ -76,8 +85,8 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
         let wanted = |name: &str| only.is_empty() || name.contains(only);
         let any = ["get_list", "get_one", "summary", "post", "mixed"]
             .iter()
-            .flat_map(|n| BACKENDS.map(|b| format!("{prefix}.{n}.{b}")))
-            .any(|n| wanted(&n));
+            .flat_map(|n| BACKENDS.map(|b| (n, b)))
+            .any(|(n, b)| measured(n, b) && wanted(&format!("{prefix}.{n}.{b}")));
         if !any {
             continue;
         }
@@ -98,6 +107,7 @@ pub(crate) fn run(timing: Timing, with_wrk: bool, only: &str) -> anyhow::Result<
         config(timing).connections,
         crate::report::cores()
     ));
+    report.note("coherent: the Tasks app's tier in its backend's process (LiveBackend::api_router, as `tasks serve` runs it: views over the backend's results, commands on its host, no socket between); coherent_rpc (get_one and mixed): a tier over one loopback connection to the same backend (replicas and commands over RPC), as a tier in a process of its own runs");
     report.note("get_one.static: a handler answering every GET with one stored task's JSON, through the same HTTP stack and load generator: the ceiling of any backend's reads on this machine");
     report.note("order: every backend's reads and mixed rows, then every backend's post row, the tasks each created deleted (and the table vacuumed) before the next");
     report.note("cpu_us_per_req: processor time of everything that serves the row (this process less the load generator's threads, and every PostgreSQL process) over the measured window, divided by its requests; db_cpu_us_per_req: PostgreSQL's share (see cpu.rs)");
@@ -165,8 +175,9 @@ async fn start_servers(db: &DbConfig, tasks: usize) -> anyhow::Result<Servers> {
         addrs.push((name, serve(router).await?));
     }
     let live = LiveBackend::start(db, TcpListener::bind("127.0.0.1:0").await?, None).await?;
+    addrs.push(("coherent", serve(live.api_router()).await?));
     addrs.push((
-        "coherent",
+        "coherent_rpc",
         serve(app::live_router(&[live.addr]).await?).await?,
     ));
     Ok(Servers {
@@ -322,7 +333,8 @@ fn measure(
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let wanted = |name: &str, backend: &str| {
-        only.is_empty() || format!("{prefix}.{name}.{backend}").contains(only)
+        measured(name, backend)
+            && (only.is_empty() || format!("{prefix}.{name}.{backend}").contains(only))
     };
     let servers = runtime
         .block_on(start_servers(db, task_count(timing)))
@@ -502,11 +514,13 @@ fn measure(
                 .and_then(|r| r.extra.get("cpu_us_per_req"))
                 .and_then(serde_json::Value::as_f64)
         };
-        if let (Some(ours), Some(direct)) = (cost("coherent"), cost("direct")) {
-            report.note(format!(
-                "{prefix}.{name}: cpu_us_per_req coherent / direct = {:.2} ({ours:.1} / {direct:.1} us)",
-                ours / direct
-            ));
+        for tier in ["coherent", "coherent_rpc"] {
+            if let (Some(ours), Some(direct)) = (cost(tier), cost("direct")) {
+                report.note(format!(
+                    "{prefix}.{name}: cpu_us_per_req {tier} / direct = {:.2} ({ours:.1} / {direct:.1} us)",
+                    ours / direct
+                ));
+            }
         }
     }
     Ok(())
