@@ -1484,10 +1484,11 @@ impl Inner {
         }
     }
 
-    /// Registers a command's wait for the other live hosts' acknowledgements, if it waits.
-    /// Whether no other host may need this host's notices now: it keeps its peers (the
-    /// acknowledgements are on) and knows none. Asked under the publisher's lock, as a
-    /// hello is answered: a host that joins is fenced until every live host welcomes it,
+    /// Registers a command's wait for the other live hosts' acknowledgements, if it waits;
+    /// and says whether the host is alone: no other host may need its notices now, since it
+    /// keeps its peers (the acknowledgements are on) and knows none. Both from one look at
+    /// the peers (a peer dropped between two looks would be waited for and not notified).
+    /// Asked under the publisher's lock, as a hello is answered: a host that joins is fenced until every live host welcomes it,
     /// and reads the log once welcomed, so an operation whose notice was skipped before
     /// the welcome (it committed before) is in what it reads; after the welcome, the
     /// joiner is a peer and the notices go. One that lifts its fence without this host's
@@ -1495,13 +1496,13 @@ impl Inner {
     /// paused or cut off) was never waited for by this host's commands, notified or not;
     /// it applies what this host skipped at its next read of the log (every poll
     /// interval) instead of at the notice.
-    fn alone(&self, publisher: &Publisher) -> bool {
-        self.acknowledgements.is_some() && publisher.acks() && self.peers.lock().is_empty()
-    }
-
-    fn expect_acks(&self, id: i64, publisher: &Publisher) -> Option<AckWait> {
-        self.acknowledgements?;
-        let sends = publisher.sends()?.clone();
+    fn expect_acks(&self, id: i64, publisher: &Publisher) -> (Option<AckWait>, bool) {
+        if self.acknowledgements.is_none() || !publisher.acks() {
+            return (None, false);
+        }
+        let Some(sends) = publisher.sends().cloned() else {
+            return (None, false);
+        };
         let mut pending = HashSet::new();
         let mut skipped = false;
         for (host, peer) in self.peers.lock().iter() {
@@ -1512,7 +1513,7 @@ impl Inner {
             }
         }
         if pending.is_empty() && !skipped {
-            return None;
+            return (None, true);
         }
         let (done, rx) = oneshot::channel();
         let waits = !pending.is_empty();
@@ -1527,16 +1528,19 @@ impl Inner {
                 },
             );
         }
-        Some(AckWait {
-            id,
-            done: rx,
-            waiting: Arc::downgrade(&self.waiting),
-            seq: 0,
-            position: 0,
-            sends,
-            skipped,
-            waits,
-        })
+        (
+            Some(AckWait {
+                id,
+                done: rx,
+                waiting: Arc::downgrade(&self.waiting),
+                seq: 0,
+                position: 0,
+                sends,
+                skipped,
+                waits,
+            }),
+            false,
+        )
     }
 
     /// Waits for a command's acknowledgements: first for its notice to go out (at most
@@ -2241,8 +2245,8 @@ impl<C: Command> Job for TypedJob<C> {
                 });
                 let publisher = inner.publisher.lock();
                 // Registered before the notice goes: an acknowledgement cannot come first.
-                let mut acks = inner.expect_acks(id, &publisher);
-                let seq = if inner.alone(&publisher) {
+                let (mut acks, alone) = inner.expect_acks(id, &publisher);
+                let seq = if alone {
                     inner
                         .counters
                         .notices_skipped

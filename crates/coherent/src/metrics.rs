@@ -73,6 +73,7 @@
 //! | `coherent_ops_log_waits_total` | counter | `host` | commands whose notice did not go out, that waited for the other hosts to read the log past them |
 //! | `coherent_ops_log_wait_timeouts_total` | counter | `host` | of those, the ones that answered before every live host had read that far |
 //! | `coherent_ops_notices_dropped_total` | counter | `host` | notices not sent with their operation (the notifying queue full, or too large) |
+//! | `coherent_ops_notices_skipped_total` | counter | `host` | notices not sent because the host knew no other live host |
 //! | `coherent_ops_acks_dropped_total` | counter | `host` | acknowledgements not sent (the notifying queue full) |
 //! | `coherent_ops_peers` | gauge | `host` | other live hosts that commands wait for now |
 //! | `coherent_ops_acks_waiting` | gauge | `host` | this host's commands waiting for acknowledgements now |
@@ -280,6 +281,7 @@ impl Observer {
                 ("coherent_ops_log_waits_total", s.log_waits),
                 ("coherent_ops_log_wait_timeouts_total", s.log_wait_timeouts),
                 ("coherent_ops_notices_dropped_total", s.notices_dropped),
+                ("coherent_ops_notices_skipped_total", s.notices_skipped),
                 ("coherent_ops_acks_dropped_total", s.acks_dropped),
             ];
             for (metric, value) in counters {

@@ -227,6 +227,10 @@ impl ReadBuffers {
             Level::Quiet
         };
         if level >= self.level {
+            if level > self.level {
+                // Busier again before the old buffer was let go of: keep it.
+                self.shrink = false;
+            }
             self.level = level;
             self.calm = 0;
         } else {
@@ -253,13 +257,15 @@ impl ReadBuffers {
 
     /// Whether `buf`, quiet again and empty, is to be replaced by a small one: else a
     /// long-lived connection that once read a burst would walk its 64 KiB over the hours,
-    /// every page of it resident.
+    /// every page of it resident. Whatever `buf.capacity()` says: that is the room left
+    /// past its read position, not the allocation, which `reserve` takes back whole once
+    /// the frames split off it are dropped.
     fn shrink(&mut self, buf: &BytesMut) -> bool {
         if !self.shrink || !buf.is_empty() {
             return false;
         }
         self.shrink = false;
-        buf.capacity() > QUIET_BUFFER
+        true
     }
 
     /// Less free room than this, and the buffer reserves [`size`](Self::size) more.
@@ -611,5 +617,15 @@ mod tests {
         assert!(!b.shrink(&holding), "not while it holds bytes");
         assert!(b.shrink(&big), "the big buffer goes once empty");
         assert!(!b.shrink(&big), "once");
+        for _ in 0..CALM_READS {
+            b.read(100, QUIET_BUFFER);
+        }
+        b.read(QUIET_BUFFER, QUIET_BUFFER);
+        assert_eq!(b.size(), BATCH);
+        for _ in 0..CALM_READS {
+            b.read(100, BATCH);
+        }
+        b.read(QUIET_BUFFER, QUIET_BUFFER);
+        assert!(!b.shrink(&big), "busier again before it was empty: kept");
     }
 }

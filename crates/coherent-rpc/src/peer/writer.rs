@@ -44,6 +44,8 @@ const SMALL_BATCH: usize = 4 * 1024;
 
 /// The most `WriteSide::carry` keeps once written: lone frames are mostly small.
 const CARRY_KEPT: usize = 1024;
+/// A `carry` up to this large is let go of once written (a larger one is kept).
+const CARRY_FREED: usize = 16 * 1024;
 
 /// An encoded frame waiting for the writer, or an order to it.
 pub(crate) enum Out {
@@ -92,9 +94,12 @@ impl WriteSide {
                 std::task::Poll::Pending => return std::task::Poll::Pending,
             }
         }
-        if self.carry.capacity() > CARRY_KEPT {
-            // A large answer written alone (a replica's first value) would otherwise keep
-            // its size here for the connection's life.
+        if (CARRY_KEPT + 1..=CARRY_FREED).contains(&self.carry.capacity()) {
+            // A larger answer written alone (a replica's first value) would otherwise keep
+            // its size here for the connection's life. Not one over `CARRY_FREED`: freeing
+            // that at every answer may make glibc give memory back to the kernel each time
+            // (see `write_batches`), and a connection that answers such values keeps
+            // needing the room.
             self.carry = Vec::new();
         }
         self.corked = false;
