@@ -172,7 +172,11 @@ export class Connection {
         if (done) return;
         done = true;
         clearTimeout(timeout);
-        ws.onopen = ws.onmessage = ws.onclose = ws.onerror = null;
+        ws.onopen = ws.onmessage = ws.onclose = null;
+        // Not `null`: the `ws` package answers a close before the connection opened (a
+        // handshake that timed out while connecting) with an "error" event a tick later,
+        // and an event emitter with no listener for it throws, ending the Node process.
+        ws.onerror = () => {};
         try {
           ws.close(code, closeText(e));
         } catch {

@@ -167,3 +167,43 @@ test("frames queued in one turn go out in messages of at most about 1 MiB", asyn
   assert.ok(socket.sent.length >= 5, `${socket.sent.length} messages`);
   conn.close();
 });
+
+/** A socket that never opens, and that answers a close while connecting as the `ws`
+ * package does: with an "error" event a tick later, which nobody may leave unheard (an
+ * event emitter with no listener for "error" throws, ending the process). */
+class NeverOpens implements WebSocketLike {
+  static last: NeverOpens | undefined;
+  binaryType = "arraybuffer";
+  readyState = 0;
+  bufferedAmount = 0;
+  onopen: ((ev: unknown) => void) | null = null;
+  onmessage: ((ev: { data: unknown }) => void) | null = null;
+  onclose: ((ev: { code: number; reason: string }) => void) | null = null;
+  onerror: ((ev: unknown) => void) | null = null;
+  unheardError = false;
+  constructor(_url: string) {
+    NeverOpens.last = this;
+  }
+  send(): void {
+    throw new Error("not open");
+  }
+  close(): void {
+    if (this.readyState !== 0) return;
+    this.readyState = 2;
+    setTimeout(() => {
+      if (this.onerror) this.onerror(new Error("WebSocket was closed before the connection was established"));
+      else this.unheardError = true;
+      this.readyState = 3;
+    }, 0);
+  }
+}
+
+test("a handshake that times out while connecting rejects, and the socket's late error is heard", async () => {
+  await assert.rejects(
+    Connection.open("ws://fake", { WebSocket: NeverOpens, handshakeTimeoutMs: 20 }),
+    (e: unknown) => e instanceof RpcError && /no handshake answer/.test(e.message),
+  );
+  await new Promise((r) => setTimeout(r, 10));
+  assert.equal(NeverOpens.last!.readyState, 3);
+  assert.equal(NeverOpens.last!.unheardError, false, "an error event with no listener would end a Node process");
+});
