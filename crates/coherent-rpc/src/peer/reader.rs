@@ -56,7 +56,7 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     // The handshake's buffer (4 KiB) is let go of as soon as it is empty: a connection
     // starts quiet.
     let mut buffers = ReadBuffers {
-        shrink: true,
+        gone_quiet: true,
         ..ReadBuffers::default()
     };
     // The low-water mark asked of the socket, and whether it must wake at every byte.
@@ -193,7 +193,7 @@ struct ReadBuffers {
     calm: u32,
     level: Level,
     /// Gone quiet: the larger buffer is to be let go of once it holds nothing.
-    shrink: bool,
+    gone_quiet: bool,
 }
 
 #[derive(Clone, Copy, Default, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -229,7 +229,7 @@ impl ReadBuffers {
         if level >= self.level {
             if level > self.level {
                 // Busier again before the old buffer was let go of: keep it.
-                self.shrink = false;
+                self.gone_quiet = false;
             }
             self.level = level;
             self.calm = 0;
@@ -241,7 +241,7 @@ impl ReadBuffers {
                     Level::Busy => Level::Active,
                     _ => Level::Quiet,
                 };
-                self.shrink = self.level == Level::Quiet;
+                self.gone_quiet = self.level == Level::Quiet;
             }
         }
     }
@@ -261,11 +261,11 @@ impl ReadBuffers {
     /// past its read position, not the allocation, which `reserve` takes back whole once
     /// the frames split off it are dropped.
     fn shrink(&mut self, buf: &BytesMut) -> bool {
-        if !self.shrink || !buf.is_empty() {
-            return false;
+        let now = self.gone_quiet && buf.is_empty();
+        if now {
+            self.gone_quiet = false;
         }
-        self.shrink = false;
-        true
+        now
     }
 
     /// Less free room than this, and the buffer reserves [`size`](Self::size) more.
