@@ -198,12 +198,60 @@ fn drop_iteratively(released: Dependencies) {
     drop(released);
 }
 
+/// How many computeds ahead of the one it works on a cascade asks for: a walk over dependants
+/// spread through memory (a million of them, out of every cache) would otherwise wait for each
+/// one's cache misses in turn, since the reference-count updates between them are locked
+/// instructions that let no later load start early.
+const PREFETCH_AHEAD: usize = 8;
+
+/// Asks the processor to bring a computed's reference counts and node (`data` is the pointer
+/// an `Arc` or `Weak` of it holds) into cache. A hint: it reads nothing and never faults,
+/// whatever the address.
+#[inline(always)]
+fn prefetch(data: *const ()) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let data = data.cast::<i8>();
+        // SAFETY: a prefetch dereferences nothing. The counts lie just before the data, the
+        // node after the value: for small values, the one or two lines these two addresses
+        // fall in.
+        #[allow(unused_unsafe)]
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(data.wrapping_sub(16));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
+/// Drops a released dependant list, asking for each entry's counts a few entries ahead.
+fn release_dependants(list: SmallVec<[Weak<dyn AnyComputed>; 1]>) {
+    let mut rest = list.into_iter();
+    loop {
+        if let Some(ahead) = rest.as_slice().get(PREFETCH_AHEAD) {
+            prefetch(Weak::as_ptr(ahead).cast());
+        }
+        match rest.next() {
+            Some(dependant) => drop(dependant),
+            None => break,
+        }
+    }
+}
+
 impl Edges {
     /// Queues the live dependants (kept: another caller may need to walk them until the node
     /// settles). `true` when there is none.
     fn queue_dependants(&self, pending: &mut Vec<Arc<dyn AnyComputed>>) -> bool {
         let before = pending.len();
-        pending.extend(self.dependants.iter().filter_map(Weak::upgrade));
+        let dependants = &self.dependants[..];
+        pending.reserve(dependants.len());
+        for (i, dependant) in dependants.iter().enumerate() {
+            if let Some(ahead) = dependants.get(i + PREFETCH_AHEAD) {
+                prefetch(Weak::as_ptr(ahead).cast());
+            }
+            pending.extend(dependant.upgrade());
+        }
         pending.extend(
             self.inherited
                 .iter()
@@ -424,7 +472,10 @@ impl Node {
                 )
             })
         };
-        drop(released);
+        if let Some((dependants, inherited)) = released {
+            release_dependants(dependants);
+            drop(inherited);
+        }
     }
 
     /// Invalidated, with its whole cascade done.
@@ -671,6 +722,9 @@ fn walk(
     let mut walked: Vec<Arc<dyn AnyComputed>> = Vec::new();
     let mut seen: Option<HashSet<usize>> = None;
     while let Some(next) = pending.pop() {
+        if let Some(ahead) = pending.len().checked_sub(PREFETCH_AHEAD) {
+            prefetch(Arc::as_ptr(&pending[ahead]).cast());
+        }
         let node = next.node();
         if node.begin_invalidation() {
             if node.finish_invalidation(&mut pending, panic) {
