@@ -71,6 +71,8 @@ pub struct LiveBackend {
     pub remote: RemoteServer,
     /// Its RPC endpoint: replicas of `TasksService` and the commands.
     endpoint: Endpoint,
+    /// The registry of its cache (and of the in-process tier's views).
+    registry: Registry,
     serving: JoinHandle<()>,
 }
 
@@ -160,8 +162,20 @@ impl LiveBackend {
             backend,
             remote,
             endpoint,
+            registry,
             serving,
         })
+    }
+
+    /// What [`Metrics`] reports of this backend, each labelled `backend`: its cache
+    /// (`registry`), its endpoint (`endpoint`), the replicas it serves (`server`) and its
+    /// operation host (`host`).
+    pub fn observer(&self) -> coherent::metrics::Observer {
+        coherent::metrics::Observer::new()
+            .registry("backend", &self.registry)
+            .endpoint("backend", &self.endpoint)
+            .remote_server("backend", &self.remote)
+            .host("backend", &self.host)
     }
 
     /// Its RPC endpoint (the one that listens on [`addr`](Self::addr)): replicas of
@@ -314,6 +328,123 @@ pub struct HttpStats {
     /// Connections closed because a write to them waited
     /// [`HttpLimits::write_stall_timeout`] for room (the client read nothing).
     pub writes_stalled: AtomicU64,
+    /// Connections open now, WebSocket upgrades included: at
+    /// [`HttpLimits::max_connections`] the server accepts no more until one closes.
+    pub connections_open: AtomicU64,
+}
+
+impl HttpStats {
+    /// Sets the [`metrics`](coherent::metrics) facade's counters and gauge to these counts,
+    /// labelled `server = name`; give it to [`Observer::source`](coherent::metrics::Observer::source)
+    /// (as [`Metrics::new`] does):
+    ///
+    /// | metric | kind | what |
+    /// |---|---|---|
+    /// | `coherent_tasks_http_requests_paced_total` | counter | [`requests_paced`](Self::requests_paced) |
+    /// | `coherent_tasks_http_requests_refused_total` | counter | [`requests_refused`](Self::requests_refused) (429) |
+    /// | `coherent_tasks_http_connections_refused_per_ip_total` | counter | [`connections_refused_per_ip`](Self::connections_refused_per_ip) |
+    /// | `coherent_tasks_http_writes_stalled_total` | counter | [`writes_stalled`](Self::writes_stalled) |
+    /// | `coherent_tasks_http_connections_open` | gauge | [`connections_open`](Self::connections_open) |
+    pub fn record(&self, name: &str) {
+        let label = [("server", name.to_owned())];
+        let read = |n: &AtomicU64| n.load(Ordering::Relaxed);
+        metrics::counter!("coherent_tasks_http_requests_paced_total", &label)
+            .absolute(read(&self.requests_paced));
+        metrics::counter!("coherent_tasks_http_requests_refused_total", &label)
+            .absolute(read(&self.requests_refused));
+        metrics::counter!(
+            "coherent_tasks_http_connections_refused_per_ip_total",
+            &label
+        )
+        .absolute(read(&self.connections_refused_per_ip));
+        metrics::counter!("coherent_tasks_http_writes_stalled_total", &label)
+            .absolute(read(&self.writes_stalled));
+        metrics::gauge!("coherent_tasks_http_connections_open", &label)
+            .set(read(&self.connections_open) as f64);
+    }
+}
+
+/// Counts a connection in [`HttpStats::connections_open`] while it lives.
+struct Open(Arc<HttpStats>);
+
+impl Open {
+    fn new(stats: &Arc<HttpStats>) -> Self {
+        stats.connections_open.fetch_add(1, Ordering::Relaxed);
+        Self(stats.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.connections_open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The process's counters in Prometheus' text format, read at each scrape: whatever its
+/// [`Observer`](coherent::metrics::Observer) watches (the cache, the RPC endpoint, the
+/// replicas' server, the operation host) and the HTTP servers' [`HttpStats`].
+///
+/// It records into a recorder of its own, not the process's global one: two of them (two
+/// servers in one test process) do not fight over it, and an application that installed
+/// another exporter keeps it.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<MetricsInner>,
+}
+
+struct MetricsInner {
+    recorder: metrics_exporter_prometheus::PrometheusRecorder,
+    handle: metrics_exporter_prometheus::PrometheusHandle,
+    observer: coherent::metrics::Observer,
+}
+
+impl Metrics {
+    /// What `observer` watches, and each `(name, stats)` of `http` labelled `server = name`.
+    pub fn new(
+        observer: coherent::metrics::Observer,
+        http: impl IntoIterator<Item = (&'static str, Arc<HttpStats>)>,
+    ) -> Self {
+        let observer = http.into_iter().fold(observer, |observer, (name, stats)| {
+            observer.source(move || stats.record(name))
+        });
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        Self {
+            inner: Arc::new(MetricsInner {
+                recorder,
+                handle,
+                observer,
+            }),
+        }
+    }
+
+    /// Reads every source now and renders the result.
+    pub fn render(&self) -> String {
+        let inner = &*self.inner;
+        metrics::with_local_recorder(&inner.recorder, || inner.observer.record());
+        inner.handle.render()
+    }
+
+    /// `GET /metrics`, in Prometheus' text format. Serve it on an address of its own, for
+    /// the operator's network: the counts tell a stranger how the server is doing.
+    pub fn router(&self) -> axum::Router {
+        let metrics = self.clone();
+        axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let metrics = metrics.clone();
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4; charset=utf-8",
+                        )],
+                        metrics.render(),
+                    )
+                }
+            }),
+        )
+    }
 }
 
 impl Default for HttpLimits {
@@ -420,7 +551,7 @@ pub async fn serve_http_counted(
         // when it closes.
         let stream = Placed {
             io: stream,
-            _places: (permit, ip_slot),
+            _places: (permit, ip_slot, Open::new(&stats)),
             stall_limit: limits.write_stall_timeout,
             stall: None,
             stats: stats.clone(),

@@ -9,6 +9,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use coherent_tasks::app::{self, DbConfig, LiveBackend};
@@ -60,6 +61,10 @@ enum Cmd {
         /// a demo in one command.
         #[arg(long, value_name = "TASKS")]
         seed: Option<usize>,
+        /// Serve the process's counters at `http://ADDR/metrics`, in Prometheus' text
+        /// format: an address of its own, for the operator's network.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<SocketAddr>,
         #[command(flatten)]
         auth: AuthArgs,
         #[command(flatten)]
@@ -78,6 +83,9 @@ enum Cmd {
         /// The live page's files, as for `serve`.
         #[arg(long, env = "TASKS_WEB")]
         web: Option<PathBuf>,
+        /// Serve the process's counters at `http://ADDR/metrics`, as for `serve`.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<SocketAddr>,
         #[command(flatten)]
         auth: AuthArgs,
         #[command(flatten)]
@@ -280,6 +288,7 @@ async fn main() -> anyhow::Result<()> {
             connect,
             web,
             seed,
+            metrics,
             auth,
             limits,
         } => {
@@ -334,12 +343,26 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 eprintln!("tasks: serving http://{addr}/api/tasks");
             }
-            app::serve_http_with(listener, protect(auth.as_ref(), router), limits.build()).await
+            let stats = Arc::new(app::HttpStats::default());
+            if let Some(at) = metrics {
+                let observer = in_process
+                    .as_ref()
+                    .map_or_else(coherent::metrics::Observer::new, LiveBackend::observer);
+                serve_metrics(at, app::Metrics::new(observer, [("api", stats.clone())])).await?;
+            }
+            app::serve_http_counted(
+                listener,
+                protect(auth.as_ref(), router),
+                limits.build(),
+                stats,
+            )
+            .await
         }
         Cmd::Backend {
             listen,
             http,
             web,
+            metrics,
             auth,
             limits,
         } => {
@@ -357,6 +380,11 @@ async fn main() -> anyhow::Result<()> {
             let listener = TcpListener::bind(listen).await?;
             let b = LiveBackend::start_paced(&db, listener, None, auth.clone(), rpc_rate).await?;
             eprintln!("tasks: Coherent backend on {}", b.addr);
+            let stats = Arc::new(app::HttpStats::default());
+            if let Some(at) = metrics {
+                let http_stats = http.map(|_| ("api", stats.clone()));
+                serve_metrics(at, app::Metrics::new(b.observer(), http_stats)).await?;
+            }
             if let Some(http) = http {
                 let listener = TcpListener::bind(http).await?;
                 eprintln!(
@@ -365,7 +393,7 @@ async fn main() -> anyhow::Result<()> {
                 );
                 let router = protect(auth.as_ref(), b.http_router(web::dir(web)).await?);
                 tokio::spawn(async move {
-                    if let Err(e) = app::serve_http_with(listener, router, limits).await {
+                    if let Err(e) = app::serve_http_counted(listener, router, limits, stats).await {
                         tracing::error!(error = %format!("{e:#}"), "the backend's HTTP stopped");
                     }
                 });
@@ -408,4 +436,21 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// Serves `metrics` at `http://at/metrics` on a task of its own, with the HTTP server's
+/// default limits.
+async fn serve_metrics(at: SocketAddr, metrics: app::Metrics) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(at).await?;
+    eprintln!(
+        "tasks: metrics at http://{}/metrics",
+        listener.local_addr()?
+    );
+    tokio::spawn(async move {
+        let limits = app::HttpLimits::default();
+        if let Err(e) = app::serve_http_with(listener, metrics.router(), limits).await {
+            tracing::error!(error = %format!("{e:#}"), "the metrics server stopped");
+        }
+    });
+    Ok(())
 }

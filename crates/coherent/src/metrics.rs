@@ -326,6 +326,13 @@ impl Observer {
         }))
     }
 
+    /// Also runs `read` at each [`record`](Self::record): the application's own counts (an
+    /// HTTP server's refusals, a queue's depth), reported through the facade with Coherent's
+    /// and at the same moment.
+    pub fn source(self, read: impl Fn() + Send + Sync + 'static) -> Self {
+        self.with(Arc::new(read))
+    }
+
     /// Reads every source now and sets the facade's metrics to what it read.
     pub fn record(&self) {
         for source in self.sources.iter() {

@@ -4,6 +4,7 @@
 
 mod harness;
 mod hostile;
+mod metrics;
 mod web;
 
 use std::collections::HashSet;
