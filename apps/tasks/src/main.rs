@@ -438,16 +438,26 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-/// Serves `metrics` at `http://at/metrics` on a task of its own, with the HTTP server's
-/// default limits.
+/// Serves `metrics` at `http://at/metrics` on a task of its own, with limits sized for a
+/// few scrapers (its connections are not the API's, so they are bounded on their own).
 async fn serve_metrics(at: SocketAddr, metrics: app::Metrics) -> anyhow::Result<()> {
     let listener = TcpListener::bind(at).await?;
     eprintln!(
         "tasks: metrics at http://{}/metrics",
         listener.local_addr()?
     );
+    if !at.ip().is_loopback() {
+        eprintln!(
+            "tasks: warning: the metrics on {at} answer whoever connects (they tell how the \
+             server is doing): keep them on a private network"
+        );
+    }
     tokio::spawn(async move {
-        let limits = app::HttpLimits::default();
+        let limits = app::HttpLimits {
+            max_connections: 32,
+            max_connections_per_ip: 8,
+            ..Default::default()
+        };
         if let Err(e) = app::serve_http_with(listener, metrics.router(), limits).await {
             tracing::error!(error = %format!("{e:#}"), "the metrics server stopped");
         }
