@@ -100,6 +100,21 @@ enum Suite {
     /// child processes, one per figure).
     #[command(hide = true)]
     MemoryProbe(ProbeArgs),
+    /// A fixed amount of `rpc` work on one peer, untimed: for counting instructions per call
+    /// or per stream item under callgrind (see BENCHMARKS.md).
+    #[command(hide = true)]
+    RpcCount {
+        /// `coherent`, `tonic` or `rawtcp` (`sum` only).
+        peer: String,
+        /// `sum`, or `streams.<item size>` (`streams.1`, `streams.100`).
+        case: String,
+        /// How many calls, or stream items.
+        #[arg(long, default_value_t = 100_000)]
+        n: u64,
+        /// How many calls or streams at once, on one connection.
+        #[arg(long, default_value_t = 200)]
+        callers: usize,
+    },
     /// A fixed number of single-reader `local` calls on one contender, untimed: for counting
     /// instructions per call under callgrind (see BENCHMARKS.md).
     #[command(hide = true)]
@@ -175,6 +190,12 @@ fn main() -> anyhow::Result<()> {
             calls,
             threads,
         } => return local::count_calls(contender, *calls, *threads),
+        Suite::RpcCount {
+            peer,
+            case,
+            n,
+            callers,
+        } => return rpc::count(peer, case, *n, *callers),
         Suite::MemoryProbe(args) => {
             return local::memory::probe(&args.shape, args.keys, args.hit_seconds)
         }

@@ -497,3 +497,85 @@ where
         })
     })
 }
+
+/// `rpc-count`: a fixed amount of work on one peer, untimed, for instruction counts under
+/// `valgrind --tool=callgrind` (two runs of different sizes: the difference in instructions
+/// over the difference in work is what one call or item costs, client and server together,
+/// in user space; the kernel's share is not counted). `case`: `sum` (`n` unary calls from
+/// `callers` tasks on one connection) or `streams.<size>` (`n` items in streams of
+/// [`model::STREAM_ITEMS`], `callers` at once); `peer`: `coherent`, `tonic`, and for `sum`
+/// also `rawtcp`. Runs on a runtime like the suite's.
+pub(crate) fn count(peer: &str, case: &str, n: u64, callers: usize) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let callers = callers.max(1);
+    let done = runtime.block_on(async {
+        let work: Work = match (peer, case) {
+            ("coherent", "sum") => call_work(
+                vec![Coherent::connect(coherent::start(Compression::None).await?).await?],
+                Call::Sum,
+            ),
+            ("tonic", "sum") => call_work(
+                vec![Tonic::connect(tonic_peer::start().await?).await?],
+                Call::Sum,
+            ),
+            ("rawtcp", "sum") => call_work(
+                vec![RawTcp::connect(rawtcp::start().await?).await?],
+                Call::Sum,
+            ),
+            (_, stream) if stream.starts_with("streams.") => {
+                let size: u32 = stream["streams.".len()..].parse()?;
+                match peer {
+                    "coherent" => {
+                        let c =
+                            Coherent::connect(coherent::start(Compression::None).await?).await?;
+                        Arc::new(move |_| {
+                            let c = c.clone();
+                            Box::pin(async move { c.items(model::STREAM_ITEMS, size).await })
+                        })
+                    }
+                    "tonic" => {
+                        let c = Tonic::connect(tonic_peer::start().await?).await?;
+                        Arc::new(move |_| {
+                            let c = c.clone();
+                            Box::pin(async move { c.items(model::STREAM_ITEMS, size).await })
+                        })
+                    }
+                    other => anyhow::bail!("no streams for {other:?}: coherent or tonic"),
+                }
+            }
+            other => anyhow::bail!(
+                "unknown peer and case {other:?}: coherent, tonic or rawtcp with sum; \
+                 coherent or tonic with streams.<size>"
+            ),
+        };
+        // Each unit of work is one call, or one stream of STREAM_ITEMS items.
+        let per_unit = if case == "sum" {
+            1
+        } else {
+            u64::from(model::STREAM_ITEMS)
+        };
+        let units = n.div_ceil(per_unit);
+        let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let tasks: Vec<_> = (0..callers)
+            .map(|i| {
+                let (work, next) = (work.clone(), next.clone());
+                tokio::spawn(async move {
+                    let mut done = 0u64;
+                    while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < units {
+                        done += work(i).await?;
+                    }
+                    anyhow::Ok(done)
+                })
+            })
+            .collect();
+        let mut done = 0u64;
+        for task in tasks {
+            done += task.await??;
+        }
+        anyhow::Ok(done)
+    })?;
+    println!("{peer} {case}: {done} done by {callers} callers");
+    Ok(())
+}
