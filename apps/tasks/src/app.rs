@@ -310,6 +310,17 @@ pub struct HttpLimits {
     /// proxy then limits per client); so must the application's own monitors. Default:
     /// `127.0.0.1` and `::1` (a proxy on the same host, local tools).
     pub exempt_ips: Vec<IpAddr>,
+    /// Reverse proxies whose `X-Forwarded-For` is believed. A request over a connection from
+    /// one of these is held to the rates of the client the header names, not the proxy's,
+    /// and its failed logins count against that client: the rightmost entry that is not
+    /// itself one of these proxies (a client can write anything in front of what its proxy
+    /// appends, so entries further left are never read). A request from one of them with
+    /// no such entry, or with one that is not an address where the client should be, counts
+    /// as its proxy's own (held to the proxy address's rates unless that is in
+    /// [`exempt_ips`](Self::exempt_ips)). Their connections are held to no per-address
+    /// connection limit: a proxy carries many clients' requests over them. From any other
+    /// address the header is ignored. Default: none.
+    pub trusted_proxies: Vec<IpAddr>,
 }
 
 /// What [`serve_http_counted`]'s limits did, counted since it started.
@@ -464,6 +475,7 @@ impl Default for HttpLimits {
                 IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
                 IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
             ],
+            trusted_proxies: Vec::new(),
         }
     }
 }
@@ -510,6 +522,7 @@ pub async fn serve_http_counted(
         (limits.requests_per_ip, limits.writes_per_ip),
         limits.exempt_ips.clone(),
     );
+    let trusted: Arc<[IpAddr]> = limits.trusted_proxies.clone().into();
     let mut backoff = AcceptBackoff::default();
     loop {
         let permit = slots
@@ -532,7 +545,14 @@ pub async fn serve_http_counted(
                 continue;
             }
         };
-        let Some(ip_slot) = per_ip.take(addr.ip()) else {
+        // A trusted proxy's connection holds no place among its address's: each of its
+        // requests is held to the rates of the client it names.
+        let proxied = limits.trusted_proxies.contains(&addr.ip());
+        let ip_slot = if proxied {
+            IpSlot(None)
+        } else if let Some(slot) = per_ip.take(addr.ip()) {
+            slot
+        } else {
             stats
                 .connections_refused_per_ip
                 .fetch_add(1, Ordering::Relaxed);
@@ -544,6 +564,11 @@ pub async fn serve_http_counted(
             .0
             .is_some()
             .then(|| ClientAddr(address_key(addr.ip())));
+        let forwarded = proxied.then(|| Forwarded {
+            proxy: addr.ip(),
+            per_ip: per_ip.clone(),
+            trusted: trusted.clone(),
+        });
         // No Nagle: a WebSocket's small frames (an invalidation, an answer) would otherwise
         // wait for the peer's delayed ACK, 40 ms on Linux, behind an earlier one.
         let _ = stream.set_nodelay(true);
@@ -560,6 +585,7 @@ pub async fn serve_http_counted(
             router: router.clone(),
             from,
             pacers,
+            forwarded,
             max_wait: limits.max_pace_wait,
             stats: stats.clone(),
         });
@@ -696,6 +722,9 @@ struct Paced {
     router: axum::Router,
     from: Option<ClientAddr>,
     pacers: Pacers,
+    /// For a connection from a trusted proxy: where each request's client is looked up
+    /// (then `from` and `pacers` are unused).
+    forwarded: Option<Forwarded>,
     max_wait: Duration,
     stats: Arc<HttpStats>,
 }
@@ -722,28 +751,32 @@ where
         use tower::ServiceExt as _;
         let this = self.clone();
         Box::pin(async move {
+            let (from, pacers) = match &this.forwarded {
+                Some(f) => f.client(req.headers()),
+                None => (this.from, this.pacers.clone()),
+            };
             let write = !matches!(
                 *req.method(),
                 axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
             );
-            let writes = this.pacers.writes.as_ref().filter(|_| write);
-            let pacers = || this.pacers.requests.iter().chain(writes);
+            let writes = pacers.writes.as_ref().filter(|_| write);
+            let paced_by = || pacers.requests.iter().chain(writes);
             // Refused by either, it takes from neither (a refused write costs its address
             // no read).
-            let due = pacers().map(Pacer::due).max().unwrap_or_default();
+            let due = paced_by().map(Pacer::due).max().unwrap_or_default();
             if due > this.max_wait {
                 this.stats.requests_refused.fetch_add(1, Ordering::Relaxed);
                 return Ok(too_many_requests(due - this.max_wait));
             }
-            let wait = pacers().map(Pacer::delay).max().unwrap_or_default();
+            let wait = paced_by().map(Pacer::delay).max().unwrap_or_default();
             if !wait.is_zero() {
                 this.stats.requests_paced.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(wait).await;
             }
-            if let Some(pacer) = &this.pacers.requests {
+            if let Some(pacer) = &pacers.requests {
                 req.extensions_mut().insert(pacer.clone());
             }
-            if let Some(from) = this.from {
+            if let Some(from) = from {
                 req.extensions_mut().insert(from);
             }
             this.router.oneshot(req.map(axum::body::Body::new)).await
@@ -833,13 +866,19 @@ impl PerIp {
         }
     }
 
-    fn take(&self, ip: IpAddr) -> Option<IpSlot> {
+    /// The key `ip`'s limits are kept under, or `None` for an exempt address.
+    fn key(&self, ip: IpAddr) -> Option<IpAddr> {
         let key = address_key(ip);
-        if self.exempt.contains(&ip) || self.exempt.contains(&key) {
-            return Some(IpSlot(None));
-        }
-        let ip = key;
-        let mut open = self.open.lock();
+        (!self.exempt.contains(&ip) && !self.exempt.contains(&key)).then_some(key)
+    }
+
+    /// The entry of `key` in `open` (made if there is none), after a sweep if the map is
+    /// due one.
+    fn entry<'a>(
+        &self,
+        open: &'a mut HashMap<IpAddr, (usize, Pacers)>,
+        key: IpAddr,
+    ) -> &'a mut (usize, Pacers) {
         if open.len() >= self.sweep_at.load(Ordering::Relaxed) {
             // Addresses with no connection left are kept while their bucket is not full
             // (one that closes and reconnects must not get its burst again); drop those
@@ -848,7 +887,7 @@ impl PerIp {
             self.sweep_at
                 .store((open.len() * 2).max(SWEEP_MIN), Ordering::Relaxed);
         }
-        let (n, pacers) = open.entry(ip).or_insert_with(|| {
+        open.entry(key).or_insert_with(|| {
             (
                 0,
                 Pacers {
@@ -856,7 +895,15 @@ impl PerIp {
                     writes: self.rates.1.map(Pacer::new),
                 },
             )
-        });
+        })
+    }
+
+    fn take(&self, ip: IpAddr) -> Option<IpSlot> {
+        let Some(ip) = self.key(ip) else {
+            return Some(IpSlot(None));
+        };
+        let mut open = self.open.lock();
+        let (n, pacers) = self.entry(&mut open, ip);
         if *n >= self.max {
             return None;
         }
@@ -867,6 +914,74 @@ impl PerIp {
             open: self.open.clone(),
         })))
     }
+
+    /// The rates a request from `ip` that came through a trusted proxy is held to, and the
+    /// address it counts as (none of either for an exempt one). It takes no connection
+    /// place; its address's entry stays until its buckets are full again (swept as
+    /// `take`'s are).
+    fn request_from(&self, ip: IpAddr) -> (Option<ClientAddr>, Pacers) {
+        let Some(key) = self.key(ip) else {
+            return (None, Pacers::default());
+        };
+        let mut open = self.open.lock();
+        let (_, pacers) = self.entry(&mut open, key);
+        (Some(ClientAddr(key)), pacers.clone())
+    }
+}
+
+/// What a connection from a trusted proxy needs to find each request's client (see
+/// [`HttpLimits::trusted_proxies`]).
+#[derive(Clone)]
+struct Forwarded {
+    proxy: IpAddr,
+    per_ip: PerIp,
+    trusted: Arc<[IpAddr]>,
+}
+
+impl Forwarded {
+    /// The address a request counts as, and the rates it is held to.
+    fn client(&self, headers: &axum::http::HeaderMap) -> (Option<ClientAddr>, Pacers) {
+        self.per_ip
+            .request_from(forwarded_client(headers, self.proxy, &self.trusted))
+    }
+}
+
+/// The client a request that came from `proxy` was sent by: the rightmost entry of its
+/// `X-Forwarded-For` lines (taken together, in order) that is not in `trusted`. Walking from
+/// the right, each trusted entry passes the question one hop further; an entry that is
+/// not an address (or a line that is not text) stops the walk at the last hop believed,
+/// which then counts as the client.
+fn forwarded_client(headers: &axum::http::HeaderMap, proxy: IpAddr, trusted: &[IpAddr]) -> IpAddr {
+    let mut client = proxy;
+    for line in headers.get_all("x-forwarded-for").iter().rev() {
+        let Ok(line) = line.to_str() else {
+            return client;
+        };
+        for entry in line.rsplit(',') {
+            match forwarded_addr(entry.trim()) {
+                Some(ip) if trusted.contains(&ip) => client = ip,
+                Some(ip) => return ip,
+                None => return client,
+            }
+        }
+    }
+    client
+}
+
+/// An `X-Forwarded-For` entry's address: `192.0.2.7`, `2001:db8::7`, and, as some proxies
+/// write them, with a port (`192.0.2.7:4711`, `[2001:db8::7]:4711`) or in brackets.
+fn forwarded_addr(entry: &str) -> Option<IpAddr> {
+    entry
+        .parse::<IpAddr>()
+        .ok()
+        .or_else(|| entry.parse::<std::net::SocketAddr>().ok().map(|a| a.ip()))
+        .or_else(|| {
+            entry
+                .strip_prefix('[')
+                .and_then(|e| e.strip_suffix(']'))
+                .and_then(|e| e.parse::<std::net::Ipv6Addr>().ok())
+                .map(IpAddr::V6)
+        })
 }
 
 impl IpSlot {
@@ -992,4 +1107,66 @@ pub async fn start_grpc_backend(
 pub async fn grpc_router(addr: SocketAddr) -> anyhow::Result<axum::Router> {
     let tier = crate::grpc::GrpcTier::connect(addr).await?;
     Ok(api::router(Arc::new(tier)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{forwarded_client, IpAddr};
+
+    fn client(lines: &[&str], proxy: &str, trusted: &[&str]) -> String {
+        let mut headers = axum::http::HeaderMap::new();
+        for line in lines {
+            headers.append("x-forwarded-for", line.parse().unwrap());
+        }
+        let trusted: Vec<IpAddr> = trusted.iter().map(|t| t.parse().unwrap()).collect();
+        forwarded_client(&headers, proxy.parse().unwrap(), &trusted).to_string()
+    }
+
+    #[test]
+    fn the_client_is_the_rightmost_entry_no_trusted_proxy_wrote() {
+        let p = "10.0.0.1";
+        // What the proxy appended is believed; what the client wrote before it is not.
+        assert_eq!(client(&["203.0.113.9"], p, &[p]), "203.0.113.9");
+        assert_eq!(
+            client(&["198.51.100.1, 203.0.113.9"], p, &[p]),
+            "203.0.113.9"
+        );
+        assert_eq!(
+            client(&["198.51.100.1", "203.0.113.9"], p, &[p]),
+            "203.0.113.9"
+        );
+        // Through a second trusted proxy, one hop further.
+        let both = [p, "10.0.0.2"];
+        assert_eq!(
+            client(&["198.51.100.1, 203.0.113.9, 10.0.0.2"], p, &both),
+            "203.0.113.9"
+        );
+        assert_eq!(
+            client(&["203.0.113.9", "10.0.0.2"], p, &both),
+            "203.0.113.9"
+        );
+        // Ports and brackets, as some proxies write them.
+        assert_eq!(client(&["203.0.113.9:4711"], p, &[p]), "203.0.113.9");
+        assert_eq!(client(&["[2001:db8::7]:4711"], p, &[p]), "2001:db8::7");
+        assert_eq!(client(&["[2001:db8::7]"], p, &[p]), "2001:db8::7");
+        assert_eq!(client(&[" 2001:db8::7 "], p, &[p]), "2001:db8::7");
+    }
+
+    #[test]
+    fn without_a_believable_entry_the_request_is_its_proxys() {
+        let p = "10.0.0.1";
+        let both = [p, "10.0.0.2"];
+        assert_eq!(client(&[], p, &[p]), p);
+        assert_eq!(client(&["unknown"], p, &[p]), p);
+        assert_eq!(client(&[""], p, &[p]), p);
+        // A bad entry stops the walk at the last hop believed: the client cannot pass the
+        // question further left, to an address of its choosing.
+        assert_eq!(
+            client(&["203.0.113.9, junk, 10.0.0.2"], p, &both),
+            "10.0.0.2"
+        );
+        assert_eq!(client(&["203.0.113.9", "10.0.0.2, _hidden"], p, &both), p);
+        // Only trusted proxies all the way: the leftmost of them.
+        assert_eq!(client(&["10.0.0.2"], p, &both), "10.0.0.2");
+    }
 }

@@ -178,6 +178,20 @@ struct LimitArgs {
         ]
     )]
     exempt_ips: Vec<std::net::IpAddr>,
+    /// Reverse proxies in front of this server whose `X-Forwarded-For` is believed: their
+    /// requests are held to the per-address limits of the client the header names (the
+    /// rightmost entry that is not one of these proxies), and their connections to none.
+    /// None by default: the header is ignored.
+    #[arg(long = "trusted-proxy", value_name = "ADDR", value_delimiter = ',')]
+    trusted_proxies: Vec<std::net::IpAddr>,
+    /// Seconds a request over its address's rate may be held back before it is served;
+    /// past it, 429.
+    #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
+    max_pace_wait: f64,
+    /// Seconds a write to a client that reads nothing may wait for room before its
+    /// connection (a WebSocket too) is closed.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    write_stall_timeout: f64,
 }
 
 impl LimitArgs {
@@ -187,17 +201,26 @@ impl LimitArgs {
             .then(|| coherent::rpc::pace::Rate::per_second(self.rpc_calls_per_connection))
     }
 
-    fn build(self) -> app::HttpLimits {
-        app::HttpLimits {
+    fn build(self) -> anyhow::Result<app::HttpLimits> {
+        Ok(app::HttpLimits {
             requests_per_ip: (self.requests_per_ip > 0)
                 .then(|| coherent::rpc::pace::Rate::per_second(self.requests_per_ip)),
             writes_per_ip: (self.writes_per_ip > 0)
                 .then(|| coherent::rpc::pace::Rate::per_second(self.writes_per_ip)),
             max_connections_per_ip: self.max_connections_per_ip,
             exempt_ips: self.exempt_ips,
+            trusted_proxies: self.trusted_proxies,
+            max_pace_wait: seconds(self.max_pace_wait, "--max-pace-wait")?,
+            write_stall_timeout: seconds(self.write_stall_timeout, "--write-stall-timeout")?,
             ..app::HttpLimits::default()
-        }
+        })
     }
+}
+
+/// `value` seconds as a duration, or an error naming `flag`.
+fn seconds(value: f64, flag: &str) -> anyhow::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(value)
+        .map_err(|e| anyhow::anyhow!("{flag} {value}: not a number of seconds ({e})"))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -293,6 +316,8 @@ async fn main() -> anyhow::Result<()> {
             limits,
         } => {
             let auth = auth.build()?;
+            let rpc_rate = limits.rpc_rate();
+            let limits = limits.build()?;
             if let Some(tasks) = seed {
                 let store = db.open(2).await?;
                 if store.projects().await?.is_empty() {
@@ -320,14 +345,8 @@ async fn main() -> anyhow::Result<()> {
                 }
                 Kind::Coherent if connect.is_empty() => {
                     let listener = TcpListener::bind("127.0.0.1:0").await?;
-                    let b = LiveBackend::start_paced(
-                        &db,
-                        listener,
-                        None,
-                        auth.clone(),
-                        limits.rpc_rate(),
-                    )
-                    .await?;
+                    let b = LiveBackend::start_paced(&db, listener, None, auth.clone(), rpc_rate)
+                        .await?;
                     let router = b.http_router(web::dir(web)).await?;
                     in_process = Some(b);
                     router
@@ -350,13 +369,7 @@ async fn main() -> anyhow::Result<()> {
                     .map_or_else(coherent::metrics::Observer::new, LiveBackend::observer);
                 serve_metrics(at, app::Metrics::new(observer, [("api", stats.clone())])).await?;
             }
-            app::serve_http_counted(
-                listener,
-                protect(auth.as_ref(), router),
-                limits.build(),
-                stats,
-            )
-            .await
+            app::serve_http_counted(listener, protect(auth.as_ref(), router), limits, stats).await
         }
         Cmd::Backend {
             listen,
@@ -368,7 +381,7 @@ async fn main() -> anyhow::Result<()> {
         } => {
             let auth = auth.build()?;
             let rpc_rate = limits.rpc_rate();
-            let limits = limits.build();
+            let limits = limits.build()?;
             if !listen.ip().is_loopback() {
                 // Its TCP connections are trusted (the tiers): every write waits for them,
                 // and they run commands without a login.

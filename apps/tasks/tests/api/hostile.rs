@@ -785,6 +785,75 @@ async fn one_address_writes_at_most_at_its_write_rate() {
     serving.abort();
 }
 
+/// Behind a trusted reverse proxy each client is held to its own rate, named by the
+/// `X-Forwarded-For` the proxy appended to; entries a client wrote in front of it, and the
+/// header from an address that is not a trusted proxy, are not believed.
+#[tokio::test]
+async fn behind_a_trusted_proxy_each_forwarded_client_has_its_own_rate() {
+    use coherent::rpc::pace::Rate;
+    let limits = coherent_tasks::app::HttpLimits {
+        writes_per_ip: Some(Rate::per_second(1).burst(2)),
+        max_pace_wait: std::time::Duration::ZERO,
+        // Two connections at most from one address: the proxy's are not counted.
+        max_connections_per_ip: 2,
+        trusted_proxies: vec!["127.0.0.9".parse().unwrap()],
+        ..Default::default()
+    };
+    let (_db, addr, _, serving) = serve_direct(limits).await;
+    let post = |forwarded: &str| {
+        let body = r#"{"name":"p"}"#;
+        format!(
+            "POST /api/projects HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             {forwarded}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let via = |client: &str| format!("X-Forwarded-For: {client}\r\n");
+    // The proxy holds more connections than one address may.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.9:0".parse().unwrap()).unwrap();
+        held.push(socket.connect(addr).await.unwrap());
+    }
+    // Each round with addresses of its own; a round that took a second or more (a bucket
+    // may have gained a write meanwhile) proves nothing and is done again.
+    let mut proved = false;
+    for round in 0..5u8 {
+        let start = std::time::Instant::now();
+        let mut statuses = Vec::new();
+        // One client behind the proxy writes its burst of 2; its third write is refused,
+        // its own address's rate spent, and so is one where it wrote another address in
+        // front of what the proxy appended.
+        let a = via(&format!("203.0.113.{}", 10 * round + 1));
+        for _ in 0..3 {
+            statuses.push(send_from("127.0.0.9", addr, &post(&a)).await.0);
+        }
+        let forged = via(&format!("198.51.100.7, 203.0.113.{}", 10 * round + 1));
+        statuses.push(send_from("127.0.0.9", addr, &post(&forged)).await.0);
+        // Another client behind the same proxy has a rate of its own.
+        let b = via(&format!("203.0.113.{}", 10 * round + 2));
+        statuses.push(send_from("127.0.0.9", addr, &post(&b)).await.0);
+        // From an address that is not a trusted proxy the header is ignored: it spends its
+        // own burst, whoever it says it forwards.
+        let peer = format!("127.0.0.{}", 20 + round);
+        for k in 3..6 {
+            let c = via(&format!("203.0.113.{}", 10 * round + k));
+            statuses.push(send_from(&peer, addr, &post(&c)).await.0);
+        }
+        if start.elapsed() < std::time::Duration::from_millis(900) {
+            assert_eq!(statuses, [201, 201, 429, 429, 201, 201, 201, 429]);
+            proved = true;
+            break;
+        }
+    }
+    assert!(proved, "no round ran within a second");
+    // The proxy's own requests (without the header) are its address's.
+    assert_eq!(send_from("127.0.0.9", addr, &post("")).await.0, 201);
+    drop(held);
+    serving.abort();
+}
+
 /// The `direct` backend's router over a fresh SQLite database, served on a loopback port
 /// with `limits`: the database (keep it), the address, what the limits counted, the task.
 async fn serve_direct(
