@@ -305,21 +305,27 @@ pub struct HttpLimits {
     /// The longest a request over its address's rate is held back before it is served;
     /// past it, 429. Default: 1 s.
     pub max_pace_wait: Duration,
-    /// Addresses held to neither `requests_per_ip` nor `max_connections_per_ip`. Behind a
-    /// reverse proxy every client comes from the proxy's address, which must be here (the
-    /// proxy then limits per client); so must the application's own monitors. Default:
-    /// `127.0.0.1` and `::1` (a proxy on the same host, local tools).
+    /// Peers held to neither `requests_per_ip` nor `max_connections_per_ip`: the
+    /// application's own monitors, or a reverse proxy that limits per client itself. It
+    /// applies to the address a connection comes from, never to one a proxy's
+    /// `X-Forwarded-For` names (see [`trusted_proxies`](Self::trusted_proxies), the way to
+    /// keep per-client limits behind a proxy). Default: `127.0.0.1` and `::1` (local tools,
+    /// a proxy on the same host).
     pub exempt_ips: Vec<IpAddr>,
     /// Reverse proxies whose `X-Forwarded-For` is believed. A request over a connection from
     /// one of these is held to the rates of the client the header names, not the proxy's,
     /// and its failed logins count against that client: the rightmost entry that is not
     /// itself one of these proxies (a client can write anything in front of what its proxy
-    /// appends, so entries further left are never read). A request from one of them with
-    /// no such entry, or with one that is not an address where the client should be, counts
-    /// as its proxy's own (held to the proxy address's rates unless that is in
-    /// [`exempt_ips`](Self::exempt_ips)). Their connections are held to no per-address
-    /// connection limit: a proxy carries many clients' requests over them. From any other
-    /// address the header is ignored. Default: none.
+    /// appends, so entries further left are never read). A request with no such entry, or
+    /// with one that is not an address where the client should be, counts as the last hop
+    /// believed (its proxy, or a trusted proxy further left). Whatever address that gives
+    /// is held to the rates, even one in [`exempt_ips`](Self::exempt_ips). Their
+    /// connections are held to no per-address connection limit: a proxy carries many
+    /// clients' requests over them. From any other address the header is ignored. Every
+    /// proxy listed must append the address it was reached from (or overwrite the header)
+    /// on every route, WebSocket upgrades included: one that passes a client's header on
+    /// unchanged lets that client name any address. IPv4 addresses mapped into IPv6 (a
+    /// dual-stack listener's) compare as IPv4. Default: none.
     pub trusted_proxies: Vec<IpAddr>,
 }
 
@@ -522,7 +528,11 @@ pub async fn serve_http_counted(
         (limits.requests_per_ip, limits.writes_per_ip),
         limits.exempt_ips.clone(),
     );
-    let trusted: Arc<[IpAddr]> = limits.trusted_proxies.clone().into();
+    let trusted: Arc<[IpAddr]> = limits
+        .trusted_proxies
+        .iter()
+        .map(IpAddr::to_canonical)
+        .collect();
     let mut backoff = AcceptBackoff::default();
     loop {
         let permit = slots
@@ -547,7 +557,7 @@ pub async fn serve_http_counted(
         };
         // A trusted proxy's connection holds no place among its address's: each of its
         // requests is held to the rates of the client it names.
-        let proxied = limits.trusted_proxies.contains(&addr.ip());
+        let proxied = trusted.contains(&addr.ip().to_canonical());
         let ip_slot = if proxied {
             IpSlot(None)
         } else if let Some(slot) = per_ip.take(addr.ip()) {
@@ -565,7 +575,7 @@ pub async fn serve_http_counted(
             .is_some()
             .then(|| ClientAddr(address_key(addr.ip())));
         let forwarded = proxied.then(|| Forwarded {
-            proxy: addr.ip(),
+            proxy: addr.ip().to_canonical(),
             per_ip: per_ip.clone(),
             trusted: trusted.clone(),
         });
@@ -708,9 +718,10 @@ impl<P: Unpin> tokio::io::AsyncWrite for Placed<P> {
 }
 
 /// The address a request came from, as its limits key it (an IPv6 address by its /64),
-/// in the request's extensions when served by [`serve_http_with`]; absent for an address in
-/// [`HttpLimits::exempt_ips`] (a proxy's stands for many clients: nothing may be held
-/// against it, such as failed logins).
+/// in the request's extensions when served by [`serve_http_with`]: the connection's peer,
+/// or, over a connection from one of [`HttpLimits::trusted_proxies`], the client its
+/// `X-Forwarded-For` names. Absent for a peer in [`HttpLimits::exempt_ips`] (one that stands
+/// for many clients: nothing may be held against it, such as failed logins).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ClientAddr(pub IpAddr);
 
@@ -804,12 +815,13 @@ struct Pacers {
 }
 
 impl Pacers {
-    /// Whether neither holds anything taken lately (a new one would answer the same).
-    fn are_full(&self) -> bool {
+    /// Whether neither holds anything taken lately (a new one would answer the same) and no
+    /// one holds them but the `handles` counted by the caller: then they can be dropped.
+    fn unused(&self, handles: usize) -> bool {
         [&self.requests, &self.writes]
             .into_iter()
             .flatten()
-            .all(Pacer::is_full)
+            .all(|p| p.is_full() && p.handles() <= handles)
     }
 }
 
@@ -883,7 +895,7 @@ impl PerIp {
             // Addresses with no connection left are kept while their bucket is not full
             // (one that closes and reconnects must not get its burst again); drop those
             // whose bucket is, and sweep again when the map has doubled.
-            open.retain(|_, (n, pacers)| *n > 0 || !pacers.are_full());
+            open.retain(|_, (n, pacers)| *n > 0 || !pacers.unused(1));
             self.sweep_at
                 .store((open.len() * 2).max(SWEEP_MIN), Ordering::Relaxed);
         }
@@ -915,14 +927,16 @@ impl PerIp {
         })))
     }
 
-    /// The rates a request from `ip` that came through a trusted proxy is held to, and the
-    /// address it counts as (none of either for an exempt one). It takes no connection
-    /// place; its address's entry stays until its buckets are full again (swept as
-    /// `take`'s are).
+    /// The rates a request that came through a trusted proxy from `ip` is held to, and the
+    /// address it counts as. `exempt_ips` is not applied: it names peers, and this address
+    /// is one a header named. It takes no connection place; its address's entry stays
+    /// until its buckets are full again and no one holds them (an upgraded WebSocket keeps
+    /// its request pacer), swept as `take`'s are.
     fn request_from(&self, ip: IpAddr) -> (Option<ClientAddr>, Pacers) {
-        let Some(key) = self.key(ip) else {
-            return (None, Pacers::default());
-        };
+        let key = address_key(ip);
+        if self.rates.0.is_none() && self.rates.1.is_none() {
+            return (Some(ClientAddr(key)), Pacers::default());
+        }
         let mut open = self.open.lock();
         let (_, pacers) = self.entry(&mut open, key);
         (Some(ClientAddr(key)), pacers.clone())
@@ -947,18 +961,21 @@ impl Forwarded {
 }
 
 /// The client a request that came from `proxy` was sent by: the rightmost entry of its
-/// `X-Forwarded-For` lines (taken together, in order) that is not in `trusted`. Walking from
-/// the right, each trusted entry passes the question one hop further; an entry that is
-/// not an address (or a line that is not text) stops the walk at the last hop believed,
-/// which then counts as the client.
+/// `X-Forwarded-For` lines (taken together, in order) that is not in `trusted` (IPv4
+/// addresses mapped into IPv6 compared as IPv4). Walking from the right, each trusted
+/// entry passes the question one hop further; an entry that is not an address stops the
+/// walk at the last hop believed, which then counts as the client. Entries are read one
+/// by one from the bytes, so that what a client wrote in front of its proxy's entry (a
+/// byte that is not text, say) cannot keep that entry from being read.
 fn forwarded_client(headers: &axum::http::HeaderMap, proxy: IpAddr, trusted: &[IpAddr]) -> IpAddr {
     let mut client = proxy;
     for line in headers.get_all("x-forwarded-for").iter().rev() {
-        let Ok(line) = line.to_str() else {
-            return client;
-        };
-        for entry in line.rsplit(',') {
-            match forwarded_addr(entry.trim()) {
+        for entry in line.as_bytes().rsplit(|b| *b == b',') {
+            let ip = std::str::from_utf8(entry)
+                .ok()
+                .and_then(|e| forwarded_addr(e.trim()))
+                .map(|ip| ip.to_canonical());
+            match ip {
                 Some(ip) if trusted.contains(&ip) => client = ip,
                 Some(ip) => return ip,
                 None => return client,
@@ -999,7 +1016,9 @@ impl Drop for TakenIp {
         let mut open = self.open.lock();
         if let Some((n, _)) = open.get_mut(&self.ip) {
             *n -= 1;
-            if *n == 0 && self.pacers.are_full() {
+            // The map's and this slot's handles: any other (a connection's that outlives
+            // its slot, a WebSocket's) keeps it for the sweep.
+            if *n == 0 && self.pacers.unused(2) {
                 // Addresses with connections are kept, and those whose bucket still
                 // counts (swept by `take`): the map is bounded by them.
                 open.remove(&self.ip);
@@ -1111,12 +1130,40 @@ pub async fn grpc_router(addr: SocketAddr) -> anyhow::Result<axum::Router> {
 
 #[cfg(test)]
 mod tests {
-    use super::{forwarded_client, IpAddr};
+    use super::{forwarded_client, IpAddr, PerIp, Rate, SWEEP_MIN};
+
+    /// A pacer someone holds (an upgraded WebSocket's) survives the sweep of a full map, so
+    /// that its address's next request shares it; one no one holds goes.
+    #[test]
+    fn a_held_pacer_outlives_the_sweep() {
+        let per_ip = PerIp::new(8, (Some(Rate::per_second(1000)), None), Vec::new());
+        let held = per_ip.request_from("203.0.113.1".parse().unwrap()).1;
+        drop(per_ip.request_from("203.0.113.2".parse().unwrap()));
+        // Enough other addresses for a sweep; none of them takes anything.
+        for i in 0..=SWEEP_MIN as u32 {
+            per_ip.request_from(IpAddr::V4((0x0a00_0000 + i).into()));
+        }
+        let open = per_ip.open.lock();
+        assert!(open.len() < SWEEP_MIN, "swept: {}", open.len());
+        assert!(open.contains_key(&"203.0.113.1".parse().unwrap()));
+        assert!(!open.contains_key(&"203.0.113.2".parse().unwrap()));
+        drop(open);
+        let again = per_ip.request_from("203.0.113.1".parse().unwrap()).1;
+        // The map's handle, `held` and `again`: one pacer.
+        assert_eq!(again.requests.as_ref().unwrap().handles(), 3);
+        drop(held);
+    }
 
     fn client(lines: &[&str], proxy: &str, trusted: &[&str]) -> String {
+        let lines: Vec<&[u8]> = lines.iter().map(|l| l.as_bytes()).collect();
+        client_bytes(&lines, proxy, trusted)
+    }
+
+    fn client_bytes(lines: &[&[u8]], proxy: &str, trusted: &[&str]) -> String {
         let mut headers = axum::http::HeaderMap::new();
         for line in lines {
-            headers.append("x-forwarded-for", line.parse().unwrap());
+            let value = axum::http::HeaderValue::from_bytes(line).unwrap();
+            headers.append("x-forwarded-for", value);
         }
         let trusted: Vec<IpAddr> = trusted.iter().map(|t| t.parse().unwrap()).collect();
         forwarded_client(&headers, proxy.parse().unwrap(), &trusted).to_string()
@@ -1168,5 +1215,33 @@ mod tests {
         assert_eq!(client(&["203.0.113.9", "10.0.0.2, _hidden"], p, &both), p);
         // Only trusted proxies all the way: the leftmost of them.
         assert_eq!(client(&["10.0.0.2"], p, &both), "10.0.0.2");
+    }
+
+    #[test]
+    fn what_a_client_writes_in_front_cannot_hide_its_proxys_entry() {
+        let p = "10.0.0.1";
+        // nginx appends to the client's own line: a byte that is not text in front does
+        // not keep the proxy's entry from being read.
+        assert_eq!(
+            client_bytes(&[b"\xff, 203.0.113.9"], p, &[p]),
+            "203.0.113.9"
+        );
+        assert_eq!(
+            client_bytes(&[b"\xff", b"203.0.113.9"], p, &[p]),
+            "203.0.113.9"
+        );
+        assert_eq!(client_bytes(&[b"203.0.113.9, \xff"], p, &[p]), p);
+        assert_eq!(client(&["fe80::1%eth0"], p, &[p]), p);
+    }
+
+    #[test]
+    fn ipv4_mapped_into_ipv6_is_ipv4() {
+        let p = "10.0.0.1";
+        // A dual-stack proxy writes a trusted hop, or its client, in the mapped form.
+        assert_eq!(
+            client(&["203.0.113.9, ::ffff:10.0.0.2"], p, &[p, "10.0.0.2"]),
+            "203.0.113.9"
+        );
+        assert_eq!(client(&["::ffff:203.0.113.9"], p, &[p]), "203.0.113.9");
     }
 }

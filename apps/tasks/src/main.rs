@@ -166,8 +166,9 @@ struct LimitArgs {
     /// once (its address's rate applies as well). 0: no limit of its own.
     #[arg(long, default_value_t = 100)]
     rpc_calls_per_connection: u32,
-    /// Addresses held to neither per-address limit: a reverse proxy in front of this server
-    /// (every client comes from its address), monitors. Giving it replaces the default.
+    /// Peers held to neither per-address limit: monitors, or a reverse proxy that limits per
+    /// client itself (else name it with `--trusted-proxy`). Never applied to an address a
+    /// proxy's `X-Forwarded-For` names. Giving it replaces the default.
     #[arg(
         long = "exempt-ip",
         value_name = "ADDR",
@@ -211,7 +212,12 @@ impl LimitArgs {
             exempt_ips: self.exempt_ips,
             trusted_proxies: self.trusted_proxies,
             max_pace_wait: seconds(self.max_pace_wait, "--max-pace-wait")?,
-            write_stall_timeout: seconds(self.write_stall_timeout, "--write-stall-timeout")?,
+            write_stall_timeout: match seconds(self.write_stall_timeout, "--write-stall-timeout")? {
+                d if d.is_zero() => anyhow::bail!(
+                    "--write-stall-timeout 0 would close a connection at its first full socket"
+                ),
+                d => d,
+            },
             ..app::HttpLimits::default()
         })
     }

@@ -164,6 +164,12 @@ impl Pacer {
         self.0.full_at.lock().is_none_or(|t| t <= Instant::now())
     }
 
+    /// How many handles to this pacer there are, this one included (clones share one
+    /// bucket): a table of pacers can tell whether anyone else still holds one.
+    pub fn handles(&self) -> usize {
+        Arc::strong_count(&self.0)
+    }
+
     /// Its counts.
     pub fn stats(&self) -> PaceStats {
         PaceStats {
