@@ -136,10 +136,23 @@ struct AuthArgs {
         hide_env_values = true
     )]
     users: Vec<String>,
+    /// A file of users, one `NAME:PASSWORD` a line (blank lines and lines starting with
+    /// `#` skipped), with those of `--user`: a password on the command line is shown to
+    /// every user of the machine by `ps`.
+    #[arg(long, value_name = "PATH", env = "TASKS_USERS_FILE")]
+    users_file: Option<PathBuf>,
     /// The secret logins are signed with (16 bytes or more), the same for every process of
     /// a deployment. None: one made up now (logins end when the process does).
     #[arg(long, env = "TASKS_SESSION_SECRET", hide_env_values = true)]
     session_secret: Option<String>,
+    /// A file holding the secret of `--session-secret` (a final line break not counted).
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "TASKS_SESSION_SECRET_FILE",
+        conflicts_with = "session_secret"
+    )]
+    session_secret_file: Option<PathBuf>,
     /// Whether clients that did not log in may read (the API's GETs, `/rpc`, `/gateway`).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     anonymous_reads: bool,
@@ -243,28 +256,88 @@ impl AuthArgs {
             eprintln!("tasks: --auth off: anyone who reaches this server may read and write");
             return Ok(None);
         }
-        let secret = match self.session_secret {
-            Some(s) => s.into_bytes(),
-            None => made_up(32).into_bytes(),
+        for flag in ["--user", "--session-secret"] {
+            if on_command_line(flag) {
+                eprintln!(
+                    "tasks: warning: {flag} on the command line is shown to every user of this \
+                     machine (ps, /proc): give it in a file (--users-file, \
+                     --session-secret-file) or the environment (TASKS_USERS, \
+                     TASKS_SESSION_SECRET)"
+                );
+            }
+        }
+        let secret = match (self.session_secret, &self.session_secret_file) {
+            (Some(s), _) => s.into_bytes(),
+            (None, Some(path)) => {
+                let mut secret = secret_file(path, "--session-secret-file")?;
+                for end in [b'\n', b'\r'] {
+                    if secret.last() == Some(&end) {
+                        secret.pop();
+                    }
+                }
+                secret
+            }
+            (None, None) => made_up(32).into_bytes(),
         };
+        let mut users = self.users;
+        if let Some(path) = &self.users_file {
+            let text = String::from_utf8(secret_file(path, "--users-file")?)
+                .map_err(|_| anyhow::anyhow!("--users-file {}: not UTF-8", path.display()))?;
+            users.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(str::to_owned),
+            );
+        }
         let mut config = AuthConfig::new(secret);
         config.anonymous_reads = self.anonymous_reads;
         config.secure_cookie = self.secure_cookie;
-        if self.users.is_empty() {
+        if users.is_empty() {
             let password = made_up(16);
             eprintln!(
                 "tasks: log in as admin with password {password} (or give --user NAME:PASSWORD)"
             );
             config = config.user("admin", password);
         }
-        for user in self.users {
-            let (name, password) = user
-                .split_once(':')
-                .ok_or_else(|| anyhow::anyhow!("--user {user:?}: NAME:PASSWORD"))?;
+        for user in users {
+            let (name, password) = user.split_once(':').ok_or_else(|| {
+                // Not the line itself: it may be a password.
+                anyhow::anyhow!("a user given without a ':' (each is NAME:PASSWORD)")
+            })?;
             config = config.user(name, password);
         }
         Ok(Some(Auth::new(config)?))
     }
+}
+
+/// Whether `flag` was given as an argument (not through the environment).
+fn on_command_line(flag: &str) -> bool {
+    std::env::args_os().skip(1).any(|a| {
+        a.to_str().is_some_and(|a| {
+            a == flag
+                || a.strip_prefix(flag)
+                    .is_some_and(|rest| rest.starts_with('='))
+        })
+    })
+}
+
+/// The bytes of a file holding secrets; a warning when every user of the machine may read
+/// it.
+fn secret_file(path: &std::path::Path, flag: &str) -> anyhow::Result<Vec<u8>> {
+    use anyhow::Context as _;
+    #[cfg(unix)]
+    if let Ok(meta) = std::fs::metadata(path) {
+        use std::os::unix::fs::PermissionsExt as _;
+        if meta.permissions().mode() & 0o004 != 0 {
+            eprintln!(
+                "tasks: warning: {flag} {}: every user of this machine may read it \
+                 (chmod o-r)",
+                path.display()
+            );
+        }
+    }
+    std::fs::read(path).with_context(|| format!("{flag} {}", path.display()))
 }
 
 /// `router` behind `auth`'s rules, or as it is without.

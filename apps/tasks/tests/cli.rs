@@ -1,0 +1,123 @@
+//! The `tasks` binary's secrets: users and the session secret from files (a password on
+//! the command line is shown to every user of the machine by `ps`), and the warning when
+//! one is given there anyway.
+
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+
+/// `tasks serve` with `args` on a fresh SQLite file in `dir`: the child, the address it
+/// serves, and what it wrote to stderr before that.
+fn serve(dir: &std::path::Path, args: &[&str]) -> (Child, SocketAddr, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tasks"))
+        .arg("--sqlite")
+        .arg(dir.join("tasks.db"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("TASKS_USERS")
+        .env_remove("TASKS_SESSION_SECRET")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut said = String::new();
+    loop {
+        let mut line = String::new();
+        if stderr.read_line(&mut line).unwrap() == 0 {
+            panic!("tasks serve ended before serving: {said}");
+        }
+        said.push_str(&line);
+        if let Some(rest) = line.strip_prefix("tasks: serving http://") {
+            let addr = rest.split('/').next().unwrap().parse().unwrap();
+            // Whatever it writes later is drained, so that it never blocks on a full pipe.
+            std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+            return (child, addr, said);
+        }
+    }
+}
+
+/// `POST /api/session` with `name` and `password`: the status.
+fn login(addr: SocketAddr, name: &str, password: &str) -> u16 {
+    let body = format!(r#"{{"name":"{name}","password":"{password}"}}"#);
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST /api/session HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    answer[9..12].parse().unwrap()
+}
+
+fn write_secret(path: &std::path::Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+}
+
+#[test]
+fn users_and_the_session_secret_come_from_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users");
+    write_secret(
+        &users,
+        "# who may write\nada:first-password-1\n\n  grace:second-password-2  \n",
+    );
+    let secret = dir.path().join("secret");
+    write_secret(&secret, "a-secret-of-more-than-sixteen-bytes\n");
+    let (mut child, addr, said) = serve(
+        dir.path(),
+        &[
+            "--users-file",
+            users.to_str().unwrap(),
+            "--session-secret-file",
+            secret.to_str().unwrap(),
+        ],
+    );
+    assert!(!said.contains("warning"), "{said}");
+    // No made-up admin: the file's users.
+    assert!(!said.contains("log in as admin"), "{said}");
+    assert_eq!(login(addr, "ada", "first-password-1"), 200);
+    assert_eq!(login(addr, "grace", "second-password-2"), 200);
+    assert_eq!(login(addr, "ada", "second-password-2"), 401);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+#[test]
+fn a_password_on_the_command_line_is_warned_about_and_a_bad_line_not_echoed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, addr, said) = serve(dir.path(), &["--user=ada:first-password-1"]);
+    assert!(
+        said.contains("warning: --user on the command line is shown to every user"),
+        "{said}"
+    );
+    assert_eq!(login(addr, "ada", "first-password-1"), 200);
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // A line without a ':' is refused without printing it (it may be a password).
+    let users = dir.path().join("users");
+    write_secret(&users, "ada-without-a-colon-SECRET\n");
+    let out = Command::new(env!("CARGO_BIN_EXE_tasks"))
+        .arg("--sqlite")
+        .arg(dir.path().join("tasks.db"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--users-file"])
+        .arg(&users)
+        .env_remove("TASKS_USERS")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("NAME:PASSWORD"), "{err}");
+    assert!(!err.contains("SECRET"), "{err}");
+}
