@@ -6,23 +6,35 @@ use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 
-/// `tasks serve` with `args` on a fresh SQLite file in `dir`: the child, the address it
+/// A `tasks serve` process, killed when dropped (a failed assertion leaves none behind).
+struct Served(Child);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `tasks serve` with `args` on a fresh SQLite file in `dir`: the process, the address it
 /// serves, and what it wrote to stderr before that.
-fn serve(dir: &std::path::Path, args: &[&str]) -> (Child, SocketAddr, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tasks"))
-        .arg("--sqlite")
-        .arg(dir.join("tasks.db"))
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .args(args)
-        .env_remove("TASKS_USERS")
-        .env_remove("TASKS_SESSION_SECRET")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+fn serve(dir: &std::path::Path, args: &[&str]) -> (Served, SocketAddr, String) {
+    let mut served = Served(
+        Command::new(env!("CARGO_BIN_EXE_tasks"))
+            .arg("--sqlite")
+            .arg(dir.join("tasks.db"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("TASKS_USERS")
+            .env_remove("TASKS_SESSION_SECRET")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stderr = BufReader::new(served.0.stderr.take().unwrap());
     let mut said = String::new();
     loop {
         let mut line = String::new();
@@ -34,7 +46,7 @@ fn serve(dir: &std::path::Path, args: &[&str]) -> (Child, SocketAddr, String) {
             let addr = rest.split('/').next().unwrap().parse().unwrap();
             // Whatever it writes later is drained, so that it never blocks on a full pipe.
             std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
-            return (child, addr, said);
+            return (served, addr, said);
         }
     }
 }
@@ -74,7 +86,7 @@ fn users_and_the_session_secret_come_from_files() {
     );
     let secret = dir.path().join("secret");
     write_secret(&secret, "a-secret-of-more-than-sixteen-bytes\n");
-    let (mut child, addr, said) = serve(
+    let (served, addr, said) = serve(
         dir.path(),
         &[
             "--users-file",
@@ -89,21 +101,19 @@ fn users_and_the_session_secret_come_from_files() {
     assert_eq!(login(addr, "ada", "first-password-1"), 200);
     assert_eq!(login(addr, "grace", "second-password-2"), 200);
     assert_eq!(login(addr, "ada", "second-password-2"), 401);
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(served);
 }
 
 #[test]
 fn a_password_on_the_command_line_is_warned_about_and_a_bad_line_not_echoed() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, addr, said) = serve(dir.path(), &["--user=ada:first-password-1"]);
+    let (served, addr, said) = serve(dir.path(), &["--user=ada:first-password-1"]);
     assert!(
         said.contains("warning: --user on the command line is shown to every user"),
         "{said}"
     );
     assert_eq!(login(addr, "ada", "first-password-1"), 200);
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(served);
 
     // A line without a ':' is refused without printing it (it may be a password).
     let users = dir.path().join("users");
