@@ -327,6 +327,12 @@ pub struct HttpLimits {
     /// unchanged lets that client name any address. IPv4 addresses mapped into IPv6 (a
     /// dual-stack listener's) compare as IPv4. Default: none.
     pub trusted_proxies: Vec<IpAddr>,
+    /// How many addresses' worth of the per-address limits (`max_connections_per_ip`,
+    /// `requests_per_ip`, `writes_per_ip`) the addresses of one IPv6 /48 get in all, each
+    /// still within its own (at least 1). A provider gives one site a /48: 65,536 /64s,
+    /// each of which would otherwise have limits of its own. Refusals count where the
+    /// address's own do. Default: 4.
+    pub network_share: u32,
 }
 
 /// What [`serve_http_counted`]'s limits did, counted since it started.
@@ -340,7 +346,8 @@ pub struct HttpStats {
     /// [`HttpLimits::max_pace_wait`].
     pub requests_refused: AtomicU64,
     /// Connections closed at once because their address had
-    /// [`HttpLimits::max_connections_per_ip`] open.
+    /// [`HttpLimits::max_connections_per_ip`] open (or its IPv6 /48 its share of them,
+    /// [`HttpLimits::network_share`]).
     pub connections_refused_per_ip: AtomicU64,
     /// Connections closed because a write to them waited
     /// [`HttpLimits::write_stall_timeout`] for room (the client read nothing).
@@ -482,6 +489,7 @@ impl Default for HttpLimits {
                 IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
             ],
             trusted_proxies: Vec::new(),
+            network_share: 4,
         }
     }
 }
@@ -526,6 +534,7 @@ pub async fn serve_http_counted(
     let per_ip = PerIp::new(
         limits.max_connections_per_ip.max(1),
         (limits.requests_per_ip, limits.writes_per_ip),
+        limits.network_share,
         limits.exempt_ips.clone(),
     );
     let trusted: Arc<[IpAddr]> = limits
@@ -825,13 +834,26 @@ impl Pacers {
     }
 }
 
-type Addresses = Arc<parking_lot::Mutex<HashMap<IpAddr, (usize, Pacers)>>>;
+/// What the per-address map keeps limits under: a client's address (see [`address_key`]),
+/// or the IPv6 /48 network its /64 is in, whose addresses share
+/// [`HttpLimits::network_share`] times the per-address limits (its bits past the /48
+/// cleared).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Key {
+    Address(IpAddr),
+    Network(u128),
+}
 
-/// Connections per IP address, and the rates each address's requests share.
+type Addresses = Arc<parking_lot::Mutex<HashMap<Key, (usize, Pacers)>>>;
+
+/// Connections per IP address (and per IPv6 /48), and the rates each address's requests
+/// share.
 #[derive(Clone)]
 struct PerIp {
     max: usize,
     rates: (Option<Rate>, Option<Rate>),
+    /// How many addresses' worth of the limits one IPv6 /48 gets in all.
+    network_share: u32,
     exempt: Arc<[IpAddr]>,
     open: Addresses,
     /// The map's size at which `take` next drops the addresses that no longer count.
@@ -857,21 +879,38 @@ fn address_key(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The IPv6 /48 an address key is in (none for IPv4): what a provider gives one site, so
+/// 65,536 /64s that one holder could otherwise take a limit each for.
+fn network_key(key: IpAddr) -> Option<Key> {
+    match key {
+        IpAddr::V4(_) => None,
+        IpAddr::V6(v6) => Some(Key::Network(u128::from(v6) & !((1u128 << 80) - 1))),
+    }
+}
+
 /// One connection's place among its address's: given back when dropped. None for an exempt
 /// address.
 struct IpSlot(Option<TakenIp>);
 
 struct TakenIp {
-    ip: IpAddr,
+    key: Key,
+    /// The place it also holds among its /48's.
+    network: Option<Key>,
     pacers: Pacers,
     open: Addresses,
 }
 
 impl PerIp {
-    fn new(max: usize, rates: (Option<Rate>, Option<Rate>), exempt: Vec<IpAddr>) -> Self {
+    fn new(
+        max: usize,
+        rates: (Option<Rate>, Option<Rate>),
+        network_share: u32,
+        exempt: Vec<IpAddr>,
+    ) -> Self {
         Self {
             max,
             rates,
+            network_share: network_share.max(1),
             exempt: exempt.into(),
             open: Arc::default(),
             sweep_at: Arc::new(AtomicUsize::new(SWEEP_MIN)),
@@ -884,27 +923,46 @@ impl PerIp {
         (!self.exempt.contains(&ip) && !self.exempt.contains(&key)).then_some(key)
     }
 
-    /// The entry of `key` in `open` (made if there is none), after a sweep if the map is
-    /// due one.
+    /// The entry of address `key` in `open` (made if there is none, with its /48's if it
+    /// has one: its pacers within the network's), after a sweep if the map is due one.
     fn entry<'a>(
         &self,
-        open: &'a mut HashMap<IpAddr, (usize, Pacers)>,
+        open: &'a mut HashMap<Key, (usize, Pacers)>,
         key: IpAddr,
     ) -> &'a mut (usize, Pacers) {
         if open.len() >= self.sweep_at.load(Ordering::Relaxed) {
             // Addresses with no connection left are kept while their bucket is not full
-            // (one that closes and reconnects must not get its burst again); drop those
-            // whose bucket is, and sweep again when the map has doubled.
+            // (one that closes and reconnects must not get its burst again) or anyone else
+            // holds it (a WebSocket; an address's pacers hold their network's); drop the
+            // rest, and sweep again when the map has doubled.
             open.retain(|_, (n, pacers)| *n > 0 || !pacers.unused(1));
             self.sweep_at
                 .store((open.len() * 2).max(SWEEP_MIN), Ordering::Relaxed);
         }
-        open.entry(key).or_insert_with(|| {
+        let network = network_key(key).map(|k| {
+            let share = self.network_share;
+            let (_, pacers) = open.entry(k).or_insert_with(|| {
+                let pacer = |r: Option<Rate>| r.map(|r| Pacer::new(r.times(share)));
+                (
+                    0,
+                    Pacers {
+                        requests: pacer(self.rates.0),
+                        writes: pacer(self.rates.1),
+                    },
+                )
+            });
+            pacers.clone()
+        });
+        open.entry(Key::Address(key)).or_insert_with(|| {
+            let pacer = |r: Option<Rate>, parent: Option<&Pacer>| {
+                r.map(|r| parent.map_or_else(|| Pacer::new(r), |p| Pacer::within(r, p)))
+            };
+            let network = network.as_ref();
             (
                 0,
                 Pacers {
-                    requests: self.rates.0.map(Pacer::new),
-                    writes: self.rates.1.map(Pacer::new),
+                    requests: pacer(self.rates.0, network.and_then(|n| n.requests.as_ref())),
+                    writes: pacer(self.rates.1, network.and_then(|n| n.writes.as_ref())),
                 },
             )
         })
@@ -919,10 +977,23 @@ impl PerIp {
         if *n >= self.max {
             return None;
         }
-        *n += 1;
+        let pacers = pacers.clone();
+        let network = network_key(ip);
+        if let Some(network) = network {
+            let (n, _) = open
+                .get_mut(&network)
+                .expect("made with the address's entry");
+            if *n >= self.max.saturating_mul(self.network_share as usize) {
+                return None;
+            }
+            *n += 1;
+        }
+        let key = Key::Address(ip);
+        open.get_mut(&key).expect("made above").0 += 1;
         Some(IpSlot(Some(TakenIp {
-            ip,
-            pacers: pacers.clone(),
+            key,
+            network,
+            pacers,
             open: self.open.clone(),
         })))
     }
@@ -1014,14 +1085,22 @@ impl IpSlot {
 impl Drop for TakenIp {
     fn drop(&mut self) {
         let mut open = self.open.lock();
-        if let Some((n, _)) = open.get_mut(&self.ip) {
+        if let Some((n, _)) = open.get_mut(&self.key) {
             *n -= 1;
             // The map's and this slot's handles: any other (a connection's that outlives
             // its slot, a WebSocket's) keeps it for the sweep.
             if *n == 0 && self.pacers.unused(2) {
                 // Addresses with connections are kept, and those whose bucket still
                 // counts (swept by `take`): the map is bounded by them.
-                open.remove(&self.ip);
+                open.remove(&self.key);
+            }
+        }
+        // The network's pacers are held by this slot's until it is gone: a network with no
+        // connection left is dropped by the sweep (or at once if it paces nothing).
+        if let Some((n, pacers)) = self.network.and_then(|k| open.get_mut(&k)) {
+            *n -= 1;
+            if *n == 0 && pacers.unused(1) {
+                open.remove(&self.network.expect("found by it"));
             }
         }
     }
@@ -1130,13 +1209,53 @@ pub async fn grpc_router(addr: SocketAddr) -> anyhow::Result<axum::Router> {
 
 #[cfg(test)]
 mod tests {
-    use super::{forwarded_client, IpAddr, PerIp, Rate, SWEEP_MIN};
+    use super::{forwarded_client, IpAddr, Key, PerIp, Rate, SWEEP_MIN};
+
+    fn v6(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// The /64s of one IPv6 /48 share its share of connections (here 2 x 2) and of the
+    /// rate; another /48 has its own.
+    #[tokio::test(start_paused = true)]
+    async fn the_addresses_of_one_ipv6_48_share_its_limits() {
+        use std::time::Duration;
+        let per_ip = PerIp::new(
+            2,
+            (Some(Rate::per_second(100).burst(2)), None),
+            2,
+            Vec::new(),
+        );
+        let a = per_ip.take(v6("2001:db8:1:a::1")).unwrap();
+        let b = per_ip.take(v6("2001:db8:1:b::1")).unwrap();
+        let _a2 = per_ip.take(v6("2001:db8:1:a::2")).unwrap();
+        // The /64 holds its 2.
+        assert!(per_ip.take(v6("2001:db8:1:a::3")).is_none());
+        let _b2 = per_ip.take(v6("2001:db8:1:b::2")).unwrap();
+        // The /48 holds its 4, though this /64 has none yet.
+        assert!(per_ip.take(v6("2001:db8:1:c::1")).is_none());
+        assert!(per_ip.take(v6("2001:db8:2:c::1")).is_some());
+        // A place given back is the /48's again.
+        drop(b);
+        let _c = per_ip.take(v6("2001:db8:1:c::1")).unwrap();
+
+        // Rates: each /64 within its burst of 2, the /48 within 4 in all.
+        let (pa, pc) = (a.pacers(), _c.pacers());
+        let pd = per_ip.request_from(v6("2001:db8:1:d::1")).1;
+        let [pa, pc, pd] = [&pa, &pc, &pd].map(|p| p.requests.clone().unwrap());
+        for p in [&pa, &pa, &pc, &pc] {
+            assert_eq!(p.delay(), Duration::ZERO);
+        }
+        assert!(pd.delay() > Duration::ZERO, "the /48's burst is spent");
+        let other = per_ip.request_from(v6("2001:db8:2:d::1")).1;
+        assert_eq!(other.requests.unwrap().delay(), Duration::ZERO);
+    }
 
     /// A pacer someone holds (an upgraded WebSocket's) survives the sweep of a full map, so
     /// that its address's next request shares it; one no one holds goes.
     #[test]
     fn a_held_pacer_outlives_the_sweep() {
-        let per_ip = PerIp::new(8, (Some(Rate::per_second(1000)), None), Vec::new());
+        let per_ip = PerIp::new(8, (Some(Rate::per_second(1000)), None), 4, Vec::new());
         let held = per_ip.request_from("203.0.113.1".parse().unwrap()).1;
         drop(per_ip.request_from("203.0.113.2".parse().unwrap()));
         // Enough other addresses for a sweep; none of them takes anything.
@@ -1145,8 +1264,8 @@ mod tests {
         }
         let open = per_ip.open.lock();
         assert!(open.len() < SWEEP_MIN, "swept: {}", open.len());
-        assert!(open.contains_key(&"203.0.113.1".parse().unwrap()));
-        assert!(!open.contains_key(&"203.0.113.2".parse().unwrap()));
+        assert!(open.contains_key(&Key::Address("203.0.113.1".parse().unwrap())));
+        assert!(!open.contains_key(&Key::Address("203.0.113.2".parse().unwrap())));
         drop(open);
         let again = per_ip.request_from("203.0.113.1".parse().unwrap()).1;
         // The map's handle, `held` and `again`: one pacer.

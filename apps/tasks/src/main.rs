@@ -198,6 +198,10 @@ struct LimitArgs {
     /// None by default: the header is ignored.
     #[arg(long = "trusted-proxy", value_name = "ADDR", value_delimiter = ',')]
     trusted_proxies: Vec<std::net::IpAddr>,
+    /// How many addresses' worth of the per-address limits the addresses of one IPv6 /48
+    /// (what a provider gives one site: 65,536 /64s) get in all (at least 1).
+    #[arg(long, default_value_t = 4)]
+    network_share: u32,
     /// Seconds a request over its address's rate may be held back before it is served;
     /// past it, 429.
     #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
@@ -224,6 +228,7 @@ impl LimitArgs {
             max_connections_per_ip: self.max_connections_per_ip,
             exempt_ips: self.exempt_ips,
             trusted_proxies: self.trusted_proxies,
+            network_share: self.network_share,
             max_pace_wait: seconds(self.max_pace_wait, "--max-pace-wait")?,
             write_stall_timeout: match seconds(self.write_stall_timeout, "--write-stall-timeout")? {
                 d if d.is_zero() => anyhow::bail!(

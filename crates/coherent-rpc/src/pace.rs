@@ -46,6 +46,16 @@ impl Rate {
         self
     }
 
+    /// `n` times the rate and the burst (`n` at least 1): what `n` clients of this rate
+    /// take together.
+    pub fn times(self, n: u32) -> Self {
+        let n = n.max(1);
+        Self {
+            per_second: self.per_second * f64::from(n),
+            burst: self.burst.saturating_mul(n),
+        }
+    }
+
     /// The average per second.
     pub fn average(&self) -> f64 {
         self.per_second
@@ -86,6 +96,8 @@ pub struct Pacer(Arc<Inner>);
 #[derive(Debug)]
 struct Inner {
     rate: Rate,
+    /// A wider bucket every take also takes from (see [`Pacer::within`]).
+    parent: Option<Pacer>,
     interval: Duration,
     /// `(burst - 1) * interval`: how far ahead of now `full_at` may be with no wait.
     tolerance: Duration,
@@ -108,9 +120,23 @@ pub struct PaceStats {
 impl Pacer {
     /// A full bucket.
     pub fn new(rate: Rate) -> Self {
+        Self::with_parent(rate, None)
+    }
+
+    /// A full bucket whose takes also take from `parent` and wait for the longer of the
+    /// two: the pacer of one client within the pacer of the group it belongs to (an IPv6
+    /// address within its provider's network), so that the group as a whole is held to
+    /// the parent's rate however many clients it has. A take refused by either takes from
+    /// neither. [`is_full`](Self::is_full) and [`stats`](Self::stats) are this bucket's own.
+    pub fn within(rate: Rate, parent: &Pacer) -> Self {
+        Self::with_parent(rate, Some(parent.clone()))
+    }
+
+    fn with_parent(rate: Rate, parent: Option<Pacer>) -> Self {
         let interval = rate.interval();
         Self(Arc::new(Inner {
             rate,
+            parent,
             interval,
             tolerance: interval.saturating_mul(rate.burst.saturating_sub(1)),
             full_at: Mutex::new(None),
@@ -140,7 +166,8 @@ impl Pacer {
 
     /// The wait that a take now would owe, taking nothing.
     pub fn due(&self) -> Duration {
-        self.owed(*self.0.full_at.lock(), Instant::now()).1
+        let own = self.owed(*self.0.full_at.lock(), Instant::now()).1;
+        self.0.parent.as_ref().map_or(own, |p| own.max(p.due()))
     }
 
     /// Where the bucket stands at `now` given `full_at` (the later of the two), and the
@@ -179,6 +206,28 @@ impl Pacer {
     }
 
     fn take(&self, max: Option<Duration>) -> Result<Duration, Duration> {
+        let i = &*self.0;
+        let Some(parent) = &i.parent else {
+            return self.take_own(max);
+        };
+        // Refused by either, taken from neither: the parent is asked first, and given back
+        // nothing (a take cannot be undone), so it is only looked at when there is a limit.
+        if let Some(max) = max {
+            let due = parent.due();
+            if due > max {
+                i.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(due - max);
+            }
+        }
+        let own = self.take_own(max)?;
+        let wider = match parent.take(None) {
+            Ok(wait) | Err(wait) => wait,
+        };
+        Ok(own.max(wider))
+    }
+
+    /// A take from this bucket alone.
+    fn take_own(&self, max: Option<Duration>) -> Result<Duration, Duration> {
         let i = &*self.0;
         let mut full_at = i.full_at.lock();
         let (at, wait) = self.owed(*full_at, Instant::now());
@@ -251,6 +300,30 @@ mod tests {
         }
         // 10 at once, then 100 at 50 per second.
         assert_eq!(start.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pacers_within_one_parent_share_its_rate() {
+        let network = Pacer::new(Rate::per_second(100).burst(4));
+        let a = Pacer::within(Rate::per_second(100).burst(3), &network);
+        let b = Pacer::within(Rate::per_second(100).burst(3), &network);
+        // Each within its own burst of 3, the two together within the parent's 4.
+        for _ in 0..3 {
+            assert_eq!(a.delay(), Duration::ZERO);
+        }
+        assert_eq!(b.delay(), Duration::ZERO);
+        assert_eq!(b.delay(), Duration::from_millis(10));
+        assert_eq!(b.due(), Duration::from_millis(20));
+        // A take the parent would delay past the limit is refused, and takes from neither.
+        assert_eq!(
+            b.take_within(Duration::from_millis(5)),
+            Err(Duration::from_millis(15))
+        );
+        assert_eq!(b.stats().refused, 1);
+        assert_eq!(network.due(), Duration::from_millis(20));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(a.is_full() && b.is_full() && network.is_full());
+        assert_eq!(b.take_within(Duration::ZERO), Ok(Duration::ZERO));
     }
 
     #[test]
