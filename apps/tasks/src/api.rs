@@ -130,7 +130,7 @@ impl ApiError {
 
 /// A correlation id for an error: in the body the client gets, and in the log line beside
 /// the details.
-fn reference() -> String {
+pub(crate) fn reference() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
 

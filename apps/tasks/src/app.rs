@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use coherent::ops::{CommandServer, Notifier};
+use coherent::ops::{CommandError, CommandServer, Notifier};
 use coherent::prelude::*;
 use coherent::rpc::pace::{Pacer, Rate};
 use tokio::net::TcpListener;
@@ -133,7 +133,10 @@ impl LiveBackend {
         let mut endpoint = Endpoint::builder()
             .config(coherent::rpc::Config::default().untrusted_call_rate(untrusted_call_rate))
             .service(remote.service())
-            .service(CommandServer::new(host.clone()));
+            .service(CommandServer::new(BackendCommands {
+                host: host.clone(),
+                auth: auth.clone(),
+            }));
         if let Some(auth) = auth {
             endpoint = endpoint.authenticate_with(move |creds| {
                 // A cookie that does not verify (signed under a secret since changed) is
@@ -251,6 +254,49 @@ pub async fn direct_router(db: &DbConfig) -> anyhow::Result<axum::Router> {
     Ok(api::router(Arc::new(Direct::new(
         db.open(POOL_SIZE).await?,
     ))))
+}
+
+/// The backend's commands over RPC: the host's own policy (a tier's trusted connection,
+/// or a browser's that logged in: `authenticated_or_trusted`); a logged-in browser's
+/// commands held to its user's rate
+/// ([`AuthConfig::commands_per_user`](crate::session::AuthConfig::commands_per_user)), as its
+/// writes through `/api` are to its address's, and its errors as a stranger may see them
+/// ([`for_a_stranger`](crate::live::for_a_stranger)).
+#[derive(Clone)]
+struct BackendCommands {
+    host: coherent::ops::Host,
+    auth: Option<crate::session::Auth>,
+}
+
+impl coherent::ops::Commands for BackendCommands {
+    async fn run(&self, kind: String, command: String) -> Result<String, CommandError> {
+        let Some(ctx) = coherent::rpc::CallContext::current() else {
+            return self.host.run_json(&kind, command).await;
+        };
+        coherent::ops::authenticated_or_trusted(&ctx, &kind)?;
+        if ctx.peer().trust() == coherent::rpc::Trust::Trusted {
+            return self.host.run_json(&kind, command).await;
+        }
+        // A browser that logged in: held to its user's rate, and told of a failure of the
+        // server's own only by reference.
+        if let (Some(auth), Some(user)) = (&self.auth, ctx.identity()) {
+            match auth.pace_command(user.name()) {
+                Ok(wait) if wait.is_zero() => {}
+                Ok(wait) => tokio::time::sleep(wait).await,
+                Err(after) => {
+                    return Err(CommandError::rate_limited(format!(
+                        "{kind}: {} ran too many commands; retry in {} ms",
+                        user.name(),
+                        after.as_millis().max(1)
+                    )))
+                }
+            }
+        }
+        self.host
+            .run_json(&kind, command)
+            .await
+            .map_err(|e| crate::live::for_a_stranger(&kind, e))
+    }
 }
 
 /// The bounds of the HTTP server that a client can reach: how long it may take to send a

@@ -226,6 +226,35 @@ fn api_error(e: CommandError) -> ApiError {
     }
 }
 
+/// A command's error as a stranger (an untrusted connection: a browser over `/rpc`) may see
+/// it: what the command said of the caller's input (a refusal, a field not found, a bad
+/// command, its rights or its rate) as it is; a failure of the server's own (the database,
+/// a backend out of reach) as its kind and a reference only, the details logged under the
+/// reference, as an HTTP error body has them. A project that does not exist (a foreign key
+/// that found no row) is the caller's: said as such.
+pub(crate) fn for_a_stranger(kind: &str, e: CommandError) -> CommandError {
+    if e.sql_state() == Some(FOREIGN_KEY_VIOLATION) {
+        let i = Invalid::new("project", "no such project");
+        return CommandError::not_found(format!("{}: {}", i.field, i.message)).with_detail(&i);
+    }
+    match e.kind() {
+        ErrorKind::Rejected
+        | ErrorKind::NotFound
+        | ErrorKind::UnknownCommand
+        | ErrorKind::BadCommand
+        | ErrorKind::Unauthorized
+        | ErrorKind::RateLimited => e,
+        other => {
+            let reference = crate::api::reference();
+            tracing::error!(%reference, command = kind, error = %e, "a command failed");
+            CommandError::new(
+                other,
+                format!("{kind}: internal error, reference {reference}"),
+            )
+        }
+    }
+}
+
 /// PostgreSQL's SQLSTATE for a foreign key that finds no row.
 const FOREIGN_KEY_VIOLATION: &str = "23503";
 
@@ -508,5 +537,25 @@ impl<C: Caller + Send + Sync + 'static> Backend for LiveTier<C> {
 
     async fn create_project(&self, new: NewProject) -> Result<Project, ApiError> {
         self.commands.run(CreateProject { new }).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{for_a_stranger, CommandError, ErrorKind};
+
+    #[test]
+    fn a_stranger_sees_its_own_faults_and_only_a_reference_to_the_servers() {
+        let own = CommandError::rejected("title: too long");
+        assert_eq!(for_a_stranger("tasks.create", own.clone()), own);
+        let leak = CommandError::new(
+            ErrorKind::Database,
+            "relation \"tasks\" does not exist at /srv/tasks/data/tasks.db",
+        );
+        let seen = for_a_stranger("tasks.create", leak);
+        assert_eq!(seen.kind(), ErrorKind::Database);
+        assert!(seen.message().contains("reference"), "{seen}");
+        assert!(!seen.message().contains("relation"), "{seen}");
+        assert!(!seen.message().contains("/srv"), "{seen}");
     }
 }

@@ -25,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
+use coherent::rpc::pace::{Pacer, Rate};
 use hmac::{KeyInit, Mac};
 use serde::{Deserialize, Serialize};
 
@@ -65,6 +66,14 @@ pub struct AuthConfig {
     /// [`SECURE_COOKIE`] (a `__Host-` cookie) rather than [`COOKIE`]: on wherever the app
     /// is behind TLS.
     pub secure_cookie: bool,
+    /// The rate at which one logged-in user's commands over `/rpc` run (its writes through
+    /// `/api` are held to the address's `HttpLimits::writes_per_ip`); `None` for no limit.
+    /// A command over the rate waits until it is due, or, if that is more than
+    /// `max_command_wait` away, is refused (`ErrorKind::RateLimited`). A tier's commands
+    /// (a trusted connection) are not held to it. Default: 20 a second, 40 at once.
+    pub commands_per_user: Option<Rate>,
+    /// The longest a command over its user's rate waits. Default: 1 s.
+    pub max_command_wait: Duration,
 }
 
 impl AuthConfig {
@@ -76,6 +85,8 @@ impl AuthConfig {
             anonymous_reads: true,
             session_ttl: Duration::from_secs(12 * 3600),
             secure_cookie: false,
+            commands_per_user: Some(Rate::per_second(20)),
+            max_command_wait: Duration::from_secs(1),
         }
     }
 
@@ -106,6 +117,9 @@ struct Inner {
     /// [`FREE_FAILURES_PER_ADDRESS`]: one address trying one password against many names
     /// is held up too.
     by_address: parking_lot::Mutex<HashMap<std::net::IpAddr, Throttle>>,
+    /// Each configured user's rate of commands over `/rpc` (only they can log in).
+    command_pacers: HashMap<String, Pacer>,
+    max_command_wait: Duration,
 }
 
 /// Failed logins of one user: after [`FREE_FAILURES`] in a row, each further attempt must
@@ -184,6 +198,13 @@ impl Auth {
             let mac = mac(&key, &[b"password", name.as_bytes(), password.as_bytes()]);
             users.insert(name, mac);
         }
+        let command_pacers = match config.commands_per_user {
+            Some(rate) => users
+                .keys()
+                .map(|name| (name.clone(), Pacer::new(rate)))
+                .collect(),
+            None => HashMap::new(),
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 key,
@@ -193,8 +214,20 @@ impl Auth {
                 secure: config.secure_cookie,
                 throttle: parking_lot::Mutex::default(),
                 by_address: parking_lot::Mutex::default(),
+                command_pacers,
+                max_command_wait: config.max_command_wait,
             }),
         })
+    }
+
+    /// Takes one of `user`'s commands from its rate ([`AuthConfig::commands_per_user`]):
+    /// the wait before it may run, or, if that is longer than `max_command_wait`, an error
+    /// with how long until it would not be (nothing taken).
+    pub fn pace_command(&self, user: &str) -> Result<Duration, Duration> {
+        match self.inner.command_pacers.get(user) {
+            Some(p) => p.take_within(self.inner.max_command_wait),
+            None => Ok(Duration::ZERO),
+        }
     }
 
     /// Whether clients that did not log in may read.

@@ -65,6 +65,9 @@ pub enum ErrorKind {
     /// The caller may not run this command: it did not authenticate, or its identity is
     /// not allowed to (see [`Guarded`](crate::Guarded)). Nothing was run.
     Unauthorized,
+    /// The caller ran commands faster than a policy of the application allows it: nothing
+    /// was run; the message says when to try again.
+    RateLimited,
 }
 
 impl CommandError {
@@ -122,6 +125,11 @@ impl CommandError {
     /// The caller may not run the command.
     pub fn unauthorized(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Unauthorized, message)
+    }
+
+    /// The caller may not run a command yet: it ran too many lately.
+    pub fn rate_limited(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::RateLimited, message)
     }
 
     /// The kind, for a program.

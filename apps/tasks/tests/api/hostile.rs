@@ -443,6 +443,83 @@ async fn a_websocket_with_a_login_cookie_runs_commands_as_its_user() {
     backend.stop().await;
 }
 
+/// A logged-in browser's commands over `/rpc` are held to its user's rate: past the wait
+/// allowed, refused with `RateLimited` and not run; a tier's trusted connection is not held
+/// to it.
+#[tokio::test]
+async fn a_users_commands_over_rpc_are_held_to_its_rate() {
+    use coherent_tasks::session::{Auth, AuthConfig, COOKIE};
+    let db = Db::sqlite();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config =
+        AuthConfig::new(*b"a secret of 32 bytes, not random").user("alice", "password1");
+    config.commands_per_user = Some(coherent::rpc::pace::Rate::per_second(1).burst(2));
+    config.max_command_wait = std::time::Duration::ZERO;
+    let auth = Auth::new(config).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let backend = coherent_tasks::app::LiveBackend::start_with(
+        &db.config,
+        listener,
+        None,
+        Some(auth.clone()),
+    )
+    .await
+    .unwrap();
+    let router = auth.protect(backend.http_router(dir.path().to_owned()).await.unwrap());
+    let (base, serving) = crate::harness::serve(router).await;
+    let url = format!("ws{}/rpc", base.trim_start_matches("http"));
+    let cookie = format!("{COOKIE}={}", auth.login("alice", "password1").unwrap());
+    let client = coherent::rpc::Endpoint::builder().build();
+    let store = db.config.open(1).await.unwrap();
+    let projects = || async { store.projects().await.unwrap().len() };
+    let alice = CommandClient::new(
+        client
+            .connect_websocket_with_headers(&url, &[("cookie", &cookie)])
+            .await
+            .unwrap(),
+    );
+    let create = |n: u32| CreateProject {
+        new: NewProject {
+            name: format!("p{n}"),
+        },
+    };
+    // The burst of 2, then a refusal that runs nothing; a round that took a second (the
+    // rate may have given one back) proves nothing and is done again.
+    let mut proved = false;
+    for round in 0..5 {
+        if round > 0 {
+            // The bucket full again.
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        }
+        let before = projects().await;
+        let start = std::time::Instant::now();
+        let mut outcomes = Vec::new();
+        for n in 0..3 {
+            outcomes.push(
+                alice
+                    .run(&create(10 * round + n))
+                    .await
+                    .map_err(|e| e.kind()),
+            );
+        }
+        if start.elapsed() < std::time::Duration::from_millis(900) {
+            assert!(outcomes[0].is_ok() && outcomes[1].is_ok(), "{outcomes:?}");
+            assert_eq!(outcomes[2].clone().unwrap_err(), ErrorKind::RateLimited);
+            assert_eq!(projects().await, before + 2);
+            proved = true;
+            break;
+        }
+    }
+    assert!(proved, "no round ran within a second");
+    // A tier (trusted TCP) runs commands at whatever rate.
+    let tier = CommandClient::new(client.connect_tcp(backend.addr).await.unwrap());
+    for n in 100..105 {
+        tier.run(&create(n)).await.unwrap();
+    }
+    serving.abort();
+    backend.stop().await;
+}
+
 /// One address cannot hold every connection: past its limit, its new connections are
 /// closed at once while other addresses are served; a place frees when one closes.
 #[tokio::test]
