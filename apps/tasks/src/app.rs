@@ -374,11 +374,17 @@ pub struct HttpLimits {
     /// dual-stack listener's) compare as IPv4. Default: none.
     pub trusted_proxies: Vec<IpAddr>,
     /// How many addresses' worth of the per-address limits (`max_connections_per_ip`,
-    /// `requests_per_ip`, `writes_per_ip`) the addresses of one IPv6 /48 get in all, each
-    /// still within its own (at least 1). A provider gives one site a /48: 65,536 /64s,
-    /// each of which would otherwise have limits of its own. Refusals count where the
-    /// address's own do. Default: 4.
+    /// `requests_per_ip`, `writes_per_ip`) the IPv6 /64s of one network of
+    /// [`network_prefix`](Self::network_prefix) bits get in all, each still within its own;
+    /// 0 for no such limit. A provider gives one customer a /56 (a home, a cloud network) or
+    /// a /48 (a site): 256 or 65,536 /64s, each of which would otherwise have limits of its
+    /// own. Counted in [`HttpStats::connections_refused_per_network`]. Default: 8.
     pub network_share: u32,
+    /// The length of the IPv6 prefix whose /64s share
+    /// [`network_share`](Self::network_share) (at most 63: a /64 is one address here).
+    /// Longer than one customer's allocation, and one customer can crowd out the others
+    /// in it; shorter, and a customer with several gets a share for each. Default: 56.
+    pub network_prefix: u8,
 }
 
 /// What [`serve_http_counted`]'s limits did, counted since it started.
@@ -392,9 +398,11 @@ pub struct HttpStats {
     /// [`HttpLimits::max_pace_wait`].
     pub requests_refused: AtomicU64,
     /// Connections closed at once because their address had
-    /// [`HttpLimits::max_connections_per_ip`] open (or its IPv6 /48 its share of them,
-    /// [`HttpLimits::network_share`]).
+    /// [`HttpLimits::max_connections_per_ip`] open.
     pub connections_refused_per_ip: AtomicU64,
+    /// Connections closed at once because the IPv6 network of their address had its share
+    /// of connections open ([`HttpLimits::network_share`]).
+    pub connections_refused_per_network: AtomicU64,
     /// Connections closed because a write to them waited
     /// [`HttpLimits::write_stall_timeout`] for room (the client read nothing).
     pub writes_stalled: AtomicU64,
@@ -413,6 +421,7 @@ impl HttpStats {
     /// | `coherent_tasks_http_requests_paced_total` | counter | [`requests_paced`](Self::requests_paced) |
     /// | `coherent_tasks_http_requests_refused_total` | counter | [`requests_refused`](Self::requests_refused) (429) |
     /// | `coherent_tasks_http_connections_refused_per_ip_total` | counter | [`connections_refused_per_ip`](Self::connections_refused_per_ip) |
+    /// | `coherent_tasks_http_connections_refused_per_network_total` | counter | [`connections_refused_per_network`](Self::connections_refused_per_network) |
     /// | `coherent_tasks_http_writes_stalled_total` | counter | [`writes_stalled`](Self::writes_stalled) |
     /// | `coherent_tasks_http_connections_open` | gauge | [`connections_open`](Self::connections_open) |
     pub fn record(&self, name: &str) {
@@ -427,6 +436,11 @@ impl HttpStats {
             &label
         )
         .absolute(read(&self.connections_refused_per_ip));
+        metrics::counter!(
+            "coherent_tasks_http_connections_refused_per_network_total",
+            &label
+        )
+        .absolute(read(&self.connections_refused_per_network));
         metrics::counter!("coherent_tasks_http_writes_stalled_total", &label)
             .absolute(read(&self.writes_stalled));
         metrics::gauge!("coherent_tasks_http_connections_open", &label)
@@ -535,7 +549,8 @@ impl Default for HttpLimits {
                 IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
             ],
             trusted_proxies: Vec::new(),
-            network_share: 4,
+            network_share: 8,
+            network_prefix: 56,
         }
     }
 }
@@ -580,7 +595,7 @@ pub async fn serve_http_counted(
     let per_ip = PerIp::new(
         limits.max_connections_per_ip.max(1),
         (limits.requests_per_ip, limits.writes_per_ip),
-        limits.network_share,
+        (limits.network_share, limits.network_prefix),
         limits.exempt_ips.clone(),
     );
     let trusted: Arc<[IpAddr]> = limits
@@ -615,14 +630,27 @@ pub async fn serve_http_counted(
         let proxied = trusted.contains(&addr.ip().to_canonical());
         let ip_slot = if proxied {
             IpSlot(None)
-        } else if let Some(slot) = per_ip.take(addr.ip()) {
-            slot
         } else {
-            stats
-                .connections_refused_per_ip
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(ip = %addr.ip(), "an address over its connection limit: closed");
-            continue;
+            match per_ip.take(addr.ip()) {
+                Ok(slot) => slot,
+                Err(Over::Address) => {
+                    stats
+                        .connections_refused_per_ip
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(ip = %addr.ip(), "an address over its connection limit: closed");
+                    continue;
+                }
+                Err(Over::Network) => {
+                    stats
+                        .connections_refused_per_network
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(
+                        ip = %addr.ip(),
+                        "an address whose IPv6 network is over its connections: closed"
+                    );
+                    continue;
+                }
+            }
         };
         let pacers = ip_slot.pacers();
         let from = ip_slot
@@ -881,9 +909,9 @@ impl Pacers {
 }
 
 /// What the per-address map keeps limits under: a client's address (see [`address_key`]),
-/// or the IPv6 /48 network its /64 is in, whose addresses share
-/// [`HttpLimits::network_share`] times the per-address limits (its bits past the /48
-/// cleared).
+/// or the IPv6 network of [`HttpLimits::network_prefix`] bits its /64 is in, whose
+/// addresses share [`HttpLimits::network_share`] times the per-address limits (the bits
+/// past the prefix cleared).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 enum Key {
     Address(IpAddr),
@@ -892,14 +920,15 @@ enum Key {
 
 type Addresses = Arc<parking_lot::Mutex<HashMap<Key, (usize, Pacers)>>>;
 
-/// Connections per IP address (and per IPv6 /48), and the rates each address's requests
-/// share.
+/// Connections per IP address (and per IPv6 network), and the rates each address's
+/// requests share.
 #[derive(Clone)]
 struct PerIp {
     max: usize,
     rates: (Option<Rate>, Option<Rate>),
-    /// How many addresses' worth of the limits one IPv6 /48 gets in all.
-    network_share: u32,
+    /// How many addresses' worth of the limits one IPv6 network gets in all (0: no such
+    /// limit), and its prefix's length.
+    network: (u32, u8),
     exempt: Arc<[IpAddr]>,
     open: Addresses,
     /// The map's size at which `take` next drops the addresses that no longer count.
@@ -925,13 +954,12 @@ fn address_key(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// The IPv6 /48 an address key is in (none for IPv4): what a provider gives one site, so
-/// 65,536 /64s that one holder could otherwise take a limit each for.
-fn network_key(key: IpAddr) -> Option<Key> {
-    match key {
-        IpAddr::V4(_) => None,
-        IpAddr::V6(v6) => Some(Key::Network(u128::from(v6) & !((1u128 << 80) - 1))),
-    }
+/// Why a connection got no place.
+enum Over {
+    /// Its address holds `max_connections_per_ip`.
+    Address,
+    /// Its IPv6 network holds its share.
+    Network,
 }
 
 /// One connection's place among its address's: given back when dropped. None for an exempt
@@ -940,7 +968,7 @@ struct IpSlot(Option<TakenIp>);
 
 struct TakenIp {
     key: Key,
-    /// The place it also holds among its /48's.
+    /// The place it also holds among its IPv6 network's.
     network: Option<Key>,
     pacers: Pacers,
     open: Addresses,
@@ -950,16 +978,28 @@ impl PerIp {
     fn new(
         max: usize,
         rates: (Option<Rate>, Option<Rate>),
-        network_share: u32,
+        network: (u32, u8),
         exempt: Vec<IpAddr>,
     ) -> Self {
         Self {
             max,
             rates,
-            network_share: network_share.max(1),
+            network,
             exempt: exempt.into(),
             open: Arc::default(),
             sweep_at: Arc::new(AtomicUsize::new(SWEEP_MIN)),
+        }
+    }
+
+    /// The IPv6 network an address key is in, if networks have limits (none for IPv4): so
+    /// that one holder of many /64s cannot take a limit for each.
+    fn network_key(&self, key: IpAddr) -> Option<Key> {
+        let (share, prefix) = self.network;
+        match key {
+            IpAddr::V6(v6) if share > 0 && (1..64).contains(&prefix) => {
+                Some(Key::Network(u128::from(v6) & !(u128::MAX >> prefix)))
+            }
+            _ => None,
         }
     }
 
@@ -969,8 +1009,8 @@ impl PerIp {
         (!self.exempt.contains(&ip) && !self.exempt.contains(&key)).then_some(key)
     }
 
-    /// The entry of address `key` in `open` (made if there is none, with its /48's if it
-    /// has one: its pacers within the network's), after a sweep if the map is due one.
+    /// The entry of address `key` in `open` (made if there is none, with its network's if
+    /// it has one: its pacers within the network's), after a sweep if the map is due one.
     fn entry<'a>(
         &self,
         open: &'a mut HashMap<Key, (usize, Pacers)>,
@@ -981,12 +1021,16 @@ impl PerIp {
             // (one that closes and reconnects must not get its burst again) or anyone else
             // holds it (a WebSocket; an address's pacers hold their network's); drop the
             // rest, and sweep again when the map has doubled.
+            // Addresses first: a network's pacers are held by its addresses' until those go.
+            open.retain(|k, (n, pacers)| {
+                matches!(k, Key::Network(_)) || *n > 0 || !pacers.unused(1)
+            });
             open.retain(|_, (n, pacers)| *n > 0 || !pacers.unused(1));
             self.sweep_at
                 .store((open.len() * 2).max(SWEEP_MIN), Ordering::Relaxed);
         }
-        let network = network_key(key).map(|k| {
-            let share = self.network_share;
+        let network = self.network_key(key).map(|k| {
+            let share = self.network.0;
             let (_, pacers) = open.entry(k).or_insert_with(|| {
                 let pacer = |r: Option<Rate>| r.map(|r| Pacer::new(r.times(share)));
                 (
@@ -1014,29 +1058,29 @@ impl PerIp {
         })
     }
 
-    fn take(&self, ip: IpAddr) -> Option<IpSlot> {
+    fn take(&self, ip: IpAddr) -> Result<IpSlot, Over> {
         let Some(ip) = self.key(ip) else {
-            return Some(IpSlot(None));
+            return Ok(IpSlot(None));
         };
         let mut open = self.open.lock();
         let (n, pacers) = self.entry(&mut open, ip);
         if *n >= self.max {
-            return None;
+            return Err(Over::Address);
         }
         let pacers = pacers.clone();
-        let network = network_key(ip);
+        let network = self.network_key(ip);
         if let Some(network) = network {
             let (n, _) = open
                 .get_mut(&network)
                 .expect("made with the address's entry");
-            if *n >= self.max.saturating_mul(self.network_share as usize) {
-                return None;
+            if *n >= self.max.saturating_mul(self.network.0 as usize) {
+                return Err(Over::Network);
             }
             *n += 1;
         }
         let key = Key::Address(ip);
         open.get_mut(&key).expect("made above").0 += 1;
-        Some(IpSlot(Some(TakenIp {
+        Ok(IpSlot(Some(TakenIp {
             key,
             network,
             pacers,
@@ -1255,53 +1299,65 @@ pub async fn grpc_router(addr: SocketAddr) -> anyhow::Result<axum::Router> {
 
 #[cfg(test)]
 mod tests {
-    use super::{forwarded_client, IpAddr, Key, PerIp, Rate, SWEEP_MIN};
+    use super::{forwarded_client, IpAddr, Key, Over, PerIp, Rate, SWEEP_MIN};
 
     fn v6(s: &str) -> IpAddr {
         s.parse().unwrap()
     }
 
-    /// The /64s of one IPv6 /48 share its share of connections (here 2 x 2) and of the
-    /// rate; another /48 has its own.
+    /// The /64s of one IPv6 network (here a /56) share its share of connections (here
+    /// 2 x 2) and of the rate; another network has its own; with no share, no such limit.
     #[tokio::test(start_paused = true)]
-    async fn the_addresses_of_one_ipv6_48_share_its_limits() {
+    async fn the_addresses_of_one_ipv6_network_share_its_limits() {
         use std::time::Duration;
-        let per_ip = PerIp::new(
-            2,
-            (Some(Rate::per_second(100).burst(2)), None),
-            2,
-            Vec::new(),
-        );
-        let a = per_ip.take(v6("2001:db8:1:a::1")).unwrap();
-        let b = per_ip.take(v6("2001:db8:1:b::1")).unwrap();
-        let _a2 = per_ip.take(v6("2001:db8:1:a::2")).unwrap();
+        let rates = (Some(Rate::per_second(100).burst(2)), None);
+        let per_ip = PerIp::new(2, rates, (2, 56), Vec::new());
+        let a = per_ip.take(v6("2001:db8:0:10a::1")).ok().unwrap();
+        let b = per_ip.take(v6("2001:db8:0:10b::1")).ok().unwrap();
+        let _a2 = per_ip.take(v6("2001:db8:0:10a::2")).ok().unwrap();
         // The /64 holds its 2.
-        assert!(per_ip.take(v6("2001:db8:1:a::3")).is_none());
-        let _b2 = per_ip.take(v6("2001:db8:1:b::2")).unwrap();
-        // The /48 holds its 4, though this /64 has none yet.
-        assert!(per_ip.take(v6("2001:db8:1:c::1")).is_none());
-        assert!(per_ip.take(v6("2001:db8:2:c::1")).is_some());
-        // A place given back is the /48's again.
+        assert!(matches!(
+            per_ip.take(v6("2001:db8:0:10a::3")),
+            Err(Over::Address)
+        ));
+        let _b2 = per_ip.take(v6("2001:db8:0:10b::2")).ok().unwrap();
+        // The /56 holds its 4, though this /64 has none yet; the next /56 has its own.
+        assert!(matches!(
+            per_ip.take(v6("2001:db8:0:1ff::1")),
+            Err(Over::Network)
+        ));
+        assert!(per_ip.take(v6("2001:db8:0:200::1")).is_ok());
+        // A place given back is the network's again.
         drop(b);
-        let _c = per_ip.take(v6("2001:db8:1:c::1")).unwrap();
+        let c = per_ip.take(v6("2001:db8:0:1ff::1")).ok().unwrap();
 
-        // Rates: each /64 within its burst of 2, the /48 within 4 in all.
-        let (pa, pc) = (a.pacers(), _c.pacers());
-        let pd = per_ip.request_from(v6("2001:db8:1:d::1")).1;
-        let [pa, pc, pd] = [&pa, &pc, &pd].map(|p| p.requests.clone().unwrap());
+        // Rates: each /64 within its burst of 2, the /56 within 4 in all.
+        let pd = per_ip.request_from(v6("2001:db8:0:1dd::1")).1;
+        let [pa, pc, pd] = [a.pacers(), c.pacers(), pd].map(|p| p.requests.unwrap());
         for p in [&pa, &pa, &pc, &pc] {
             assert_eq!(p.delay(), Duration::ZERO);
         }
-        assert!(pd.delay() > Duration::ZERO, "the /48's burst is spent");
-        let other = per_ip.request_from(v6("2001:db8:2:d::1")).1;
+        assert!(pd.delay() > Duration::ZERO, "the network's burst is spent");
+        let other = per_ip.request_from(v6("2001:db8:0:2dd::1")).1;
         assert_eq!(other.requests.unwrap().delay(), Duration::ZERO);
+
+        // A share of 0: each /64 on its own.
+        let per_ip = PerIp::new(1, rates, (0, 56), Vec::new());
+        let _held: Vec<_> = (0..10)
+            .map(|i| {
+                per_ip
+                    .take(v6(&format!("2001:db8:0:1{i:02x}::1")))
+                    .ok()
+                    .unwrap()
+            })
+            .collect();
     }
 
     /// A pacer someone holds (an upgraded WebSocket's) survives the sweep of a full map, so
     /// that its address's next request shares it; one no one holds goes.
     #[test]
     fn a_held_pacer_outlives_the_sweep() {
-        let per_ip = PerIp::new(8, (Some(Rate::per_second(1000)), None), 4, Vec::new());
+        let per_ip = PerIp::new(8, (Some(Rate::per_second(1000)), None), (8, 56), Vec::new());
         let held = per_ip.request_from("203.0.113.1".parse().unwrap()).1;
         drop(per_ip.request_from("203.0.113.2".parse().unwrap()));
         // Enough other addresses for a sweep; none of them takes anything.

@@ -136,9 +136,9 @@ struct AuthArgs {
         hide_env_values = true
     )]
     users: Vec<String>,
-    /// A file of users, one `NAME:PASSWORD` a line (blank lines and lines starting with
-    /// `#` skipped), with those of `--user`: a password on the command line is shown to
-    /// every user of the machine by `ps`.
+    /// A file of users, one `NAME:PASSWORD` a line, taken as it is (blank lines and lines
+    /// starting with `#` skipped), with those of `--user`: a password on the command line
+    /// is shown to every user of the machine by `ps`. Refused if every user may write it.
     #[arg(long, value_name = "PATH", env = "TASKS_USERS_FILE")]
     users_file: Option<PathBuf>,
     /// The secret logins are signed with (16 bytes or more), the same for every process of
@@ -198,10 +198,14 @@ struct LimitArgs {
     /// None by default: the header is ignored.
     #[arg(long = "trusted-proxy", value_name = "ADDR", value_delimiter = ',')]
     trusted_proxies: Vec<std::net::IpAddr>,
-    /// How many addresses' worth of the per-address limits the addresses of one IPv6 /48
-    /// (what a provider gives one site: 65,536 /64s) get in all (at least 1).
-    #[arg(long, default_value_t = 4)]
+    /// How many addresses' worth of the per-address limits the /64s of one IPv6 network of
+    /// `--network-prefix` bits get in all (0: no such limit).
+    #[arg(long, default_value_t = 8)]
     network_share: u32,
+    /// The length of the IPv6 prefix whose /64s share `--network-share`: one customer's
+    /// allocation (a /56 for a home or a cloud network, a /48 for a site). At most 63.
+    #[arg(long, default_value_t = 56, value_parser = clap::value_parser!(u8).range(1..=63))]
+    network_prefix: u8,
     /// Seconds a request over its address's rate may be held back before it is served;
     /// past it, 429.
     #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
@@ -229,6 +233,7 @@ impl LimitArgs {
             exempt_ips: self.exempt_ips,
             trusted_proxies: self.trusted_proxies,
             network_share: self.network_share,
+            network_prefix: self.network_prefix,
             max_pace_wait: seconds(self.max_pace_wait, "--max-pace-wait")?,
             write_stall_timeout: match seconds(self.write_stall_timeout, "--write-stall-timeout")? {
                 d if d.is_zero() => anyhow::bail!(
@@ -288,12 +293,20 @@ impl AuthArgs {
         if let Some(path) = &self.users_file {
             let text = String::from_utf8(secret_file(path, "--users-file")?)
                 .map_err(|_| anyhow::anyhow!("--users-file {}: not UTF-8", path.display()))?;
+            // Lines as they are (a password may begin or end with a space), but for the
+            // carriage return of a file written on Windows.
+            let before = users.len();
             users.extend(
                 text.lines()
-                    .map(str::trim)
-                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(|l| l.strip_suffix('\r').unwrap_or(l))
+                    .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
                     .map(str::to_owned),
             );
+            if users.len() == before {
+                // Not a made-up admin instead: a file that failed to mount would print its
+                // password to the log.
+                anyhow::bail!("--users-file {}: no users in it", path.display());
+            }
         }
         let mut config = AuthConfig::new(secret);
         config.anonymous_reads = self.anonymous_reads;
@@ -329,21 +342,46 @@ fn on_command_line(flag: &str) -> bool {
 
 /// The bytes of a file holding secrets; a warning when every user of the machine may read
 /// it.
+/// The bytes of a file holding secrets: a plain file of at most [`MAX_SECRET_FILE`]
+/// bytes, that not every user of the machine may write (refused) or read (a warning).
 fn secret_file(path: &std::path::Path, flag: &str) -> anyhow::Result<Vec<u8>> {
     use anyhow::Context as _;
+    use std::io::Read as _;
+    let named = || format!("{flag} {}", path.display());
+    let file = std::fs::File::open(path).with_context(named)?;
+    let meta = file.metadata().with_context(named)?;
+    if !meta.is_file() {
+        anyhow::bail!("{}: not a plain file", named());
+    }
     #[cfg(unix)]
-    if let Ok(meta) = std::fs::metadata(path) {
+    {
         use std::os::unix::fs::PermissionsExt as _;
-        if meta.permissions().mode() & 0o004 != 0 {
+        let mode = meta.permissions().mode();
+        if mode & 0o002 != 0 {
+            anyhow::bail!(
+                "{}: every user of this machine may write it (chmod o-w)",
+                named()
+            );
+        }
+        if mode & 0o004 != 0 {
             eprintln!(
-                "tasks: warning: {flag} {}: every user of this machine may read it \
-                 (chmod o-r)",
-                path.display()
+                "tasks: warning: {}: every user of this machine may read it (chmod o-r)",
+                named()
             );
         }
     }
-    std::fs::read(path).with_context(|| format!("{flag} {}", path.display()))
+    let mut bytes = Vec::new();
+    file.take(MAX_SECRET_FILE + 1)
+        .read_to_end(&mut bytes)
+        .with_context(named)?;
+    if bytes.len() as u64 > MAX_SECRET_FILE {
+        anyhow::bail!("{}: larger than {MAX_SECRET_FILE} bytes", named());
+    }
+    Ok(bytes)
 }
+
+/// The largest file of users or of the session secret read.
+const MAX_SECRET_FILE: u64 = 1 << 20;
 
 /// `router` behind `auth`'s rules, or as it is without.
 fn protect(auth: Option<&coherent_tasks::session::Auth>, router: axum::Router) -> axum::Router {

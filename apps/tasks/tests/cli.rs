@@ -27,6 +27,9 @@ fn serve(dir: &std::path::Path, args: &[&str]) -> (Served, SocketAddr, String) {
             .args(args)
             .env_remove("TASKS_USERS")
             .env_remove("TASKS_SESSION_SECRET")
+            .env_remove("TASKS_USERS_FILE")
+            .env_remove("TASKS_SESSION_SECRET_FILE")
+            .env_remove("DATABASE_URL")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -82,7 +85,7 @@ fn users_and_the_session_secret_come_from_files() {
     let users = dir.path().join("users");
     write_secret(
         &users,
-        "# who may write\nada:first-password-1\n\n  grace:second-password-2  \n",
+        "# who may write\r\nada:first-password-1\r\n\ngrace: second password 2 \n",
     );
     let secret = dir.path().join("secret");
     write_secret(&secret, "a-secret-of-more-than-sixteen-bytes\n");
@@ -99,8 +102,10 @@ fn users_and_the_session_secret_come_from_files() {
     // No made-up admin: the file's users.
     assert!(!said.contains("log in as admin"), "{said}");
     assert_eq!(login(addr, "ada", "first-password-1"), 200);
-    assert_eq!(login(addr, "grace", "second-password-2"), 200);
-    assert_eq!(login(addr, "ada", "second-password-2"), 401);
+    // A line is taken as it is: the spaces around a password are its own.
+    assert_eq!(login(addr, "grace", " second password 2 "), 200);
+    assert_eq!(login(addr, "grace", "second password 2"), 401);
+    assert_eq!(login(addr, "ada", " second password 2 "), 401);
     drop(served);
 }
 
@@ -115,19 +120,63 @@ fn a_password_on_the_command_line_is_warned_about_and_a_bad_line_not_echoed() {
     assert_eq!(login(addr, "ada", "first-password-1"), 200);
     drop(served);
 
-    // A line without a ':' is refused without printing it (it may be a password).
+    // Refused, each with a clear error and without printing what is in the file (it may
+    // be a password): a line without a ':', a file with no users, one anyone may write.
     let users = dir.path().join("users");
-    write_secret(&users, "ada-without-a-colon-SECRET\n");
-    let out = Command::new(env!("CARGO_BIN_EXE_tasks"))
-        .arg("--sqlite")
-        .arg(dir.path().join("tasks.db"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--users-file"])
-        .arg(&users)
-        .env_remove("TASKS_USERS")
-        .output()
+    for (text, mode, said) in [
+        ("ada-without-a-colon-SECRET\n", 0o600, "NAME:PASSWORD"),
+        ("# SECRET\n\n", 0o600, "no users"),
+        ("ada:first-password-SECRET\n", 0o602, "may write it"),
+    ] {
+        std::fs::write(&users, text).unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&users, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        let _ = mode;
+        let err = refused(dir.path(), &["--users-file", users.to_str().unwrap()]);
+        assert!(err.contains(said), "{err}");
+        assert!(!err.contains("SECRET"), "{err}");
+    }
+}
+
+/// `tasks serve` with `args`, which must end at once with an error: what it wrote. One
+/// that serves instead is killed at a deadline and fails the test.
+fn refused(dir: &std::path::Path, args: &[&str]) -> String {
+    let mut served = Served(
+        Command::new(env!("CARGO_BIN_EXE_tasks"))
+            .arg("--sqlite")
+            .arg(dir.join("tasks.db"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("TASKS_USERS")
+            .env_remove("DATABASE_URL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = served.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "tasks serve {args:?} did not end"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(!status.success());
+    let mut err = String::new();
+    served
+        .0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
         .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("NAME:PASSWORD"), "{err}");
-    assert!(!err.contains("SECRET"), "{err}");
+    err
 }

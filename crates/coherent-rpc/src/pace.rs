@@ -126,8 +126,9 @@ impl Pacer {
     /// A full bucket whose takes also take from `parent` and wait for the longer of the
     /// two: the pacer of one client within the pacer of the group it belongs to (an IPv6
     /// address within its provider's network), so that the group as a whole is held to
-    /// the parent's rate however many clients it has. A take refused by either takes from
-    /// neither. [`is_full`](Self::is_full) and [`stats`](Self::stats) are this bucket's own.
+    /// the parent's rate however many clients it has. A take looks at both at one instant
+    /// (both locked, the parent first): refused by either, it takes from neither.
+    /// [`is_full`](Self::is_full) and [`stats`](Self::stats) are this bucket's own.
     pub fn within(rate: Rate, parent: &Pacer) -> Self {
         Self::with_parent(rate, Some(parent.clone()))
     }
@@ -164,7 +165,8 @@ impl Pacer {
         self.take(Some(max))
     }
 
-    /// The wait that a take now would owe, taking nothing.
+    /// The wait that a take now would owe, taking nothing (the longest of this bucket's
+    /// and those it is within).
     pub fn due(&self) -> Duration {
         let own = self.owed(*self.0.full_at.lock(), Instant::now()).1;
         self.0.parent.as_ref().map_or(own, |p| own.max(p.due()))
@@ -207,39 +209,51 @@ impl Pacer {
 
     fn take(&self, max: Option<Duration>) -> Result<Duration, Duration> {
         let i = &*self.0;
-        let Some(parent) = &i.parent else {
-            return self.take_own(max);
-        };
-        // Refused by either, taken from neither: the parent is asked first, and given back
-        // nothing (a take cannot be undone), so it is only looked at when there is a limit.
-        if let Some(max) = max {
-            let due = parent.due();
-            if due > max {
-                i.refused.fetch_add(1, Ordering::Relaxed);
-                return Err(due - max);
+        if i.parent.is_none() {
+            // The common case, without the chain's allocation.
+            let mut full_at = i.full_at.lock();
+            let (at, wait) = self.owed(*full_at, Instant::now());
+            if let Some(max) = max {
+                if wait > max {
+                    drop(full_at);
+                    i.refused.fetch_add(1, Ordering::Relaxed);
+                    return Err(wait - max);
+                }
             }
+            *full_at = Some(at + i.interval);
+            drop(full_at);
+            if !wait.is_zero() {
+                i.delayed.fetch_add(1, Ordering::Relaxed);
+            }
+            return Ok(wait);
         }
-        let own = self.take_own(max)?;
-        let wider = match parent.take(None) {
-            Ok(wait) | Err(wait) => wait,
-        };
-        Ok(own.max(wider))
-    }
-
-    /// A take from this bucket alone.
-    fn take_own(&self, max: Option<Duration>) -> Result<Duration, Duration> {
-        let i = &*self.0;
-        let mut full_at = i.full_at.lock();
-        let (at, wait) = self.owed(*full_at, Instant::now());
+        // This bucket and every one it is within, locked widest first (every taker locks
+        // in that order) and read at one instant: the wait owed is the longest of theirs,
+        // and either all of them take or none does.
+        let mut chain = vec![self];
+        while let Some(parent) = &chain[chain.len() - 1].0.parent {
+            chain.push(parent);
+        }
+        let mut held: Vec<_> = chain.iter().rev().map(|p| p.0.full_at.lock()).collect();
+        let now = Instant::now();
+        let owed: Vec<(Instant, Duration)> = chain
+            .iter()
+            .rev()
+            .zip(&held)
+            .map(|(p, full_at)| p.owed(**full_at, now))
+            .collect();
+        let wait = owed.iter().map(|(_, w)| *w).max().unwrap_or_default();
         if let Some(max) = max {
             if wait > max {
-                drop(full_at);
+                drop(held);
                 i.refused.fetch_add(1, Ordering::Relaxed);
                 return Err(wait - max);
             }
         }
-        *full_at = Some(at + i.interval);
-        drop(full_at);
+        for ((p, full_at), (at, _)) in chain.iter().rev().zip(&mut held).zip(owed) {
+            **full_at = Some(at + p.0.interval);
+        }
+        drop(held);
         if !wait.is_zero() {
             i.delayed.fetch_add(1, Ordering::Relaxed);
         }
@@ -324,6 +338,40 @@ mod tests {
         tokio::time::advance(Duration::from_secs(1)).await;
         assert!(a.is_full() && b.is_full() && network.is_full());
         assert_eq!(b.take_within(Duration::ZERO), Ok(Duration::ZERO));
+    }
+
+    /// Siblings taking at once from threads: no take is answered a wait past its bound,
+    /// and together they take no more than the parent's burst (and what its rate gave back
+    /// meanwhile).
+    #[test]
+    fn siblings_racing_never_pass_their_parent() {
+        let network = Pacer::new(Rate::per_second(1).burst(10));
+        let start = std::time::Instant::now();
+        let taken: usize = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..8)
+                .map(|_| {
+                    let mine = Pacer::within(Rate::per_second(1000), &network);
+                    scope.spawn(move || {
+                        (0..200)
+                            .filter(|_| match mine.take_within(Duration::ZERO) {
+                                Ok(wait) => {
+                                    assert_eq!(wait, Duration::ZERO);
+                                    true
+                                }
+                                Err(_) => false,
+                            })
+                            .count()
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).sum()
+        });
+        let gave_back = start.elapsed().as_secs() as usize + 1;
+        assert!(
+            (10..=10 + gave_back).contains(&taken),
+            "{taken} taken in {:?}",
+            start.elapsed()
+        );
     }
 
     #[test]
