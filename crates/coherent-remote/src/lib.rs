@@ -39,6 +39,7 @@
 // depends on this crate, not the other way round).
 extern crate coherent_core as coherent;
 
+mod caller;
 mod client;
 #[cfg(feature = "persistent")]
 mod disk;
@@ -51,6 +52,7 @@ mod wire;
 /// gateway returns.
 #[cfg(feature = "http")]
 pub use axum;
+pub use caller::Caller;
 pub use client::{RemoteClient, RemoteClientBuilder, LIVENESS};
 #[cfg(feature = "http")]
 pub use gateway::{MAX_GATEWAY_ARGS_LEN, MAX_SSE_FEEDS, MAX_SSE_LIFETIME};

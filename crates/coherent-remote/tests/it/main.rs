@@ -1,5 +1,6 @@
 //! coherent-remote end to end: replicas over RPC and the HTTP gateway.
 
+mod caller;
 mod failover;
 mod gateway;
 mod holders;
