@@ -81,12 +81,22 @@ impl Endpoint {
                     continue;
                 }
             };
+            // Its place first: a connection over `max_connections` costs no TLS handshake,
+            // and those waiting in one are bounded (each for `handshake_timeout` at most).
+            // Closed at once when refused: there is no channel yet to say why over.
+            let slot = match self.take_slot(crate::Trust::Trusted) {
+                Ok(slot) => slot,
+                Err(e) => {
+                    tracing::debug!(%e, "a TLS connection over the limit: closed");
+                    continue;
+                }
+            };
             let this = self.clone();
             let config = config.clone();
             tokio::spawn(async move {
                 let served = async {
                     let tls = this.tls_accept(tcp, config).await?;
-                    this.serve_accepted(tls).await
+                    this.serve_accepted(tls, Some(slot)).await
                 };
                 if let Err(e) = served.await {
                     tracing::debug!(%e, "TLS connection failed");

@@ -127,3 +127,76 @@ async fn a_server_that_requires_client_certificates_refuses_a_client_without_one
     // it reads: the RPC handshake then fails as a disconnect.
     assert_eq!(err.code(), ErrorCode::Disconnected, "{err}");
 }
+
+/// A connection over the endpoint's limit is closed before any TLS handshake, and one
+/// waiting in its handshake holds a place: a flood of TCP connections that never say
+/// hello is bounded by `max_connections`, and a place given back serves the next client.
+#[tokio::test]
+async fn connections_waiting_in_the_tls_handshake_hold_a_place_and_the_rest_are_closed() {
+    use tokio::io::AsyncReadExt;
+    let pki = pki();
+    let server_config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![pki.server.0.clone()], pki.server.1.clone_key())
+        .unwrap();
+    // Silent connections would wait an hour in the handshake: only their place can end
+    // them here.
+    let (server, _) = calc_server(
+        Config::default()
+            .max_connections(2)
+            .handshake_timeout(std::time::Duration::from_secs(3600)),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn({
+        let server = server.clone();
+        let config = Arc::new(server_config);
+        async move { server.serve_tls(listener, config).await }
+    });
+    // Two that never say hello take the two places.
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let deadline = std::time::Duration::from_secs(30);
+    // Twenty more (accepted after them, in the order they connected) are closed at once,
+    // unread.
+    for _ in 0..20 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut buf = [0u8; 16];
+        let n = within(deadline, s.read(&mut buf)).await.unwrap_or(0);
+        assert_eq!(n, 0);
+    }
+    assert!(server.stats().connections_refused >= 20);
+    // A place given back serves a client.
+    drop(silent.pop());
+    let client = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots(&pki))
+        .with_no_client_auth();
+    let peer = within(deadline, async {
+        loop {
+            match Endpoint::builder()
+                .build()
+                .connect_tls(addr, "localhost", Arc::new(client.clone()))
+                .await
+            {
+                Ok(peer) => break peer,
+                // The place is given back when the server sees the close.
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+            }
+        }
+    })
+    .await;
+    assert_eq!(CalcClient::new(peer).sum(1, 2).await.unwrap(), 3);
+}
+
+/// `f`, or a panic past `limit` (a liveness guard, not a measurement).
+async fn within<T>(limit: std::time::Duration, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(limit, f)
+        .await
+        .expect("did not happen within the deadline")
+}
