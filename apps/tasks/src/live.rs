@@ -237,13 +237,19 @@ pub(crate) fn for_a_stranger(kind: &str, e: CommandError) -> CommandError {
         let i = Invalid::new("project", "no such project");
         return CommandError::not_found(format!("{}: {}", i.field, i.message)).with_detail(&i);
     }
+    // A command the caller sent that does not decode is its own fault; any other
+    // `BadCommand` (an output that does not encode, a statement's parameters) is the
+    // server's.
+    let callers_own_bad_command = e.kind() == ErrorKind::BadCommand
+        && e.message()
+            .starts_with(&format!("{kind}: the command does not decode"));
     match e.kind() {
         ErrorKind::Rejected
         | ErrorKind::NotFound
         | ErrorKind::UnknownCommand
-        | ErrorKind::BadCommand
         | ErrorKind::Unauthorized
         | ErrorKind::RateLimited => e,
+        ErrorKind::BadCommand if callers_own_bad_command => e,
         other => {
             let reference = crate::api::reference();
             tracing::error!(%reference, command = kind, error = %e, "a command failed");

@@ -117,8 +117,9 @@ struct Inner {
     /// [`FREE_FAILURES_PER_ADDRESS`]: one address trying one password against many names
     /// is held up too.
     by_address: parking_lot::Mutex<HashMap<std::net::IpAddr, Throttle>>,
-    /// Each configured user's rate of commands over `/rpc` (only they can log in).
-    command_pacers: HashMap<String, Pacer>,
+    /// Each configured user's rate of commands over `/rpc` (only they can log in); `None`
+    /// for no limit.
+    command_pacers: Option<HashMap<String, Pacer>>,
     max_command_wait: Duration,
 }
 
@@ -198,13 +199,12 @@ impl Auth {
             let mac = mac(&key, &[b"password", name.as_bytes(), password.as_bytes()]);
             users.insert(name, mac);
         }
-        let command_pacers = match config.commands_per_user {
-            Some(rate) => users
+        let command_pacers = config.commands_per_user.map(|rate| {
+            users
                 .keys()
                 .map(|name| (name.clone(), Pacer::new(rate)))
-                .collect(),
-            None => HashMap::new(),
-        };
+                .collect()
+        });
         Ok(Self {
             inner: Arc::new(Inner {
                 key,
@@ -223,10 +223,14 @@ impl Auth {
     /// Takes one of `user`'s commands from its rate ([`AuthConfig::commands_per_user`]):
     /// the wait before it may run, or, if that is longer than `max_command_wait`, an error
     /// with how long until it would not be (nothing taken).
+    /// A name that is no configured user's (none can log in) is refused.
     pub fn pace_command(&self, user: &str) -> Result<Duration, Duration> {
-        match self.inner.command_pacers.get(user) {
+        let Some(pacers) = &self.inner.command_pacers else {
+            return Ok(Duration::ZERO);
+        };
+        match pacers.get(user) {
             Some(p) => p.take_within(self.inner.max_command_wait),
-            None => Ok(Duration::ZERO),
+            None => Err(self.inner.max_command_wait.max(Duration::from_secs(1))),
         }
     }
 

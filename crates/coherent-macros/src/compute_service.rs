@@ -719,22 +719,12 @@ fn expand_remote(
         let computed_name = format_ident!("{}_computed", name);
         let names: Vec<_> = args.iter().map(|(n, _)| n).collect();
         let types = args.iter().map(|(_, ty)| ty);
-        // A `Caller` argument is the server's to fill in, from the call being served
-        // (`Caller::on_server`), before the method runs; a type of another crate named
-        // `Caller` does not compile here.
-        let callers = args
-            .iter()
-            .filter(|(_, ty)| is_caller(ty))
-            .map(|(n, _)| quote! { let #n = #remote::Caller::on_server(#n); });
         quote! {
             let __coherent_server = __coherent_server.expose(
                 #wire,
                 ::core::clone::Clone::clone(&self.0),
-                |__coherent_service: __S, (#(#names,)*): (#(#types,)*)| {
-                    #(#callers)*
-                    async move {
-                        <__S as #trait_name>::#computed_name(&__coherent_service, #(#names),*).await
-                    }
+                |__coherent_service: __S, (#(#names,)*): (#(#types,)*)| async move {
+                    <__S as #trait_name>::#computed_name(&__coherent_service, #(#names),*).await
                 },
             );
         }
@@ -822,13 +812,6 @@ fn expand_remote(
             #(#distinct)*
         };
     })
-}
-
-/// Whether `ty` names a `Caller` (`Caller`, `coherent::remote::Caller`, ...): an argument the
-/// server fills in.
-fn is_caller(ty: &Type) -> bool {
-    matches!(ty, Type::Path(p) if p.qself.is_none()
-        && p.path.segments.last().is_some_and(|s| s.ident == "Caller" && s.arguments.is_none()))
 }
 
 /// A compute method's arguments after `&self`: plain names of owned types (the cache key).

@@ -223,12 +223,14 @@ impl RemoteServer {
                 Box::pin(async move {
                     // A method without arguments takes `()`, which JSON spells `null`; the
                     // gateway's default (and a client's natural guess) is `[]`.
-                    let args: A = serde_json::from_str(&args)
-                        .or_else(|e| match args.trim() {
+                    // Any `Caller` in them filled in (here: anonymous).
+                    let args: A = crate::caller::filled_in(|| {
+                        serde_json::from_str(&args).or_else(|e| match args.trim() {
                             "[]" => serde_json::from_str("null").map_err(|_| e),
                             _ => Err(e),
                         })
-                        .map_err(|e| Failure::BadArguments(format!("arguments: {e}")))?;
+                    })
+                    .map_err(|e| Failure::BadArguments(format!("arguments: {e}")))?;
                     let computed = get(service, args).await;
                     let value = serde_json::to_string(computed.value())
                         .map_err(|e| Failure::BadValue(e.to_string()))?;
@@ -239,8 +241,8 @@ impl RemoteServer {
         let fetch: Arc<Fetch> = Arc::new(move |args: Blob, format: Format| {
             let (service, get) = (service.clone(), get.clone());
             Box::pin(async move {
-                let args: A = format
-                    .decode(&args)
+                // Any `Caller` in them filled in by the call being served.
+                let args: A = crate::caller::filled_in(|| format.decode(&args))
                     .map_err(|e| Failure::BadArguments(e.message().to_owned()))?;
                 let computed = get(service, args).await;
                 let value = format

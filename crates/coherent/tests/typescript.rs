@@ -250,3 +250,17 @@ fn a_service_named_as_a_type_is_refused() {
         .service(service::AccountServer::typescript())
         .render();
 }
+
+/// A method that takes the caller, filled in by the server: declared as the shape it
+/// travels as.
+#[compute_service(typescript)]
+trait Inbox {
+    async fn unread(&self, caller: coherent::remote::Caller) -> Result<u32, BankError>;
+}
+
+#[test]
+fn a_caller_is_a_string_or_null() {
+    let ts = Module::new().service(InboxServer::typescript()).render();
+    assert!(ts.contains("export type Caller = string | null;"), "{ts}");
+    assert!(ts.contains("args: [caller: Caller]"), "{ts}");
+}

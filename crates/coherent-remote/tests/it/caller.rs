@@ -30,6 +30,8 @@ impl From<RpcError> for InboxError {
 pub(crate) trait Inbox {
     /// The caller's unread count; an anonymous caller is refused.
     async fn unread(&self, caller: Caller) -> Result<u32, InboxError>;
+    /// Who asks, with the caller inside another argument.
+    async fn hello(&self, to: Option<Caller>) -> Result<String, InboxError>;
 }
 
 #[derive(Clone, ComputeService)]
@@ -45,6 +47,10 @@ impl Inbox for Mail {
         self.runs.fetch_add(1, Ordering::SeqCst);
         let name = caller.name().ok_or(InboxError::LogInFirst)?;
         Ok(self.unread.lock().get(name).copied().unwrap_or(0))
+    }
+
+    async fn hello(&self, to: Option<Caller>) -> Result<String, InboxError> {
+        Ok(format!("hello {}", to.unwrap_or_default()))
     }
 }
 
@@ -135,6 +141,13 @@ async fn a_browser_asks_as_its_identity_whatever_it_sends() {
         anonymous.unread(Caller::named("bob")).await,
         Err(InboxError::LogInFirst)
     );
+    // Inside another argument too.
+    let as_bob = Some(Caller::named("bob"));
+    assert_eq!(ann.hello(as_bob.clone()).await, Ok("hello ann".to_owned()));
+    assert_eq!(
+        anonymous.hello(as_bob).await,
+        Ok("hello (anonymous)".to_owned())
+    );
     // A trusted tier asks for whom it says.
     let tier = InboxClient::new(RemoteClient::connect_tcp(tcp).await.unwrap());
     assert_eq!(tier.unread(Caller::named("bob")).await, Ok(1));
@@ -158,6 +171,11 @@ async fn a_browser_asks_as_its_identity_whatever_it_sends() {
     mail.deliver("bob");
     within("bob's invalidation", bobs.when_invalidated()).await;
     assert_eq!(tier.unread(Caller::named("bob")).await, Ok(2));
+    // A round trip on ann's connection first: a push to it would have come before.
+    assert_eq!(
+        ann.hello(Some(Caller::anonymous())).await,
+        Ok("hello ann".to_owned())
+    );
     assert!(anns.is_consistent());
     assert_eq!(ann.unread(Caller::anonymous()).await, Ok(2));
 }
