@@ -845,9 +845,13 @@ where
         use tower::ServiceExt as _;
         let this = self.clone();
         Box::pin(async move {
+            let forwarded;
             let (from, pacers) = match &this.forwarded {
-                Some(f) => f.client(req.headers()),
-                None => (this.from, this.pacers.clone()),
+                Some(f) => {
+                    forwarded = f.client(req.headers());
+                    (forwarded.0, &forwarded.1)
+                }
+                None => (this.from, &this.pacers),
             };
             let write = !matches!(
                 *req.method(),
