@@ -1357,6 +1357,35 @@ mod tests {
             .collect();
     }
 
+    /// Accepts that keep failing (out of file descriptors) wait 10 ms, doubling to 1 s, and
+    /// at once again after one succeeds: the accept loop never spins.
+    #[tokio::test(start_paused = true)]
+    async fn failed_accepts_back_off() {
+        use std::time::Duration;
+        let mut backoff = super::AcceptBackoff::default();
+        let e = std::io::Error::from_raw_os_error(24);
+        let waited = |n: u32| {
+            let mut backoff = super::AcceptBackoff::default();
+            async move {
+                let start = tokio::time::Instant::now();
+                for _ in 0..n {
+                    backoff.wait(&std::io::Error::from_raw_os_error(24)).await;
+                }
+                start.elapsed()
+            }
+        };
+        assert_eq!(waited(1).await, Duration::from_millis(10));
+        assert_eq!(waited(3).await, Duration::from_millis(10 + 20 + 40));
+        // 10 + 20 + ... + 640, then 1 s each: 100 failures in about 94 s, not a spin.
+        assert_eq!(waited(100).await, Duration::from_millis(1270 + 93 * 1000));
+        backoff.wait(&e).await;
+        backoff.wait(&e).await;
+        backoff.reset();
+        let start = tokio::time::Instant::now();
+        backoff.wait(&e).await;
+        assert_eq!(start.elapsed(), Duration::from_millis(10));
+    }
+
     /// A pacer someone holds (an upgraded WebSocket's) survives the sweep of a full map, so
     /// that its address's next request shares it; one no one holds goes.
     #[test]

@@ -520,6 +520,44 @@ async fn a_users_commands_over_rpc_are_held_to_its_rate() {
     backend.stop().await;
 }
 
+/// The server holds at most `max_connections` at once, whoever opens them (here from an
+/// exempt address, held to no per-address limit): the next waits, unserved, until one
+/// closes, and is then served.
+#[tokio::test]
+async fn the_server_holds_at_most_its_connections() {
+    use std::sync::atomic::Ordering;
+    let limits = coherent_tasks::app::HttpLimits {
+        max_connections: 2,
+        ..Default::default()
+    };
+    let (_db, addr, stats, serving) = serve_direct(limits).await;
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while stats.connections_open.load(Ordering::Relaxed) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the two were not served"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // A third is left in the kernel's backlog: not accepted, its request unanswered.
+    let third = tokio::spawn(get_from("127.0.0.1", addr));
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(!third.is_finished());
+    assert_eq!(stats.connections_open.load(Ordering::Relaxed), 2);
+    // One closes: the third is served.
+    drop(idle.pop());
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(30), third)
+        .await
+        .expect("the third was not served once a place was free")
+        .unwrap();
+    assert_eq!(answered.0, 200);
+    serving.abort();
+}
+
 /// One address cannot hold every connection: past its limit, its new connections are
 /// closed at once while other addresses are served; a place frees when one closes.
 #[tokio::test]
