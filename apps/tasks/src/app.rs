@@ -111,13 +111,35 @@ impl LiveBackend {
         auth: Option<crate::session::Auth>,
         untrusted_call_rate: Option<Rate>,
     ) -> anyhow::Result<Self> {
+        let options = BackendOptions {
+            untrusted_call_rate,
+            ..BackendOptions::default()
+        };
+        Self::start_with_options(db, listener, notifier, auth, options).await
+    }
+
+    /// [`start_with`](Self::start_with), with what a browser's connections to the endpoint
+    /// may do set by `options`.
+    pub async fn start_with_options(
+        db: &DbConfig,
+        listener: TcpListener,
+        notifier: Option<Notifier>,
+        auth: Option<crate::session::Auth>,
+        options: BackendOptions,
+    ) -> anyhow::Result<Self> {
+        let BackendOptions {
+            untrusted_call_rate,
+            allowed_origins,
+            max_sse_feeds,
+        } = options;
         let store = db.open(16).await?;
         let registry = Registry::new();
         let backend = TasksBackend::new(store, &registry);
-        // Server-sent event feeds hold an HTTP connection each for as long as they last: at
-        // most a tenth of `HttpLimits::max_connections`, so that feeds cannot take them all.
+        // Server-sent event feeds hold an HTTP connection each for as long as they last: by
+        // default at most a tenth of `HttpLimits::max_connections`, so that feeds cannot
+        // take them all.
         let remote = RemoteServer::new()
-            .max_sse_feeds(1_000)
+            .max_sse_feeds(max_sse_feeds)
             .expose_service(TasksServiceServer::new(backend.clone()));
         // A command's answer waits until the tiers holding replicas it invalidated have
         // applied that: a read that starts after a write returned sees it, on any tier of
@@ -130,8 +152,12 @@ impl LiveBackend {
             builder = builder.notifier(n);
         }
         let host = live::commands(builder, &backend).start().await?;
+        let mut config = coherent::rpc::Config::default().untrusted_call_rate(untrusted_call_rate);
+        if !allowed_origins.is_empty() {
+            config = config.allowed_origins(allowed_origins);
+        }
         let mut endpoint = Endpoint::builder()
-            .config(coherent::rpc::Config::default().untrusted_call_rate(untrusted_call_rate))
+            .config(config)
             .service(remote.service())
             .service(CommandServer::new(BackendCommands {
                 host: host.clone(),
@@ -254,6 +280,32 @@ pub async fn direct_router(db: &DbConfig) -> anyhow::Result<axum::Router> {
     Ok(api::router(Arc::new(Direct::new(
         db.open(POOL_SIZE).await?,
     ))))
+}
+
+/// What a browser's connections to a backend's endpoint (`/rpc`, the gateway) may do: see
+/// [`LiveBackend::start_with_options`].
+#[derive(Clone, Debug)]
+pub struct BackendOptions {
+    /// Calls each untrusted connection (a browser over `/rpc`) may start, on top of its
+    /// address's rate (`None`: no limit of its own). Default: 100 a second, 200 at once.
+    pub untrusted_call_rate: Option<Rate>,
+    /// Web pages besides the server's own origin that may open `/rpc`
+    /// (`coherent::rpc::Config::allowed_origins`): behind a proxy that rewrites `Host`, the
+    /// public origin. Default: none (the same origin only).
+    pub allowed_origins: Vec<String>,
+    /// Gateway event feeds open at once: each holds an HTTP connection for as long as it
+    /// lasts. Default: 1,000, a tenth of `HttpLimits::max_connections`.
+    pub max_sse_feeds: usize,
+}
+
+impl Default for BackendOptions {
+    fn default() -> Self {
+        Self {
+            untrusted_call_rate: Some(Rate::DEFAULT_UNTRUSTED),
+            allowed_origins: Vec::new(),
+            max_sse_feeds: 1_000,
+        }
+    }
 }
 
 /// The backend's commands over RPC: the host's own policy (a tier's trusted connection,

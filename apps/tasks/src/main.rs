@@ -179,6 +179,14 @@ struct LimitArgs {
     /// once (its address's rate applies as well). 0: no limit of its own.
     #[arg(long, default_value_t = 100)]
     rpc_calls_per_connection: u32,
+    /// A web page (an origin, as in `https://tasks.example.com`) besides the server's own
+    /// that may open `/rpc`: behind a proxy that rewrites `Host`, the public origin.
+    /// Repeat it for more; `*` for any (not on the open internet).
+    #[arg(long = "allowed-origin", value_name = "ORIGIN", value_delimiter = ',')]
+    allowed_origins: Vec<String>,
+    /// Gateway event feeds (`/gateway/.../events`) open at once, each holding a connection.
+    #[arg(long, default_value_t = 1_000)]
+    max_sse_feeds: usize,
     /// Peers held to neither per-address limit: monitors, or a reverse proxy that limits per
     /// client itself (else name it with `--trusted-proxy`). Never applied to an address a
     /// proxy's `X-Forwarded-For` names. Giving it replaces the default.
@@ -217,10 +225,14 @@ struct LimitArgs {
 }
 
 impl LimitArgs {
-    /// The rate of each untrusted connection to the backend's endpoint.
-    fn rpc_rate(&self) -> Option<coherent::rpc::pace::Rate> {
-        (self.rpc_calls_per_connection > 0)
-            .then(|| coherent::rpc::pace::Rate::per_second(self.rpc_calls_per_connection))
+    /// What a browser's connections to the backend's endpoint may do.
+    fn backend_options(&self) -> app::BackendOptions {
+        app::BackendOptions {
+            untrusted_call_rate: (self.rpc_calls_per_connection > 0)
+                .then(|| coherent::rpc::pace::Rate::per_second(self.rpc_calls_per_connection)),
+            allowed_origins: self.allowed_origins.clone(),
+            max_sse_feeds: self.max_sse_feeds,
+        }
     }
 
     fn build(self) -> anyhow::Result<app::HttpLimits> {
@@ -438,7 +450,7 @@ async fn main() -> anyhow::Result<()> {
             limits,
         } => {
             let auth = auth.build()?;
-            let rpc_rate = limits.rpc_rate();
+            let options = limits.backend_options();
             let limits = limits.build()?;
             if let Some(tasks) = seed {
                 let store = db.open(2).await?;
@@ -467,8 +479,9 @@ async fn main() -> anyhow::Result<()> {
                 }
                 Kind::Coherent if connect.is_empty() => {
                     let listener = TcpListener::bind("127.0.0.1:0").await?;
-                    let b = LiveBackend::start_paced(&db, listener, None, auth.clone(), rpc_rate)
-                        .await?;
+                    let b =
+                        LiveBackend::start_with_options(&db, listener, None, auth.clone(), options)
+                            .await?;
                     let router = b.http_router(web::dir(web)).await?;
                     in_process = Some(b);
                     router
@@ -502,7 +515,7 @@ async fn main() -> anyhow::Result<()> {
             limits,
         } => {
             let auth = auth.build()?;
-            let rpc_rate = limits.rpc_rate();
+            let options = limits.backend_options();
             let limits = limits.build()?;
             if !listen.ip().is_loopback() {
                 // Its TCP connections are trusted (the tiers): every write waits for them,
@@ -513,7 +526,8 @@ async fn main() -> anyhow::Result<()> {
                 );
             }
             let listener = TcpListener::bind(listen).await?;
-            let b = LiveBackend::start_paced(&db, listener, None, auth.clone(), rpc_rate).await?;
+            let b =
+                LiveBackend::start_with_options(&db, listener, None, auth.clone(), options).await?;
             eprintln!("tasks: Coherent backend on {}", b.addr);
             let stats = Arc::new(app::HttpStats::default());
             if let Some(at) = metrics {

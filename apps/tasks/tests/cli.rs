@@ -180,3 +180,38 @@ fn refused(dir: &std::path::Path, args: &[&str]) -> String {
         .unwrap();
     err
 }
+
+/// `--allowed-origin` lets a page of that origin open `/rpc`; any other page is still
+/// refused (403), and the server's own origin still allowed.
+#[test]
+fn an_allowed_origin_may_open_rpc_and_others_may_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let (served, addr, _) = serve(
+        dir.path(),
+        &[
+            "--auth",
+            "off",
+            "--allowed-origin",
+            "https://tasks.example.com",
+        ],
+    );
+    let upgrade = |origin: &str| {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .unwrap();
+        write!(
+            s,
+            "GET /rpc HTTP/1.1\r\nHost: {addr}\r\nOrigin: {origin}\r\nConnection: Upgrade\r\n\
+             Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        )
+        .unwrap();
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).unwrap();
+        String::from_utf8_lossy(&head[9..12]).into_owned()
+    };
+    assert_eq!(upgrade("https://tasks.example.com"), "101");
+    assert_eq!(upgrade(&format!("http://{addr}")), "101");
+    assert_eq!(upgrade("https://evil.example"), "403");
+    drop(served);
+}
