@@ -182,7 +182,12 @@ struct LimitArgs {
     /// A web page (an origin, as in `https://tasks.example.com`) besides the server's own
     /// that may open `/rpc`: behind a proxy that rewrites `Host`, the public origin.
     /// Repeat it for more; `*` for any (not on the open internet).
-    #[arg(long = "allowed-origin", value_name = "ORIGIN", value_delimiter = ',')]
+    #[arg(
+        long = "allowed-origin",
+        value_name = "ORIGIN",
+        value_delimiter = ',',
+        value_parser = origin
+    )]
     allowed_origins: Vec<String>,
     /// Gateway event feeds (`/gateway/.../events`) open at once, each holding a connection.
     #[arg(long, default_value_t = 1_000)]
@@ -256,6 +261,25 @@ impl LimitArgs {
             ..app::HttpLimits::default()
         })
     }
+}
+
+/// An origin as a browser sends it (`https://tasks.example.com`, `http://localhost:5173`),
+/// or `*`; not `null` (every sandboxed frame and local file sends that) nor anything with a
+/// path, which no browser's `Origin` matches.
+fn origin(value: &str) -> Result<String, String> {
+    let value = value.trim();
+    if value == "*" {
+        return Ok(value.to_owned());
+    }
+    let rest = value
+        .strip_prefix("https://")
+        .or_else(|| value.strip_prefix("http://"))
+        .ok_or("an origin is http(s)://HOST[:PORT] (or * for any)")?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
+        return Err("an origin is http(s)://HOST[:PORT], with no path".to_owned());
+    }
+    Ok(value.to_owned())
 }
 
 /// `value` seconds as a duration, or an error naming `flag`.

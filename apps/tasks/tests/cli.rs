@@ -214,4 +214,10 @@ fn an_allowed_origin_may_open_rpc_and_others_may_not() {
     assert_eq!(upgrade(&format!("http://{addr}")), "101");
     assert_eq!(upgrade("https://evil.example"), "403");
     drop(served);
+
+    // What no browser sends as an origin is refused at start.
+    for bad in ["null", "tasks.example.com", "https://tasks.example.com/app"] {
+        let err = refused(dir.path(), &["--auth", "off", "--allowed-origin", bad]);
+        assert!(err.contains("origin"), "{bad}: {err}");
+    }
 }

@@ -256,7 +256,10 @@ impl Config {
     /// How many connections this endpoint may have accepted and not yet closed at once
     /// (those still in their handshake included). One more is answered with a `Close`
     /// (`Overloaded`, saying so) and dropped, without reading its `Hello`. Connections this
-    /// endpoint makes do not count. Default: 10,000.
+    /// endpoint makes do not count. Over TLS (`serve_tls`), connections still in the TLS
+    /// handshake are bounded apart, by as many as untrusted clients may hold (this less
+    /// `trusted_reserve`), and one more is closed before its handshake, with no `Close`.
+    /// Default: 10,000.
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n;
         self

@@ -17,7 +17,7 @@ use crate::frame::{Compression, Header, Kind};
 use crate::handshake::{self, Hello};
 use crate::net::Due;
 use crate::pace::Pacer;
-use crate::peer::{self, Out, Pacing, Peer, Role, Settings, Slot};
+use crate::peer::{self, Out, Pacing, Peer, Role, Settings};
 use crate::service::{BoxFuture, Credentials, Identity, Registry, Service};
 
 /// How long, and for how many bytes, a refused connection is drained before it is dropped.
@@ -308,7 +308,7 @@ impl Endpoint {
     {
         let (rd, wr) = tokio::io::split(io);
         let (peer, reader) = self
-            .handshake_accepting(rd, wr, None, None, (transport, headers, address_pacer))
+            .handshake_accepting(rd, wr, None, (transport, headers, address_pacer))
             .await?;
         // The reader runs later, on its own task: the answer to the `Hello` goes now.
         peer.shared.uncork();
@@ -319,49 +319,46 @@ impl Endpoint {
     /// Accepts a connection and serves it on the calling task until it closes: the task
     /// that read the `Hello` reads on (frames sent right behind it included) instead of
     /// handing the connection to a new reader task.
-    /// `slot`: its place among the endpoint's connections, if the caller took it already
-    /// (TLS takes it before its own handshake: see [`take_slot`](Self::take_slot)).
     #[cfg_attr(not(feature = "tls"), allow(dead_code))]
-    pub(crate) async fn serve_accepted<IO>(
-        &self,
-        io: IO,
-        slot: Option<Slot>,
-    ) -> Result<(), RpcError>
+    pub(crate) async fn serve_accepted<IO>(&self, io: IO) -> Result<(), RpcError>
     where
         IO: AsyncRead + AsyncWrite + Send + 'static,
     {
         let (rd, wr) = tokio::io::split(io);
-        self.serve_halves(rd, wr, None, slot).await
+        self.serve_halves(rd, wr, None).await
     }
 
     /// [`serve_accepted`](Self::serve_accepted) over a transport's two halves, with the
     /// reader's [`Due`].
-    async fn serve_halves<R, W>(
-        &self,
-        rd: R,
-        wr: W,
-        due: Option<Due>,
-        slot: Option<Slot>,
-    ) -> Result<(), RpcError>
+    async fn serve_halves<R, W>(&self, rd: R, wr: W, due: Option<Due>) -> Result<(), RpcError>
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (_peer, reader) = self
-            .handshake_accepting(rd, wr, due, slot, (Trust::Trusted, Vec::new(), None))
+            .handshake_accepting(rd, wr, due, (Trust::Trusted, Vec::new(), None))
             .await?;
         reader.await;
         Ok(())
     }
 
-    /// A place among the endpoint's connections for one accepted over a transport of
-    /// `transport`'s trust (`Config::trust` first), taken before the transport's own
-    /// handshake (TLS), so that connections waiting in it are bounded by
-    /// `max_connections` too; refused (and counted) as `handshake_accepting` would.
+    /// How many connections may wait in a transport's own handshake (TLS) at once, before
+    /// they take a place among the endpoint's: as many as untrusted clients may hold, so
+    /// that those who have not shown a certificate yet cannot take the places kept for the
+    /// tiers.
     #[cfg_attr(not(feature = "tls"), allow(dead_code))]
-    pub(crate) fn take_slot(&self, transport: Trust) -> Result<Slot, RpcError> {
-        let trust = self.inner.config.trust.unwrap_or(transport);
-        self.inner.totals.take_slot(trust)
+    pub(crate) fn max_in_handshake(&self) -> usize {
+        self.inner.totals.untrusted_max().max(1)
+    }
+
+    /// Counts a connection refused before its handshake.
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
+    pub(crate) fn count_refused(&self) {
+        self.inner
+            .totals
+            .refusals()
+            .connections_refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     async fn handshake_accepting<R, W>(
@@ -369,7 +366,6 @@ impl Endpoint {
         mut rd: R,
         mut wr: W,
         due: Option<Due>,
-        slot: Option<Slot>,
         (transport, headers, address_pacer): (Trust, Vec<(String, String)>, Option<Pacer>),
     ) -> Result<(Peer, impl Future<Output = ()> + Send + 'static), RpcError>
     where
@@ -378,7 +374,7 @@ impl Endpoint {
     {
         let timeout = self.inner.config.handshake_timeout;
         let trust = self.inner.config.trust.unwrap_or(transport);
-        let slot = slot.map_or_else(|| self.inner.totals.take_slot(trust), Ok);
+        let slot = self.inner.totals.take_slot(trust);
         let exchange = async {
             // Refused before its `Hello` is read: a connection over the limit costs no
             // parsing and no auth hook.
@@ -512,7 +508,7 @@ impl Endpoint {
         let this = self.clone();
         tokio::spawn(async move {
             let (rd, wr, due) = crate::net::eager_halves(stream);
-            if let Err(e) = this.serve_halves(rd, wr, due, None).await {
+            if let Err(e) = this.serve_halves(rd, wr, due).await {
                 tracing::debug!(%e, "handshake failed");
             }
         });
@@ -767,7 +763,7 @@ mod tests {
             inner: server_io,
             writes: writes.clone(),
         };
-        let served = tokio::spawn(async move { server.serve_accepted(io, None).await });
+        let served = tokio::spawn(async move { server.serve_accepted(io).await });
 
         // A `Hello` and a call to a method the server does not have, in one write: the
         // server answers the call inline, with an error.

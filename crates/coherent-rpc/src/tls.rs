@@ -35,7 +35,9 @@ impl Endpoint {
         self.connect(tls).await
     }
 
-    /// Accepts one TLS connection on an accepted TCP stream.
+    /// Accepts one TLS connection on an accepted TCP stream. The connection takes its place
+    /// under `max_connections` after the TLS handshake: a loop of the caller's own must
+    /// bound how many wait in one (as [`serve_tls`](Self::serve_tls) does).
     pub async fn accept_tls(
         &self,
         tcp: TcpStream,
@@ -70,6 +72,7 @@ impl Endpoint {
         config: Arc<rustls::ServerConfig>,
     ) -> Result<(), RpcError> {
         let mut backoff = crate::endpoint::AcceptBackoff::default();
+        let in_handshake = Arc::new(tokio::sync::Semaphore::new(self.max_in_handshake()));
         loop {
             let (tcp, _) = match listener.accept().await {
                 Ok(s) => {
@@ -81,22 +84,24 @@ impl Endpoint {
                     continue;
                 }
             };
-            // Its place first: a connection over `max_connections` costs no TLS handshake,
-            // and those waiting in one are bounded (each for `handshake_timeout` at most).
-            // Closed at once when refused: there is no channel yet to say why over.
-            let slot = match self.take_slot(crate::Trust::Trusted) {
-                Ok(slot) => slot,
-                Err(e) => {
-                    tracing::debug!(%e, "a TLS connection over the limit: closed");
-                    continue;
-                }
+            // A place among those in a TLS handshake first: one over the bound costs no
+            // handshake, and those waiting in one (each for `handshake_timeout` at most) are
+            // bounded, by fewer than `max_connections`, so that clients that have not shown
+            // a certificate yet cannot take the places kept for the tiers. The connection
+            // takes its real place after the handshake, as any other. Closed at once when
+            // refused: there is no channel yet to say why over.
+            let Ok(handshaking) = in_handshake.clone().try_acquire_owned() else {
+                self.count_refused();
+                tracing::debug!("a TLS connection over the bound of handshakes: closed");
+                continue;
             };
             let this = self.clone();
             let config = config.clone();
             tokio::spawn(async move {
                 let served = async {
-                    let tls = this.tls_accept(tcp, config).await?;
-                    this.serve_accepted(tls, Some(slot)).await
+                    let tls = this.tls_accept(tcp, config).await;
+                    drop(handshaking);
+                    this.serve_accepted(tls?).await
                 };
                 if let Err(e) = served.await {
                     tracing::debug!(%e, "TLS connection failed");

@@ -528,6 +528,8 @@ async fn the_server_holds_at_most_its_connections() {
     use std::sync::atomic::Ordering;
     let limits = coherent_tasks::app::HttpLimits {
         max_connections: 2,
+        // The idle two are not closed for idling while the test looks.
+        header_read_timeout: std::time::Duration::from_secs(3600),
         ..Default::default()
     };
     let (_db, addr, stats, serving) = serve_direct(limits).await;

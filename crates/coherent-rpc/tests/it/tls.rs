@@ -128,11 +128,12 @@ async fn a_server_that_requires_client_certificates_refuses_a_client_without_one
     assert_eq!(err.code(), ErrorCode::Disconnected, "{err}");
 }
 
-/// A connection over the endpoint's limit is closed before any TLS handshake, and one
-/// waiting in its handshake holds a place: a flood of TCP connections that never say
-/// hello is bounded by `max_connections`, and a place given back serves the next client.
+/// Connections waiting in the TLS handshake are bounded (by as many as untrusted clients
+/// may hold: here both places), and one more is closed before any handshake: a flood of
+/// TCP connections that never say hello costs no more than that, and a place given back
+/// serves the next client.
 #[tokio::test]
-async fn connections_waiting_in_the_tls_handshake_hold_a_place_and_the_rest_are_closed() {
+async fn connections_waiting_in_the_tls_handshake_are_bounded_and_the_rest_are_closed() {
     use tokio::io::AsyncReadExt;
     let pki = pki();
     let server_config = ServerConfig::builder_with_provider(provider())
