@@ -16,27 +16,31 @@ impl Drop for Served {
     }
 }
 
+/// `tasks serve` with `args` on the SQLite file `tasks.db` in `dir`, on a loopback port,
+/// with none of the environment's settings, its stderr piped.
+fn tasks_serve(dir: &std::path::Path, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tasks"));
+    command
+        .arg("--sqlite")
+        .arg(dir.join("tasks.db"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("TASKS_USERS")
+        .env_remove("TASKS_SESSION_SECRET")
+        .env_remove("TASKS_USERS_FILE")
+        .env_remove("TASKS_SESSION_SECRET_FILE")
+        .env_remove("DATABASE_URL")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    command
+}
+
 /// `tasks serve` with `args` on a fresh SQLite file in `dir`: the process, the address it
 /// serves, and what it wrote to stderr before that.
 fn serve(dir: &std::path::Path, args: &[&str]) -> (Served, SocketAddr, String) {
-    let mut served = Served(
-        Command::new(env!("CARGO_BIN_EXE_tasks"))
-            .arg("--sqlite")
-            .arg(dir.join("tasks.db"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(args)
-            .env_remove("TASKS_USERS")
-            .env_remove("TASKS_SESSION_SECRET")
-            .env_remove("TASKS_USERS_FILE")
-            .env_remove("TASKS_SESSION_SECRET_FILE")
-            .env_remove("DATABASE_URL")
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let mut served = Served(tasks_serve(dir, args).spawn().unwrap());
     let mut stderr = BufReader::new(served.0.stderr.take().unwrap());
     let mut said = String::new();
     loop {
@@ -144,20 +148,7 @@ fn a_password_on_the_command_line_is_warned_about_and_a_bad_line_not_echoed() {
 /// `tasks serve` with `args`, which must end at once with an error: what it wrote. One
 /// that serves instead is killed at a deadline and fails the test.
 fn refused(dir: &std::path::Path, args: &[&str]) -> String {
-    let mut served = Served(
-        Command::new(env!("CARGO_BIN_EXE_tasks"))
-            .arg("--sqlite")
-            .arg(dir.join("tasks.db"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(args)
-            .env_remove("TASKS_USERS")
-            .env_remove("DATABASE_URL")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let mut served = Served(tasks_serve(dir, args).spawn().unwrap());
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let status = loop {
         if let Some(status) = served.0.try_wait().unwrap() {

@@ -394,25 +394,9 @@ async fn writes_need_a_login_and_reads_one_when_anonymous_reads_are_off() {
 /// connection is anonymous and may only read.
 #[tokio::test]
 async fn a_websocket_with_a_login_cookie_runs_commands_as_its_user() {
-    use coherent_tasks::session::{Auth, AuthConfig, COOKIE};
-    let db = Db::sqlite();
-    let dir = tempfile::tempdir().unwrap();
-    let auth =
-        Auth::new(AuthConfig::new(*b"a secret of 32 bytes, not random").user("alice", "password1"))
-            .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let backend = coherent_tasks::app::LiveBackend::start_with(
-        &db.config,
-        listener,
-        None,
-        Some(auth.clone()),
-    )
-    .await
-    .unwrap();
-    let router = auth.protect(backend.http_router(dir.path().to_owned()).await.unwrap());
-    let (base, serving) = crate::harness::serve(router).await;
-    let url = format!("ws{}/rpc", base.trim_start_matches("http"));
-    let cookie = format!("{COOKIE}={}", auth.login("alice", "password1").unwrap());
+    use coherent_tasks::session::{AuthConfig, COOKIE};
+    let (_db, backend, serving, url, cookie) =
+        live_with_alice(AuthConfig::new(*b"a secret of 32 bytes, not random")).await;
     let create = CreateProject {
         new: NewProject { name: "p".into() },
     };
@@ -448,27 +432,11 @@ async fn a_websocket_with_a_login_cookie_runs_commands_as_its_user() {
 /// to it.
 #[tokio::test]
 async fn a_users_commands_over_rpc_are_held_to_its_rate() {
-    use coherent_tasks::session::{Auth, AuthConfig, COOKIE};
-    let db = Db::sqlite();
-    let dir = tempfile::tempdir().unwrap();
-    let mut config =
-        AuthConfig::new(*b"a secret of 32 bytes, not random").user("alice", "password1");
+    use coherent_tasks::session::AuthConfig;
+    let mut config = AuthConfig::new(*b"a secret of 32 bytes, not random");
     config.commands_per_user = Some(coherent::rpc::pace::Rate::per_second(1).burst(2));
     config.max_command_wait = std::time::Duration::ZERO;
-    let auth = Auth::new(config).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let backend = coherent_tasks::app::LiveBackend::start_with(
-        &db.config,
-        listener,
-        None,
-        Some(auth.clone()),
-    )
-    .await
-    .unwrap();
-    let router = auth.protect(backend.http_router(dir.path().to_owned()).await.unwrap());
-    let (base, serving) = crate::harness::serve(router).await;
-    let url = format!("ws{}/rpc", base.trim_start_matches("http"));
-    let cookie = format!("{COOKIE}={}", auth.login("alice", "password1").unwrap());
+    let (db, backend, serving, url, cookie) = live_with_alice(config).await;
     let client = coherent::rpc::Endpoint::builder().build();
     let store = db.config.open(1).await.unwrap();
     let projects = || async { store.projects().await.unwrap().len() };
@@ -974,6 +942,39 @@ async fn behind_a_trusted_proxy_each_forwarded_client_has_its_own_rate() {
     assert_eq!(send_from("127.0.0.9", addr, &post("")).await.0, 201);
     drop(held);
     serving.abort();
+}
+
+/// A live backend over a fresh SQLite database with logins by `config` and a user `alice`
+/// (password `password1`), its HTTP router served on a loopback port: the database, the
+/// backend, the server's task, the URL of `/rpc` and alice's login cookie.
+async fn live_with_alice(
+    config: coherent_tasks::session::AuthConfig,
+) -> (
+    Db,
+    coherent_tasks::app::LiveBackend,
+    tokio::task::JoinHandle<()>,
+    String,
+    String,
+) {
+    use coherent_tasks::session::{Auth, COOKIE};
+    let db = Db::sqlite();
+    let auth = Auth::new(config.user("alice", "password1")).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let backend = coherent_tasks::app::LiveBackend::start_with(
+        &db.config,
+        listener,
+        None,
+        Some(auth.clone()),
+    )
+    .await
+    .unwrap();
+    // No page's files: the tests here use `/rpc` and the API.
+    let no_page = std::env::temp_dir().join("coherent-tasks-no-page");
+    let router = auth.protect(backend.http_router(no_page).await.unwrap());
+    let (base, serving) = crate::harness::serve(router).await;
+    let url = format!("ws{}/rpc", base.trim_start_matches("http"));
+    let cookie = format!("{COOKIE}={}", auth.login("alice", "password1").unwrap());
+    (db, backend, serving, url, cookie)
 }
 
 /// The `direct` backend's router over a fresh SQLite database, served on a loopback port

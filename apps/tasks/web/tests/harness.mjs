@@ -59,11 +59,17 @@ const SESSION_SECRET = "the tests' session secret, 32 b";
  * benchmark of the client's throughput; a browser is held to 100 a second). */
 export function startTasks(file, { listen = "127.0.0.1:0", release = false, unpaced = false } = {}) {
   const args = ["--sqlite", file, "serve", "--listen", listen, "--web", join(webDir, "dist")];
-  args.push("--user", `${USER.name}:${USER.password}`);
   if (unpaced) args.push("--rpc-calls-per-connection", "0");
   const child = spawn(tasksBinary({ release }), args, {
     stdio: ["ignore", "inherit", "pipe"],
-    env: { ...process.env, DATABASE_URL: "", RUST_LOG: process.env.RUST_LOG ?? "warn", TASKS_SESSION_SECRET: SESSION_SECRET },
+    // The user in the environment, not on the command line (where `ps` shows it).
+    env: {
+      ...process.env,
+      DATABASE_URL: "",
+      RUST_LOG: process.env.RUST_LOG ?? "warn",
+      TASKS_USERS: `${USER.name}:${USER.password}`,
+      TASKS_SESSION_SECRET: SESSION_SECRET,
+    },
   });
   return new Promise((resolve, reject) => {
     child.once("exit", (code) => reject(new Error(`tasks serve exited with ${code} before listening`)));
