@@ -72,7 +72,10 @@ impl Endpoint {
         config: Arc<rustls::ServerConfig>,
     ) -> Result<(), RpcError> {
         let mut backoff = crate::endpoint::AcceptBackoff::default();
-        let in_handshake = Arc::new(tokio::sync::Semaphore::new(self.max_in_handshake()));
+        let permits = self
+            .max_in_handshake()
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        let in_handshake = Arc::new(tokio::sync::Semaphore::new(permits));
         loop {
             let (tcp, _) = match listener.accept().await {
                 Ok(s) => {

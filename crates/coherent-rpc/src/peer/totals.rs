@@ -87,14 +87,14 @@ impl Totals {
         &self.refusals
     }
 
-    /// A slot for a newly accepted connection, or the refusal to send it when the endpoint
-    /// has `max_connections` already.
     /// The most connections untrusted clients may hold: `max_connections` less the
     /// trusted reserve.
     pub(crate) fn untrusted_max(&self) -> usize {
         self.max_connections - self.trusted_reserve
     }
 
+    /// A slot for a newly accepted connection, or the refusal to send it when the endpoint
+    /// has `max_connections` already.
     pub(crate) fn take_slot(self: &Arc<Self>, trust: Trust) -> Result<Slot, RpcError> {
         let max = match trust {
             Trust::Trusted => self.max_connections,
