@@ -282,6 +282,9 @@ pub async fn direct_router(db: &DbConfig) -> anyhow::Result<axum::Router> {
     ))))
 }
 
+/// The default of [`BackendOptions::max_sse_feeds`]: a tenth of `HttpLimits::max_connections`.
+pub const MAX_SSE_FEEDS: usize = 1_000;
+
 /// What a browser's connections to a backend's endpoint (`/rpc`, the gateway) may do: see
 /// [`LiveBackend::start_with_options`].
 #[derive(Clone, Debug)]
@@ -303,7 +306,7 @@ impl Default for BackendOptions {
         Self {
             untrusted_call_rate: Some(Rate::DEFAULT_UNTRUSTED),
             allowed_origins: Vec::new(),
-            max_sse_feeds: 1_000,
+            max_sse_feeds: MAX_SSE_FEEDS,
         }
     }
 }
@@ -704,16 +707,19 @@ pub async fn serve_http_counted(
                 }
             }
         };
-        let pacers = ip_slot.pacers();
-        let from = ip_slot
-            .0
-            .is_some()
-            .then(|| ClientAddr(address_key(addr.ip())));
-        let forwarded = proxied.then(|| Forwarded {
-            proxy: addr.ip().to_canonical(),
-            per_ip: per_ip.clone(),
-            trusted: trusted.clone(),
-        });
+        let client = if proxied {
+            Client::Proxied(Forwarded {
+                proxy: addr.ip().to_canonical(),
+                per_ip: per_ip.clone(),
+                trusted: trusted.clone(),
+            })
+        } else {
+            let from = ip_slot
+                .0
+                .is_some()
+                .then(|| ClientAddr(address_key(addr.ip())));
+            Client::Peer(from, ip_slot.pacers())
+        };
         // No Nagle: a WebSocket's small frames (an invalidation, an answer) would otherwise
         // wait for the peer's delayed ACK, 40 ms on Linux, behind an earlier one.
         let _ = stream.set_nodelay(true);
@@ -728,9 +734,7 @@ pub async fn serve_http_counted(
         };
         let service = TowerToHyperService::new(Paced {
             router: router.clone(),
-            from,
-            pacers,
-            forwarded,
+            client,
             max_wait: limits.max_pace_wait,
             stats: stats.clone(),
         });
@@ -866,11 +870,7 @@ pub struct ClientAddr(pub IpAddr);
 #[derive(Clone)]
 struct Paced {
     router: axum::Router,
-    from: Option<ClientAddr>,
-    pacers: Pacers,
-    /// For a connection from a trusted proxy: where each request's client is looked up
-    /// (then `from` and `pacers` are unused).
-    forwarded: Option<Forwarded>,
+    client: Client,
     max_wait: Duration,
     stats: Arc<HttpStats>,
 }
@@ -898,12 +898,12 @@ where
         let this = self.clone();
         Box::pin(async move {
             let forwarded;
-            let (from, pacers) = match &this.forwarded {
-                Some(f) => {
+            let (from, pacers) = match &this.client {
+                Client::Peer(from, pacers) => (*from, pacers),
+                Client::Proxied(f) => {
                     forwarded = f.client(req.headers());
-                    (forwarded.0, &forwarded.1)
+                    (Some(forwarded.0), &forwarded.1)
                 }
-                None => (this.from, &this.pacers),
             };
             let write = !matches!(
                 *req.method(),
@@ -1077,11 +1077,11 @@ impl PerIp {
             // (one that closes and reconnects must not get its burst again) or anyone else
             // holds it (a WebSocket; an address's pacers hold their network's); drop the
             // rest, and sweep again when the map has doubled.
-            // Addresses first: a network's pacers are held by its addresses' until those go.
-            open.retain(|k, (n, pacers)| {
-                matches!(k, Key::Network(_)) || *n > 0 || !pacers.unused(1)
-            });
-            open.retain(|_, (n, pacers)| *n > 0 || !pacers.unused(1));
+            // Addresses first, then networks: a network's pacers are held by its addresses'
+            // until those go.
+            let keep = |n: usize, pacers: &Pacers| n > 0 || !pacers.unused(1);
+            open.retain(|k, (n, pacers)| matches!(k, Key::Network(_)) || keep(*n, pacers));
+            open.retain(|k, (n, pacers)| matches!(k, Key::Address(_)) || keep(*n, pacers));
             self.sweep_at
                 .store((open.len() * 2).max(SWEEP_MIN), Ordering::Relaxed);
         }
@@ -1149,15 +1149,25 @@ impl PerIp {
     /// is one a header named. It takes no connection place; its address's entry stays
     /// until its buckets are full again and no one holds them (an upgraded WebSocket keeps
     /// its request pacer), swept as `take`'s are.
-    fn request_from(&self, ip: IpAddr) -> (Option<ClientAddr>, Pacers) {
+    fn request_from(&self, ip: IpAddr) -> (ClientAddr, Pacers) {
         let key = address_key(ip);
         if self.rates.0.is_none() && self.rates.1.is_none() {
-            return (Some(ClientAddr(key)), Pacers::default());
+            return (ClientAddr(key), Pacers::default());
         }
         let mut open = self.open.lock();
         let (_, pacers) = self.entry(&mut open, key);
-        (Some(ClientAddr(key)), pacers.clone())
+        (ClientAddr(key), pacers.clone())
     }
+}
+
+/// Whom a connection's requests are held to.
+#[derive(Clone)]
+enum Client {
+    /// The connection's peer: the address it counts as (none for an exempt one) and the
+    /// rates it shares with its address's other connections.
+    Peer(Option<ClientAddr>, Pacers),
+    /// A trusted proxy's connection: each request's client, as its header names it.
+    Proxied(Forwarded),
 }
 
 /// What a connection from a trusted proxy needs to find each request's client (see
@@ -1171,7 +1181,7 @@ struct Forwarded {
 
 impl Forwarded {
     /// The address a request counts as, and the rates it is held to.
-    fn client(&self, headers: &axum::http::HeaderMap) -> (Option<ClientAddr>, Pacers) {
+    fn client(&self, headers: &axum::http::HeaderMap) -> (ClientAddr, Pacers) {
         self.per_ip
             .request_from(forwarded_client(headers, self.proxy, &self.trusted))
     }
@@ -1243,10 +1253,12 @@ impl Drop for TakenIp {
         }
         // The network's pacers are held by this slot's until it is gone: a network with no
         // connection left is dropped by the sweep (or at once if it paces nothing).
-        if let Some((n, pacers)) = self.network.and_then(|k| open.get_mut(&k)) {
-            *n -= 1;
-            if *n == 0 && pacers.unused(1) {
-                open.remove(&self.network.expect("found by it"));
+        if let Some(network) = self.network {
+            if let Some((n, pacers)) = open.get_mut(&network) {
+                *n -= 1;
+                if *n == 0 && pacers.unused(1) {
+                    open.remove(&network);
+                }
             }
         }
     }

@@ -190,7 +190,7 @@ struct LimitArgs {
     )]
     allowed_origins: Vec<String>,
     /// Gateway event feeds (`/gateway/.../events`) open at once, each holding a connection.
-    #[arg(long, default_value_t = 1_000)]
+    #[arg(long, default_value_t = app::MAX_SSE_FEEDS)]
     max_sse_feeds: usize,
     /// Peers held to neither per-address limit: monitors, or a reverse proxy that limits per
     /// client itself (else name it with `--trusted-proxy`). Never applied to an address a
@@ -376,8 +376,6 @@ fn on_command_line(flag: &str) -> bool {
     })
 }
 
-/// The bytes of a file holding secrets; a warning when every user of the machine may read
-/// it.
 /// The bytes of a file holding secrets: a plain file of at most [`MAX_SECRET_FILE`]
 /// bytes, that not every user of the machine may write (refused) or read (a warning).
 fn secret_file(path: &std::path::Path, flag: &str) -> anyhow::Result<Vec<u8>> {

@@ -209,27 +209,34 @@ impl Pacer {
 
     fn take(&self, max: Option<Duration>) -> Result<Duration, Duration> {
         let i = &*self.0;
-        if i.parent.is_none() {
-            // The common case, without the chain's allocation.
-            let mut full_at = i.full_at.lock();
-            let (at, wait) = self.owed(*full_at, Instant::now());
-            if let Some(max) = max {
-                if wait > max {
-                    drop(full_at);
-                    i.refused.fetch_add(1, Ordering::Relaxed);
-                    return Err(wait - max);
-                }
-            }
-            *full_at = Some(at + i.interval);
-            drop(full_at);
-            if !wait.is_zero() {
-                i.delayed.fetch_add(1, Ordering::Relaxed);
-            }
-            return Ok(wait);
+        let taken = if i.parent.is_none() {
+            self.take_alone(max)
+        } else {
+            self.take_within_chain(max)
+        };
+        match taken {
+            Err(_) => i.refused.fetch_add(1, Ordering::Relaxed),
+            Ok(wait) if !wait.is_zero() => i.delayed.fetch_add(1, Ordering::Relaxed),
+            Ok(_) => 0,
+        };
+        taken
+    }
+
+    /// A take from a bucket within none: the common case, without the chain's allocation.
+    fn take_alone(&self, max: Option<Duration>) -> Result<Duration, Duration> {
+        let mut full_at = self.0.full_at.lock();
+        let (at, wait) = self.owed(*full_at, Instant::now());
+        if let Some(max) = max.filter(|max| wait > *max) {
+            return Err(wait - max);
         }
-        // This bucket and every one it is within, locked widest first (every taker locks
-        // in that order) and read at one instant: the wait owed is the longest of theirs,
-        // and either all of them take or none does.
+        *full_at = Some(at + self.0.interval);
+        Ok(wait)
+    }
+
+    /// A take from this bucket and every one it is within, locked widest first (every taker
+    /// locks in that order) and read at one instant: the wait owed is the longest of theirs,
+    /// and either all of them take or none does.
+    fn take_within_chain(&self, max: Option<Duration>) -> Result<Duration, Duration> {
         let mut chain = vec![self];
         while let Some(parent) = &chain[chain.len() - 1].0.parent {
             chain.push(parent);
@@ -243,19 +250,11 @@ impl Pacer {
             .map(|(p, full_at)| p.owed(**full_at, now))
             .collect();
         let wait = owed.iter().map(|(_, w)| *w).max().unwrap_or_default();
-        if let Some(max) = max {
-            if wait > max {
-                drop(held);
-                i.refused.fetch_add(1, Ordering::Relaxed);
-                return Err(wait - max);
-            }
+        if let Some(max) = max.filter(|max| wait > *max) {
+            return Err(wait - max);
         }
         for ((p, full_at), (at, _)) in chain.iter().rev().zip(&mut held).zip(owed) {
             **full_at = Some(at + p.0.interval);
-        }
-        drop(held);
-        if !wait.is_zero() {
-            i.delayed.fetch_add(1, Ordering::Relaxed);
         }
         Ok(wait)
     }
