@@ -85,6 +85,10 @@ pub enum ApiError {
     /// 413: the body is over [`MAX_BODY`].
     #[error("the request body is over {MAX_BODY} bytes")]
     TooLarge,
+    /// 408: the request's body stopped arriving for longer than the server waits between
+    /// two of its pieces (`HttpLimits::body_read_timeout`).
+    #[error("the request body stopped arriving")]
+    TimedOut,
     /// 503: the backend cannot be reached now. The text is a reference to the log line
     /// with the details (see [`ApiError::unavailable`]).
     #[error("backend unavailable, {0}")]
@@ -122,6 +126,7 @@ impl ApiError {
             Self::Invalid(_) => StatusCode::BAD_REQUEST,
             Self::NotFound(_) | Self::Unknown(_) => StatusCode::NOT_FOUND,
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::TimedOut => StatusCode::REQUEST_TIMEOUT,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -334,11 +339,26 @@ pub fn parse_id(field: &str, value: &str) -> Result<Uuid, ApiError> {
     Uuid::try_parse(value).map_err(|_| ApiError::invalid(field, "must be a UUID"))
 }
 
+/// Whether reading the body failed because it stopped arriving (the server's
+/// `RequestBodyTimeoutLayer`), somewhere in the rejection's chain of causes.
+fn body_timed_out(r: &BytesRejection) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(e) = cause {
+        if e.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
 /// Parses a JSON body into `T`, naming the field at fault.
 pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let body = body.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::TooLarge
+        } else if body_timed_out(&r) {
+            ApiError::TimedOut
         } else {
             ApiError::invalid("body", r.body_text())
         }

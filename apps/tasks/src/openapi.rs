@@ -112,6 +112,7 @@ fn list_tasks() {}
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 404, description = "No such project (`field` is `project`)", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 408, description = "The body stopped arriving", body = ErrorBody),
         (status = 415, description = "The body is not `application/json`", body = ErrorBody),
     )
 )]
@@ -146,6 +147,7 @@ fn get_task() {}
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 404, description = "No such task", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 408, description = "The body stopped arriving", body = ErrorBody),
         (status = 415, description = "The body is not `application/json`", body = ErrorBody),
     )
 )]
@@ -191,6 +193,7 @@ fn list_projects() {}
         (status = 201, description = "Created", body = Project),
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 408, description = "The body stopped arriving", body = ErrorBody),
         (status = 415, description = "The body is not `application/json`", body = ErrorBody),
     )
 )]
@@ -222,6 +225,7 @@ fn project_summary() {}
         (status = 400, description = "Not a login", body = ErrorBody),
         (status = 401, description = "Unknown user or wrong password", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB"),
+        (status = 408, description = "The body stopped arriving"),
         (status = 415, description = "The body is not `application/json`", body = ErrorBody),
         (status = 429, description = "Too many failed logins of this user: wait `Retry-After` seconds", body = ErrorBody),
     )

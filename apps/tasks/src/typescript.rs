@@ -369,6 +369,7 @@ mod tests {
             ApiError::NotFound("task".into()),
             ApiError::Unknown(Invalid::new("project", "no such project")),
             ApiError::TooLarge,
+            ApiError::TimedOut,
             ApiError::Unavailable("connection lost".into()),
             ApiError::Internal("disk full".into()),
         ];

@@ -1016,3 +1016,160 @@ async fn serve_counted(
     ));
     (addr, stats, serving)
 }
+
+/// A head larger than `max_header_bytes` is answered 431 and its connection closed; a
+/// client beside it is served.
+#[tokio::test]
+async fn a_request_head_over_its_limit_is_answered_431() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_db, addr, _, serving) = serve_direct(Default::default()).await;
+    let limit = coherent_tasks::app::HttpLimits::default().max_header_bytes;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "GET /api/projects HTTP/1.1\r\nHost: x\r\nX-Pad: {}\r\n\r\n",
+        "a".repeat(limit + 1024)
+    );
+    // The server may close before it has read all of it: a failed write is its answer too.
+    let _ = s.write_all(head.as_bytes()).await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        s.read_to_end(&mut answer),
+    )
+    .await
+    .expect("the connection is closed");
+    assert!(
+        answer.starts_with(b"HTTP/1.1 431"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    let honest = crate::harness::Http::new()
+        .send(
+            Method::GET,
+            &format!("http://{addr}/api/projects"),
+            None,
+            &[],
+        )
+        .await;
+    assert_eq!(honest.status, StatusCode::OK);
+    serving.abort();
+}
+
+/// A body that stops coming, long before the request's deadline, ends at the pause allowed
+/// between its pieces: the request is refused and the connection freed.
+#[tokio::test]
+async fn a_body_that_goes_silent_ends_at_the_body_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let limits = coherent_tasks::app::HttpLimits {
+        body_read_timeout: std::time::Duration::from_millis(300),
+        // Far beyond the test's bound: only the body's own timeout can end it.
+        request_timeout: std::time::Duration::from_secs(3600),
+        ..Default::default()
+    };
+    let (_db, addr, _, serving) = serve_direct(limits).await;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        b"POST /api/projects HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"name\":",
+    )
+    .await
+    .unwrap();
+    // A bound for the test, not a measure: 30 s.
+    let mut answer = vec![0; 256];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(30), s.read(&mut answer))
+        .await
+        .expect("an answer while the body is still owed")
+        .unwrap();
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    serving.abort();
+}
+
+/// A kept-alive connection that sends nothing after its answer is closed once its next head
+/// is late (`header_read_timeout` counts from the end of the previous answer).
+#[tokio::test]
+async fn a_kept_alive_connection_left_idle_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let limits = coherent_tasks::app::HttpLimits {
+        header_read_timeout: std::time::Duration::from_millis(300),
+        ..Default::default()
+    };
+    let (_db, addr, _, serving) = serve_direct(limits).await;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /api/projects HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // `read_to_end` ends only when the server closes: the answer, then nothing more.
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        s.read_to_end(&mut answer),
+    )
+    .await
+    .expect("the idle connection is closed")
+    .unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert_eq!(text.matches("HTTP/1.1").count(), 1, "{text}");
+    serving.abort();
+}
+
+/// When the database fails under a request (here its tables are gone), the client is told
+/// the kind of failure and a reference to the server's log, never the database's text or a
+/// path on the server: over HTTP and over `/rpc` alike.
+#[tokio::test]
+async fn a_database_failure_reaches_clients_as_a_reference_only() {
+    use coherent_tasks::session::AuthConfig;
+    let drop_tables = |db: &Db| {
+        let coherent_tasks::app::DbConfig::Sqlite(path) = &db.config else {
+            unreachable!("a SQLite database")
+        };
+        let c = rusqlite::Connection::open(path).unwrap();
+        c.execute_batch("DROP TABLE tasks; DROP TABLE projects;")
+            .unwrap();
+        path.parent().unwrap().to_string_lossy().into_owned()
+    };
+    let leaks = |text: &str, dir: &str| {
+        text.contains("no such table") || text.contains(dir) || text.contains("tasks.db")
+    };
+
+    let (db, addr, _, serving) = serve_direct(Default::default()).await;
+    let dir = drop_tables(&db);
+    let r = crate::harness::Http::new()
+        .send(
+            Method::GET,
+            &format!("http://{addr}/api/projects"),
+            None,
+            &[],
+        )
+        .await;
+    let body = String::from_utf8_lossy(&r.body).into_owned();
+    assert!(r.status.is_server_error(), "{} {body}", r.status);
+    assert!(body.contains("reference "), "{body}");
+    assert!(!leaks(&body, &dir), "{body}");
+    serving.abort();
+
+    let (db, backend, serving, url, cookie) =
+        live_with_alice(AuthConfig::new(*b"a secret of 32 bytes, not random")).await;
+    let dir = drop_tables(&db);
+    let alice = coherent::rpc::Endpoint::builder()
+        .build()
+        .connect_websocket_with_headers(&url, &[("cookie", &cookie)])
+        .await
+        .unwrap();
+    let create = CreateProject {
+        new: NewProject { name: "p".into() },
+    };
+    let e = CommandClient::new(alice).run(&create).await.unwrap_err();
+    let text = e.to_string();
+    assert!(
+        !matches!(
+            e.kind(),
+            ErrorKind::Rejected | ErrorKind::NotFound | ErrorKind::Unauthorized
+        ),
+        "{e}"
+    );
+    assert!(text.contains("reference "), "{text}");
+    assert!(!leaks(&text, &dir), "{text}");
+    serving.abort();
+    backend.stop().await;
+}
