@@ -179,9 +179,10 @@ struct LimitArgs {
     /// once (its address's rate applies as well). 0: no limit of its own.
     #[arg(long, default_value_t = 100)]
     rpc_calls_per_connection: u32,
-    /// A web page (an origin, as in `https://tasks.example.com`) besides the server's own
-    /// that may open `/rpc`: behind a proxy that rewrites `Host`, the public origin.
-    /// Repeat it for more; `*` for any (not on the open internet).
+    /// A web page (an origin, as in `https://tasks.example.com`, or an app's, as in
+    /// `tauri://localhost`) besides the server's own that may open `/rpc`: behind a proxy
+    /// that rewrites `Host`, the public origin. The scheme's default port may be written
+    /// or not. Repeat it for more; `*` for any (not on the open internet).
     #[arg(
         long = "allowed-origin",
         value_name = "ORIGIN",
@@ -267,17 +268,21 @@ impl LimitArgs {
 /// or `*`; not `null` (every sandboxed frame and local file sends that) nor anything with a
 /// path, which no browser's `Origin` matches.
 fn origin(value: &str) -> Result<String, String> {
+    const FORM: &str = "an origin is SCHEME://HOST[:PORT] (https://tasks.example.com, \
+                        tauri://localhost), with no path; or * for any";
     let value = value.trim();
     if value == "*" {
         return Ok(value.to_owned());
     }
-    let rest = value
-        .strip_prefix("https://")
-        .or_else(|| value.strip_prefix("http://"))
-        .ok_or("an origin is http(s)://HOST[:PORT] (or * for any)")?;
+    let (scheme, rest) = value.split_once("://").ok_or(FORM)?;
+    // RFC 3986: a letter, then letters, digits, `+`, `-` and `.`.
+    let scheme_ok = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
     let rest = rest.strip_suffix('/').unwrap_or(rest);
-    if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
-        return Err("an origin is http(s)://HOST[:PORT], with no path".to_owned());
+    if !scheme_ok || rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
+        return Err(FORM.to_owned());
     }
     Ok(value.to_owned())
 }

@@ -183,7 +183,7 @@ fn an_allowed_origin_may_open_rpc_and_others_may_not() {
             "--auth",
             "off",
             "--allowed-origin",
-            "https://tasks.example.com",
+            "https://tasks.example.com:443,tauri://localhost",
         ],
     );
     let upgrade = |origin: &str| {
@@ -201,13 +201,21 @@ fn an_allowed_origin_may_open_rpc_and_others_may_not() {
         s.read_exact(&mut head).unwrap();
         String::from_utf8_lossy(&head[9..12]).into_owned()
     };
+    // The default port written in the flag: browsers never send it.
     assert_eq!(upgrade("https://tasks.example.com"), "101");
+    assert_eq!(upgrade("tauri://localhost"), "101");
     assert_eq!(upgrade(&format!("http://{addr}")), "101");
     assert_eq!(upgrade("https://evil.example"), "403");
     drop(served);
 
     // What no browser sends as an origin is refused at start.
-    for bad in ["null", "tasks.example.com", "https://tasks.example.com/app"] {
+    for bad in [
+        "null",
+        "tasks.example.com",
+        "https://tasks.example.com/app",
+        "1x://a",
+        "://a",
+    ] {
         let err = refused(dir.path(), &["--auth", "off", "--allowed-origin", bad]);
         assert!(err.contains("origin"), "{bad}: {err}");
     }

@@ -39,6 +39,25 @@ pub(crate) fn default_max_queued(max_message_size: u32) -> usize {
     (max_message_size as usize).saturating_mul(2).max(16 << 20)
 }
 
+/// An origin as it is compared: trimmed, lowercase, without a trailing `/`, and without
+/// its scheme's default port (`https://a.example:443` is `https://a.example`, as a browser
+/// sends it).
+pub(crate) fn normalize_origin(origin: &str) -> String {
+    let o = origin.trim().trim_end_matches('/').to_ascii_lowercase();
+    let default_port = if o.starts_with("https://") || o.starts_with("wss://") {
+        ":443"
+    } else if o.starts_with("http://") || o.starts_with("ws://") {
+        ":80"
+    } else {
+        return o;
+    };
+    match o.strip_suffix(default_port) {
+        // Only a port after the host (`[::1]:443`, `a.example:443`), not the end of one.
+        Some(bare) if !bare.ends_with("://") => bare.to_owned(),
+        _ => o,
+    }
+}
+
 /// Which web pages may open a WebSocket to the endpoint (see [`Config::allowed_origins`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) enum Origins {
@@ -324,7 +343,7 @@ impl Config {
                 self.allowed_origins = Origins::Any;
                 return self;
             }
-            listed.push(o.trim().trim_end_matches('/').to_ascii_lowercase());
+            listed.push(normalize_origin(&o));
         }
         self.allowed_origins = Origins::Listed(listed);
         self

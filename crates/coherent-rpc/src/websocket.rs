@@ -60,7 +60,7 @@ fn origin_refusal(allowed: &Origins, headers: &HeaderMap, uri: &Uri) -> Option<S
     let Ok(origin) = origin.to_str() else {
         return Some("the Origin header is not text".into());
     };
-    let origin = origin.trim().trim_end_matches('/').to_ascii_lowercase();
+    let origin = crate::config::normalize_origin(origin);
     if let Origins::Listed(list) = allowed {
         if list.contains(&origin) {
             return None;
@@ -468,5 +468,47 @@ mod tests {
         );
         assert!(refusal(&listed, Some("http://app.example"), "api.example").is_some());
         assert_eq!(refusal(&Origins::Any, Some("null"), "a.example"), None);
+    }
+
+    #[test]
+    fn a_listed_origin_with_its_default_port_matches_what_browsers_send() {
+        let listed = match crate::Config::default()
+            .allowed_origins([
+                "https://App.example:443/",
+                "http://b.example:80",
+                "https://c.example:8443",
+            ])
+            .allowed_origins
+        {
+            Origins::Listed(l) => l,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            listed,
+            [
+                "https://app.example",
+                "http://b.example",
+                "https://c.example:8443"
+            ]
+        );
+        let listed = Origins::Listed(listed);
+        for origin in [
+            "https://app.example",
+            "http://b.example",
+            "https://c.example:8443",
+        ] {
+            assert_eq!(
+                refusal(&listed, Some(origin), "api.example"),
+                None,
+                "{origin}"
+            );
+        }
+        // The default port is the scheme's own: not a port of another scheme's.
+        assert!(refusal(&listed, Some("https://b.example"), "api.example").is_some());
+        assert!(refusal(&listed, Some("https://c.example"), "api.example").is_some());
+        assert_eq!(
+            crate::config::normalize_origin("https://:443"),
+            "https://:443"
+        );
     }
 }
