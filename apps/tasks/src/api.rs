@@ -85,10 +85,6 @@ pub enum ApiError {
     /// 413: the body is over [`MAX_BODY`].
     #[error("the request body is over {MAX_BODY} bytes")]
     TooLarge,
-    /// 408: the request's body stopped arriving for longer than the server waits between
-    /// two of its pieces (`HttpLimits::body_read_timeout`).
-    #[error("the request body stopped arriving")]
-    TimedOut,
     /// 503: the backend cannot be reached now. The text is a reference to the log line
     /// with the details (see [`ApiError::unavailable`]).
     #[error("backend unavailable, {0}")]
@@ -97,6 +93,13 @@ pub enum ApiError {
     /// [`ApiError::internal`]).
     #[error("internal error, {0}")]
     Internal(String),
+    /// 408: the request's body stopped arriving for longer than the server waits between
+    /// two of its pieces (`HttpLimits::body_read_timeout`). Made by the HTTP layer only,
+    /// and last here: postcard numbers a variant by its place, and this enum is the error
+    /// of the compute methods a tier and its backend exchange, so that hosts of the
+    /// release before it still read every other variant as it was.
+    #[error("the request body stopped arriving")]
+    TimedOut,
 }
 
 impl ApiError {
@@ -341,7 +344,7 @@ pub fn parse_id(field: &str, value: &str) -> Result<Uuid, ApiError> {
 
 /// Whether reading the body failed because it stopped arriving (the server's
 /// `RequestBodyTimeoutLayer`), somewhere in the rejection's chain of causes.
-fn body_timed_out(r: &BytesRejection) -> bool {
+pub(crate) fn body_timed_out(r: &BytesRejection) -> bool {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(r);
     while let Some(e) = cause {
         if e.is::<tower_http::timeout::TimeoutError>() {
@@ -550,6 +553,26 @@ mod tests {
                 "{body}"
             );
             assert!(body.contains("reference "), "{body}");
+        }
+    }
+
+    /// Postcard numbers an enum's variants by their place, and `ApiError` crosses the wire
+    /// between a tier and its backend, which may be of another release: a variant added
+    /// anywhere but last would make one host read another's errors as different ones.
+    #[test]
+    fn the_errors_keep_their_numbers_on_the_wire() {
+        let numbered = [
+            (ApiError::invalid("f", "m"), 0u8),
+            (ApiError::NotFound("t".into()), 1),
+            (ApiError::Unknown(Invalid::new("f", "m")), 2),
+            (ApiError::TooLarge, 3),
+            (ApiError::Unavailable("r".into()), 4),
+            (ApiError::Internal("r".into()), 5),
+            (ApiError::TimedOut, 6),
+        ];
+        for (e, n) in numbered {
+            let bytes = coherent::rpc::Format::Postcard.encode(&e).unwrap();
+            assert_eq!(bytes[0], n, "{e:?}");
         }
     }
 

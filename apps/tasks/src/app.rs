@@ -365,7 +365,8 @@ pub struct HttpLimits {
     /// sends nothing (or one byte a minute, slowloris) is closed when it runs out. It is
     /// also how long a kept-alive connection may stay idle. Default: 10 s.
     pub header_read_timeout: Duration,
-    /// The longest pause between two pieces of a request's body. Default: 10 s.
+    /// The longest pause between two pieces of a request's body: past it the request is
+    /// answered 408 (`ApiError::TimedOut`). Default: 10 s.
     pub body_read_timeout: Duration,
     /// How long a request may take, from its head to its answer's head, its body read
     /// included: a body dripped a byte at a time within `body_read_timeout` still ends

@@ -280,9 +280,35 @@ fn origin(value: &str) -> Result<String, String> {
         && scheme
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
-    let rest = rest.strip_suffix('/').unwrap_or(rest);
-    if !scheme_ok || rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
+    if !scheme_ok {
         return Err(FORM.to_owned());
+    }
+    // Pages of these schemes have an opaque origin: a browser sends `null` for them, which
+    // no entry may allow.
+    if ["file", "data", "javascript", "blob", "about"]
+        .iter()
+        .any(|s| scheme.eq_ignore_ascii_case(s))
+    {
+        return Err(format!(
+            "a {scheme}: page has no origin to allow (browsers send `null` for it)"
+        ));
+    }
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    // A bracketed IPv6 address may hold colons; a port comes after the last one outside it.
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !p.contains(']') => (h, Some(p)),
+        _ => (authority, None),
+    };
+    let bracketed = host.starts_with('[') && host.ends_with(']');
+    let host_ok = !host.is_empty()
+        && host.is_ascii()
+        && !host.contains(['/', '?', '#', '@', ' ', '\t'])
+        && (bracketed || !host.contains([':', '[', ']']));
+    let port_ok = port.is_none_or(|p| p.parse::<u16>().is_ok_and(|p| p > 0));
+    if !host_ok || !port_ok {
+        return Err(format!(
+            "{FORM} (an international host in its ASCII form, xn--...)"
+        ));
     }
     Ok(value.to_owned())
 }

@@ -112,7 +112,7 @@ fn list_tasks() {}
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 404, description = "No such project (`field` is `project`)", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
-        (status = 408, description = "The body stopped arriving", body = ErrorBody),
+        (status = 408, description = "The body stopped arriving (a JSON error), or the request outlasted its deadline (no body)", body = ErrorBody),
         (status = 415, description = "The body is not `application/json`", body = ErrorBody),
     )
 )]
@@ -147,7 +147,7 @@ fn get_task() {}
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 404, description = "No such task", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
-        (status = 408, description = "The body stopped arriving", body = ErrorBody),
+        (status = 408, description = "The body stopped arriving (a JSON error), or the request outlasted its deadline (no body)", body = ErrorBody),
         (status = 415, description = "The body is not `application/json`", body = ErrorBody),
     )
 )]
@@ -193,7 +193,7 @@ fn list_projects() {}
         (status = 201, description = "Created", body = Project),
         (status = 400, description = "A bad field", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB", body = ErrorBody),
-        (status = 408, description = "The body stopped arriving", body = ErrorBody),
+        (status = 408, description = "The body stopped arriving (a JSON error), or the request outlasted its deadline (no body)", body = ErrorBody),
         (status = 415, description = "The body is not `application/json`", body = ErrorBody),
     )
 )]
@@ -225,7 +225,7 @@ fn project_summary() {}
         (status = 400, description = "Not a login", body = ErrorBody),
         (status = 401, description = "Unknown user or wrong password", body = ErrorBody),
         (status = 413, description = "Body over 64 KiB"),
-        (status = 408, description = "The body stopped arriving"),
+        (status = 408, description = "The body stopped arriving, or the request outlasted its deadline"),
         (status = 415, description = "The body is not `application/json`", body = ErrorBody),
         (status = 429, description = "Too many failed logins of this user: wait `Retry-After` seconds", body = ErrorBody),
     )

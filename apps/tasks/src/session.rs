@@ -527,7 +527,7 @@ async fn login(
     State(auth): State<Auth>,
     from: Option<axum::Extension<crate::app::ClientAddr>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
     if !crate::api::is_json(&headers) {
         return error(
@@ -535,6 +535,21 @@ async fn login(
             "the body must be JSON, sent as `Content-Type: application/json`",
         );
     }
+    let body = match body {
+        Ok(body) => body,
+        Err(r) if crate::api::body_timed_out(&r) => {
+            return crate::api::ApiError::TimedOut.into_response()
+        }
+        Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            return crate::api::ApiError::TooLarge.into_response()
+        }
+        Err(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "the body must be {\"name\": ..., \"password\": ...}",
+            )
+        }
+    };
     let Ok(login) = serde_json::from_slice::<Login>(&body) else {
         return error(
             StatusCode::BAD_REQUEST,

@@ -215,6 +215,12 @@ fn an_allowed_origin_may_open_rpc_and_others_may_not() {
         "https://tasks.example.com/app",
         "1x://a",
         "://a",
+        "file://host",
+        "javascript://x",
+        "https://tasks.example.com:",
+        "https://tasks.example.com:99999",
+        "https://tasks.example.com:443:443",
+        "https://täsks.example.com",
     ] {
         let err = refused(dir.path(), &["--auth", "off", "--allowed-origin", bad]);
         assert!(err.contains("origin"), "{bad}: {err}");

@@ -324,6 +324,9 @@ impl Config {
     /// the same-origin policy to WebSockets: without this check any page a user visits
     /// could open the RPC route with the user's cookies. `"*"` allows every origin.
     ///
+    /// Origins are compared without case, a trailing `/` or the scheme's default port
+    /// (`https://app.example:443` is `https://app.example`, as browsers send it).
+    ///
     /// Default: an upgrade whose `Origin` header names the request's own `Host` (same
     /// origin) is accepted, as is one without an `Origin` (not a browser); any other is
     /// answered HTTP 403 and counted in

@@ -1060,13 +1060,13 @@ async fn a_request_head_over_its_limit_is_answered_431() {
 #[tokio::test]
 async fn a_body_that_goes_silent_ends_at_the_body_timeout() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let limits = coherent_tasks::app::HttpLimits {
+    let limits = || coherent_tasks::app::HttpLimits {
         body_read_timeout: std::time::Duration::from_millis(300),
         // Far beyond the test's bound: only the body's own timeout can end it.
         request_timeout: std::time::Duration::from_secs(3600),
         ..Default::default()
     };
-    let (_db, addr, _, serving) = serve_direct(limits).await;
+    let (_db, addr, _, serving) = serve_direct(limits()).await;
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(
         b"POST /api/projects HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"name\":",
@@ -1081,6 +1081,37 @@ async fn a_body_that_goes_silent_ends_at_the_body_timeout() {
         .unwrap();
     let text = String::from_utf8_lossy(&answer[..n]);
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    // The API's own answer (the request's deadline would answer with no body).
+    assert!(text.contains("stopped arriving"), "{text}");
+
+    serving.abort();
+
+    // The same for a login's body.
+    let auth = coherent_tasks::session::Auth::new(
+        coherent_tasks::session::AuthConfig::new(*b"a secret of 32 bytes, not random")
+            .user("alice", "password1"),
+    )
+    .unwrap();
+    let db = Db::sqlite();
+    let router = auth.protect(
+        coherent_tasks::app::direct_router(&db.config)
+            .await
+            .unwrap(),
+    );
+    let (addr, _, serving) = serve_counted(router, limits()).await;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        b"POST /api/session HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"name\":",
+    )
+    .await
+    .unwrap();
+    let n = tokio::time::timeout(std::time::Duration::from_secs(30), s.read(&mut answer))
+        .await
+        .expect("an answer while the login's body is still owed")
+        .unwrap();
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("stopped arriving"), "{text}");
     serving.abort();
 }
 
@@ -1095,10 +1126,14 @@ async fn a_kept_alive_connection_left_idle_is_closed() {
     };
     let (_db, addr, _, serving) = serve_direct(limits).await;
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /api/projects HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    // `read_to_end` ends only when the server closes: the answer, then nothing more.
+    let request = b"GET /api/projects HTTP/1.1\r\nHost: x\r\n\r\n";
+    s.write_all(request).await.unwrap();
+    // The connection is kept alive: a second request on it at once is served.
+    let mut first = vec![0; 4096];
+    let n = s.read(&mut first).await.unwrap();
+    assert!(first[..n].starts_with(b"HTTP/1.1 200"));
+    s.write_all(request).await.unwrap();
+    // `read_to_end` ends only when the server closes: the second answer, then nothing more.
     let mut answer = Vec::new();
     tokio::time::timeout(
         std::time::Duration::from_secs(30),
@@ -1107,9 +1142,10 @@ async fn a_kept_alive_connection_left_idle_is_closed() {
     .await
     .expect("the idle connection is closed")
     .unwrap();
-    let text = String::from_utf8_lossy(&answer);
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    assert_eq!(text.matches("HTTP/1.1").count(), 1, "{text}");
+    let text =
+        String::from_utf8_lossy(&first[..n]).into_owned() + &String::from_utf8_lossy(&answer);
+    assert_eq!(text.matches("HTTP/1.1 200").count(), 2, "{text}");
+    assert_eq!(text.matches("HTTP/1.1").count(), 2, "{text}");
     serving.abort();
 }
 
@@ -1159,7 +1195,14 @@ async fn a_database_failure_reaches_clients_as_a_reference_only() {
     let create = CreateProject {
         new: NewProject { name: "p".into() },
     };
-    let e = CommandClient::new(alice).run(&create).await.unwrap_err();
+    // A bound for the test, not a measure: 30 s.
+    let e = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        CommandClient::new(alice).run(&create),
+    )
+    .await
+    .expect("the command's answer")
+    .unwrap_err();
     let text = e.to_string();
     assert!(
         !matches!(

@@ -4,7 +4,7 @@
  * What a request can fail with; answered as `{"error": ..., "field": ...}` with the status
  * each variant names.
  */
-export type ApiError = { "Invalid": Invalid } | { "NotFound": string } | { "Unknown": Invalid } | "TooLarge" | "TimedOut" | { "Unavailable": string } | { "Internal": string };
+export type ApiError = { "Invalid": Invalid } | { "NotFound": string } | { "Unknown": Invalid } | "TooLarge" | { "Unavailable": string } | { "Internal": string } | "TimedOut";
 
 /**
  * An input that breaks a rule: which field, and why.
