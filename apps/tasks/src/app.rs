@@ -131,6 +131,7 @@ impl LiveBackend {
             untrusted_call_rate,
             allowed_origins,
             max_sse_feeds,
+            tier_token,
         } = options;
         let store = db.open(16).await?;
         let registry = Registry::new();
@@ -163,13 +164,30 @@ impl LiveBackend {
                 host: host.clone(),
                 auth: auth.clone(),
             }));
-        if let Some(auth) = auth {
+        if auth.is_some() || tier_token.is_some() {
             endpoint = endpoint.authenticate_with(move |creds| {
+                if !creds.over_http() {
+                    // A connection over TCP is a tier's, trusted: with a token set, only one
+                    // that presents it.
+                    let refused = tier_token
+                        .as_deref()
+                        .is_some_and(|t| !same_secret(creds.token().as_bytes(), t.as_bytes()));
+                    return std::future::ready(if refused {
+                        Err(
+                            "this endpoint is for the application's tiers: their token is required"
+                                .to_owned(),
+                        )
+                    } else {
+                        Ok(None)
+                    });
+                }
                 // A cookie that does not verify (signed under a secret since changed) is
                 // no login, as over HTTP: the connection is anonymous.
-                let user = creds
-                    .cookies(auth.cookie_name())
-                    .find_map(|v| auth.verify(v));
+                let user = auth.as_ref().and_then(|auth| {
+                    creds
+                        .cookies(auth.cookie_name())
+                        .find_map(|v| auth.verify(v))
+                });
                 std::future::ready(Ok(
                     user.map(|u| coherent::rpc::Identity::new(u.name.clone()).with_principal(u))
                 ))
@@ -254,14 +272,29 @@ impl LiveBackend {
     }
 }
 
+/// Whether two secrets are equal, in a time that depends on their lengths only.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
 /// The HTTP router of a `coherent` tier connected to the backends at `addrs` (it fails
 /// over between them).
 pub async fn live_router(addrs: &[SocketAddr]) -> anyhow::Result<axum::Router> {
+    live_router_with(addrs, None).await
+}
+
+/// [`live_router`], presenting `tier_token` to the backends (see
+/// [`BackendOptions::tier_token`]).
+pub async fn live_router_with(
+    addrs: &[SocketAddr],
+    tier_token: Option<String>,
+) -> anyhow::Result<axum::Router> {
     // One registry for the tier's views and the client's replicas: the client's lease on
     // it stops the views answering from the cache while the backend cannot vouch for them.
     let registry = Registry::new();
     let client = coherent::remote::RemoteClient::builder()
         .registry(&registry)
+        .token(tier_token.unwrap_or_default())
         .connect_tcp_any(addrs.to_vec())
         .await
         .context("connecting to the Coherent backend")?;
@@ -299,6 +332,12 @@ pub struct BackendOptions {
     /// Gateway event feeds open at once: each holds an HTTP connection for as long as it
     /// lasts. Default: 1,000, a tenth of `HttpLimits::max_connections`.
     pub max_sse_feeds: usize,
+    /// The token the application's tiers present ([`live_router_with`]): with one, a
+    /// connection to the backend's TCP endpoint must present it or is refused
+    /// (`Unauthenticated`), since every connection there is trusted as a tier (its writes
+    /// wait for it, its commands run unchecked). Without one, anything that reaches the
+    /// endpoint's port is a tier: keep it on a private address. Default: none.
+    pub tier_token: Option<String>,
 }
 
 impl Default for BackendOptions {
@@ -307,6 +346,7 @@ impl Default for BackendOptions {
             untrusted_call_rate: Some(Rate::DEFAULT_UNTRUSTED),
             allowed_origins: Vec::new(),
             max_sse_feeds: MAX_SSE_FEEDS,
+            tier_token: None,
         }
     }
 }

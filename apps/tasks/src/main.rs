@@ -69,6 +69,8 @@ enum Cmd {
         auth: AuthArgs,
         #[command(flatten)]
         limits: LimitArgs,
+        #[command(flatten)]
+        tier: TierArgs,
     },
     /// Runs a Coherent backend alone (HTTP tiers connect to it with `serve --connect`).
     Backend {
@@ -90,6 +92,8 @@ enum Cmd {
         auth: AuthArgs,
         #[command(flatten)]
         limits: LimitArgs,
+        #[command(flatten)]
+        tier: TierArgs,
     },
     /// Runs the `grpc` backend's gRPC service alone (HTTP tiers connect to it with
     /// `serve --backend grpc --connect`).
@@ -238,6 +242,8 @@ impl LimitArgs {
                 .then(|| coherent::rpc::pace::Rate::per_second(self.rpc_calls_per_connection)),
             allowed_origins: self.allowed_origins.clone(),
             max_sse_feeds: self.max_sse_feeds,
+            // Set by the commands that take `--tier-token-file`.
+            tier_token: None,
         }
     }
 
@@ -396,6 +402,41 @@ impl AuthArgs {
     }
 }
 
+/// The token a Coherent backend asks of its tiers, and its tiers present.
+#[derive(clap::Args, Debug, Clone)]
+struct TierArgs {
+    /// A file holding the token the HTTP tiers present to the Coherent backend (its first
+    /// line): `backend` refuses a TCP connection without it (every one it accepts is
+    /// trusted as a tier), `serve --connect` presents it. The same file on both.
+    #[arg(long, env = "TASKS_TIER_TOKEN_FILE", value_name = "PATH")]
+    tier_token_file: Option<PathBuf>,
+}
+
+impl TierArgs {
+    fn token(&self) -> anyhow::Result<Option<String>> {
+        let Some(path) = &self.tier_token_file else {
+            return Ok(None);
+        };
+        let text = String::from_utf8(secret_file(path, "--tier-token-file")?)
+            .map_err(|_| anyhow::anyhow!("--tier-token-file {}: not UTF-8", path.display()))?;
+        let token = text.lines().next().unwrap_or("").trim_end_matches('\r');
+        if token.trim().len() < 16 {
+            anyhow::bail!(
+                "--tier-token-file {}: the token (its first line) must be 16 characters or more",
+                path.display()
+            );
+        }
+        if token.len() > coherent::rpc::handshake::MAX_TOKEN_LEN {
+            anyhow::bail!(
+                "--tier-token-file {}: the token is over {} bytes",
+                path.display(),
+                coherent::rpc::handshake::MAX_TOKEN_LEN
+            );
+        }
+        Ok(Some(token.to_owned()))
+    }
+}
+
 /// Whether `flag` was given as an argument (not through the environment).
 fn on_command_line(flag: &str) -> bool {
     std::env::args_os().skip(1).any(|a| {
@@ -501,10 +542,12 @@ async fn main() -> anyhow::Result<()> {
             metrics,
             auth,
             limits,
+            tier,
         } => {
             let auth = auth.build()?;
-            let options = limits.backend_options();
+            let mut options = limits.backend_options();
             let limits = limits.build()?;
+            let tier_token = tier.token()?;
             if let Some(tasks) = seed {
                 let store = db.open(2).await?;
                 if store.projects().await?.is_empty() {
@@ -531,6 +574,9 @@ async fn main() -> anyhow::Result<()> {
                     app::grpc_router(addr).await?
                 }
                 Kind::Coherent if connect.is_empty() => {
+                    // Its tier is in this process: the backend's TCP port, on loopback, is
+                    // for nobody (a token no one knows, if none was given).
+                    options.tier_token = Some(tier_token.unwrap_or_else(|| made_up(32)));
                     let listener = TcpListener::bind("127.0.0.1:0").await?;
                     let b =
                         LiveBackend::start_with_options(&db, listener, None, auth.clone(), options)
@@ -539,7 +585,7 @@ async fn main() -> anyhow::Result<()> {
                     in_process = Some(b);
                     router
                 }
-                Kind::Coherent => app::live_router(&connect).await?,
+                Kind::Coherent => app::live_router_with(&connect, tier_token).await?,
             };
             let listener = TcpListener::bind(listen).await?;
             let addr = listener.local_addr()?;
@@ -566,16 +612,19 @@ async fn main() -> anyhow::Result<()> {
             metrics,
             auth,
             limits,
+            tier,
         } => {
             let auth = auth.build()?;
-            let options = limits.backend_options();
+            let mut options = limits.backend_options();
             let limits = limits.build()?;
-            if !listen.ip().is_loopback() {
+            options.tier_token = tier.token()?;
+            if !listen.ip().is_loopback() && options.tier_token.is_none() {
                 // Its TCP connections are trusted (the tiers): every write waits for them,
                 // and they run commands without a login.
                 eprintln!(
                     "tasks: warning: the backend's RPC port {listen} trusts whoever connects \
-                     (it is for the HTTP tiers): keep it on a private network"
+                     (it is for the HTTP tiers): give it --tier-token-file, or keep it on a \
+                     private network"
                 );
             }
             let listener = TcpListener::bind(listen).await?;

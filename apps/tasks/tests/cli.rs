@@ -29,6 +29,7 @@ fn tasks_serve(dir: &std::path::Path, args: &[&str]) -> Command {
         .env_remove("TASKS_SESSION_SECRET")
         .env_remove("TASKS_USERS_FILE")
         .env_remove("TASKS_SESSION_SECRET_FILE")
+        .env_remove("TASKS_TIER_TOKEN_FILE")
         .env_remove("DATABASE_URL")
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
@@ -225,4 +226,30 @@ fn an_allowed_origin_may_open_rpc_and_others_may_not() {
         let err = refused(dir.path(), &["--auth", "off", "--allowed-origin", bad]);
         assert!(err.contains("origin"), "{bad}: {err}");
     }
+}
+
+/// `--tier-token-file`: a token of fewer than 16 characters, or a file anyone may write, is
+/// refused at start; a good one is taken.
+#[test]
+fn a_tier_token_file_is_checked_at_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tier-token");
+    let write = |text: &str, mode: u32| {
+        std::fs::write(&file, text).unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    let path = file.to_str().unwrap().to_owned();
+    let args = ["--auth", "off", "--tier-token-file", path.as_str()];
+
+    write("short\n", 0o600);
+    let err = refused(dir.path(), &args);
+    assert!(err.contains("16 characters"), "{err}");
+    write("a token long enough for the tiers\n", 0o666);
+    let err = refused(dir.path(), &args);
+    assert!(err.contains("tier-token-file"), "{err}");
+
+    write("a token long enough for the tiers\n", 0o600);
+    let (served, _, _) = serve(dir.path(), &args);
+    drop(served);
 }

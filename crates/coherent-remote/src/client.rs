@@ -204,6 +204,7 @@ pub const LIVENESS: std::time::Duration = std::time::Duration::from_secs(2);
 /// Options of a [`RemoteClient`] connection.
 pub struct RemoteClientBuilder {
     config: Config,
+    token: String,
     registry: Option<Registry>,
     backoff: Option<Backoff>,
     liveness: Option<std::time::Duration>,
@@ -216,6 +217,7 @@ impl Default for RemoteClientBuilder {
     fn default() -> Self {
         Self {
             config: Config::default(),
+            token: String::new(),
             registry: None,
             backoff: None,
             liveness: Some(LIVENESS),
@@ -227,6 +229,14 @@ impl Default for RemoteClientBuilder {
 }
 
 impl RemoteClientBuilder {
+    /// The bearer token the client presents in its handshake, on every connection and
+    /// reconnection (what the server's `authenticate_with` hook sees as
+    /// `Credentials::token`). Default: none.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = token.into();
+        self
+    }
+
     /// The connection's RPC settings.
     pub fn config(mut self, config: Config) -> Self {
         self.config = config;
@@ -423,6 +433,7 @@ impl RemoteClientBuilder {
         };
         let endpoint = Endpoint::builder()
             .config(self.config)
+            .token(self.token)
             .service(ReplicaSinkServer::new(Sink {
                 tokens: tokens.clone(),
             }))

@@ -1216,3 +1216,80 @@ async fn a_database_failure_reaches_clients_as_a_reference_only() {
     serving.abort();
     backend.stop().await;
 }
+
+/// A backend given a tier token refuses a TCP connection that does not present it (every
+/// connection there is trusted as a tier: its commands run unchecked), and serves a tier
+/// that does; `/rpc` (browsers) is not asked for it.
+#[tokio::test]
+async fn a_backend_with_a_tier_token_refuses_tcp_connections_without_it() {
+    let token = "the tiers' token, for this test only";
+    let db = Db::sqlite();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let backend = coherent_tasks::app::LiveBackend::start_with_options(
+        &db.config,
+        listener,
+        None,
+        None,
+        coherent_tasks::app::BackendOptions {
+            tier_token: Some(token.into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let q = ListQuery {
+        project: None,
+        status: None,
+        limit: 10,
+        after: None,
+    };
+    for wrong in ["", "the tiers' token, for this test onlY", "x"] {
+        // A bound for the test, not a measure: 30 s.
+        let refused = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            RemoteClient::builder()
+                .token(wrong)
+                .connect_tcp(backend.addr),
+        )
+        .await
+        .expect("an answer to the handshake");
+        let e = refused.err().expect("refused");
+        assert_eq!(e.code(), coherent::rpc::ErrorCode::Unauthenticated, "{e}");
+    }
+    let tier = RemoteClient::builder()
+        .token(token)
+        .connect_tcp(backend.addr)
+        .await
+        .unwrap();
+    let page = TasksServiceClient::new(tier).page(q).await.unwrap();
+    assert!(page.items.is_empty());
+
+    // The HTTP tier of another process, as `serve --connect --tier-token-file` makes it.
+    assert!(coherent_tasks::app::live_router_with(&[backend.addr], None)
+        .await
+        .is_err());
+    let router = coherent_tasks::app::live_router_with(&[backend.addr], Some(token.into()))
+        .await
+        .unwrap();
+    let (base, serving) = crate::harness::serve(router).await;
+    let r = crate::harness::Http::new()
+        .send(Method::GET, &format!("{base}/api/tasks"), None, &[])
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+
+    // A browser's WebSocket carries no tier token and is not asked for one.
+    let no_page = std::env::temp_dir().join("coherent-tasks-no-page");
+    let (web, web_serving) =
+        crate::harness::serve(backend.http_router(no_page).await.unwrap()).await;
+    let url = format!("ws{}/rpc", web.trim_start_matches("http"));
+    // (A refusal would fail the handshake, and so the connect.)
+    let browser = coherent::rpc::Endpoint::builder()
+        .build()
+        .connect_websocket_with_headers(&url, &[])
+        .await
+        .unwrap();
+    drop(browser);
+    serving.abort();
+    web_serving.abort();
+    backend.stop().await;
+}
