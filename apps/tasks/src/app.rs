@@ -166,9 +166,11 @@ impl LiveBackend {
             }));
         if auth.is_some() || tier_token.is_some() {
             endpoint = endpoint.authenticate_with(move |creds| {
+                // Keyed on the transport, as the endpoint's trust is (its `Config::trust`
+                // is left to its default: TCP trusted, WebSocket not): a connection that
+                // did not come through an HTTP upgrade is a tier's, trusted.
                 if !creds.over_http() {
-                    // A connection over TCP is a tier's, trusted: with a token set, only one
-                    // that presents it.
+                    // With a token set, only one that presents it.
                     let refused = tier_token
                         .as_deref()
                         .is_some_and(|t| !same_secret(creds.token().as_bytes(), t.as_bytes()));
@@ -272,9 +274,19 @@ impl LiveBackend {
     }
 }
 
-/// Whether two secrets are equal, in a time that depends on their lengths only.
+/// Whether two secrets are equal, in a time that depends on neither: their MACs (under a
+/// key of no secret, only to bring both to one length) compared by `verify_slice`, which
+/// compares in constant time.
 fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+    use hmac::{KeyInit, Mac};
+    type Hmac = hmac::Hmac<sha2::Sha256>;
+    let mac = |bytes: &[u8]| {
+        let mut m =
+            <Hmac as KeyInit>::new_from_slice(b"coherent-tasks tier token").expect("any key");
+        m.update(bytes);
+        m
+    };
+    mac(a).verify_slice(&mac(b).finalize().into_bytes()).is_ok()
 }
 
 /// The HTTP router of a `coherent` tier connected to the backends at `addrs` (it fails
@@ -318,9 +330,9 @@ pub async fn direct_router(db: &DbConfig) -> anyhow::Result<axum::Router> {
 /// The default of [`BackendOptions::max_sse_feeds`]: a tenth of `HttpLimits::max_connections`.
 pub const MAX_SSE_FEEDS: usize = 1_000;
 
-/// What a browser's connections to a backend's endpoint (`/rpc`, the gateway) may do: see
-/// [`LiveBackend::start_with_options`].
-#[derive(Clone, Debug)]
+/// What a browser's connections to a backend's endpoint (`/rpc`, the gateway) may do, and
+/// what its tiers must present: see [`LiveBackend::start_with_options`].
+#[derive(Clone)]
 pub struct BackendOptions {
     /// Calls each untrusted connection (a browser over `/rpc`) may start, on top of its
     /// address's rate (`None`: no limit of its own). Default: 100 a second, 200 at once.
@@ -336,8 +348,25 @@ pub struct BackendOptions {
     /// connection to the backend's TCP endpoint must present it or is refused
     /// (`Unauthenticated`), since every connection there is trusted as a tier (its writes
     /// wait for it, its commands run unchecked). Without one, anything that reaches the
-    /// endpoint's port is a tier: keep it on a private address. Default: none.
+    /// endpoint's port is a tier. Either way keep the port on a private network: the
+    /// token travels unencrypted in the handshake, and a connection holds its place among
+    /// the endpoint's connections until its handshake is refused. Default: none.
     pub tier_token: Option<String>,
+}
+
+impl std::fmt::Debug for BackendOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token itself: a log line of the options must not carry it.
+        f.debug_struct("BackendOptions")
+            .field("untrusted_call_rate", &self.untrusted_call_rate)
+            .field("allowed_origins", &self.allowed_origins)
+            .field("max_sse_feeds", &self.max_sse_feeds)
+            .field(
+                "tier_token",
+                &self.tier_token.as_ref().map(|_| "(set, not shown)"),
+            )
+            .finish()
+    }
 }
 
 impl Default for BackendOptions {

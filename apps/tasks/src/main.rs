@@ -419,10 +419,12 @@ impl TierArgs {
         };
         let text = String::from_utf8(secret_file(path, "--tier-token-file")?)
             .map_err(|_| anyhow::anyhow!("--tier-token-file {}: not UTF-8", path.display()))?;
-        let token = text.lines().next().unwrap_or("").trim_end_matches('\r');
-        if token.trim().len() < 16 {
+        // Spaces around it are not part of it: two copies of the file that differ only
+        // there still agree.
+        let token = text.lines().next().unwrap_or("").trim();
+        if token.len() < 16 {
             anyhow::bail!(
-                "--tier-token-file {}: the token (its first line) must be 16 characters or more",
+                "--tier-token-file {}: the token (its first line) must be 16 bytes or more",
                 path.display()
             );
         }
@@ -548,6 +550,9 @@ async fn main() -> anyhow::Result<()> {
             let mut options = limits.backend_options();
             let limits = limits.build()?;
             let tier_token = tier.token()?;
+            if tier_token.is_some() && !matches!(backend, Kind::Coherent) {
+                anyhow::bail!("--tier-token-file is for the coherent backend's tiers");
+            }
             if let Some(tasks) = seed {
                 let store = db.open(2).await?;
                 if store.projects().await?.is_empty() {
@@ -618,14 +623,22 @@ async fn main() -> anyhow::Result<()> {
             let mut options = limits.backend_options();
             let limits = limits.build()?;
             options.tier_token = tier.token()?;
-            if !listen.ip().is_loopback() && options.tier_token.is_none() {
+            if !listen.ip().is_loopback() {
                 // Its TCP connections are trusted (the tiers): every write waits for them,
                 // and they run commands without a login.
-                eprintln!(
-                    "tasks: warning: the backend's RPC port {listen} trusts whoever connects \
-                     (it is for the HTTP tiers): give it --tier-token-file, or keep it on a \
-                     private network"
-                );
+                if options.tier_token.is_none() {
+                    eprintln!(
+                        "tasks: warning: the backend's RPC port {listen} trusts whoever \
+                         connects (it is for the HTTP tiers): give it --tier-token-file, and \
+                         keep it on a private network"
+                    );
+                } else {
+                    eprintln!(
+                        "tasks: note: the tiers' token travels unencrypted to {listen}, and \
+                         connections without it hold places until refused: keep the port on \
+                         a private network"
+                    );
+                }
             }
             let listener = TcpListener::bind(listen).await?;
             let b =
