@@ -225,3 +225,31 @@ async fn a_held_call_dropped_before_the_answer_never_reaches_the_other_side() {
     let s = accepted.await.unwrap().unwrap();
     assert_eq!(s.stats().calls_in, 1, "only the sum arrived");
 }
+
+/// Calls sent right behind a `Hello` whose token the auth hook refuses never run: the
+/// accepting side reads them only once it has accepted the connection, and a refused one
+/// is closed with its frames unread.
+#[tokio::test]
+async fn calls_behind_a_refused_hello_never_run() {
+    let calc = CalcImpl::default();
+    let probe = calc.probe.clone();
+    let server = Endpoint::builder()
+        .service(CalcServer::new(calc))
+        .authenticate(|token| async move {
+            if token == "good" {
+                Ok(coherent_rpc::Identity::new("ok"))
+            } else {
+                Err("not known".to_owned())
+            }
+        })
+        .build();
+    let client = Endpoint::builder().config(zero_rtt()).token("bad").build();
+    let (c, refused) = early_pair(&server, &client);
+    let calc = CalcClient::new(c.clone());
+    calc.record(7).await.unwrap();
+    let err = calc.sum(1, 2).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Unauthenticated, "{err}");
+    assert!(refused.await.unwrap().is_err());
+    assert!(probe.recorded.lock().is_empty());
+    assert_eq!(probe.started.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
