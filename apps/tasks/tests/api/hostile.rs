@@ -1056,10 +1056,10 @@ async fn a_request_head_over_its_limit_is_answered_431() {
 }
 
 /// A body that stops coming, long before the request's deadline, ends at the pause allowed
-/// between its pieces: the request is refused and the connection freed.
+/// between its pieces: the request is refused and the connection freed. An API write's body
+/// and a login's alike.
 #[tokio::test]
 async fn a_body_that_goes_silent_ends_at_the_body_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let limits = || coherent_tasks::app::HttpLimits {
         body_read_timeout: std::time::Duration::from_millis(300),
         // Far beyond the test's bound: only the body's own timeout can end it.
@@ -1067,26 +1067,12 @@ async fn a_body_that_goes_silent_ends_at_the_body_timeout() {
         ..Default::default()
     };
     let (_db, addr, _, serving) = serve_direct(limits()).await;
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        b"POST /api/projects HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"name\":",
-    )
-    .await
-    .unwrap();
-    // A bound for the test, not a measure: 30 s.
-    let mut answer = vec![0; 256];
-    let n = tokio::time::timeout(std::time::Duration::from_secs(30), s.read(&mut answer))
-        .await
-        .expect("an answer while the body is still owed")
-        .unwrap();
-    let text = String::from_utf8_lossy(&answer[..n]);
+    let text = answer_to_a_body_owed(addr, "/api/projects").await;
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     // The API's own answer (the request's deadline would answer with no body).
     assert!(text.contains("stopped arriving"), "{text}");
-
     serving.abort();
 
-    // The same for a login's body.
     let auth = coherent_tasks::session::Auth::new(
         coherent_tasks::session::AuthConfig::new(*b"a secret of 32 bytes, not random")
             .user("alice", "password1"),
@@ -1099,20 +1085,28 @@ async fn a_body_that_goes_silent_ends_at_the_body_timeout() {
             .unwrap(),
     );
     let (addr, _, serving) = serve_counted(router, limits()).await;
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        b"POST /api/session HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"name\":",
-    )
-    .await
-    .unwrap();
-    let n = tokio::time::timeout(std::time::Duration::from_secs(30), s.read(&mut answer))
-        .await
-        .expect("an answer while the login's body is still owed")
-        .unwrap();
-    let text = String::from_utf8_lossy(&answer[..n]);
+    let text = answer_to_a_body_owed(addr, "/api/session").await;
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     assert!(text.contains("stopped arriving"), "{text}");
     serving.abort();
+}
+
+/// Sends a JSON `POST` to `path` whose body stops after a few of its 1,000 bytes; the
+/// answer's first read (within 30 s: a bound for the test, not a measure).
+async fn answer_to_a_body_owed(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: 1000\r\n\r\n{{\"name\":"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0; 256];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(30), s.read(&mut answer))
+        .await
+        .expect("an answer while the body is still owed")
+        .unwrap();
+    String::from_utf8_lossy(&answer[..n]).into_owned()
 }
 
 /// A kept-alive connection that sends nothing after its answer is closed once its next head
