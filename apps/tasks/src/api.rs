@@ -342,30 +342,27 @@ pub fn parse_id(field: &str, value: &str) -> Result<Uuid, ApiError> {
     Uuid::try_parse(value).map_err(|_| ApiError::invalid(field, "must be a UUID"))
 }
 
-/// Whether reading the body failed because it stopped arriving (the server's
-/// `RequestBodyTimeoutLayer`), somewhere in the rejection's chain of causes.
-pub(crate) fn body_timed_out(r: &BytesRejection) -> bool {
+/// What a body that could not be read is answered when the fault is the request's size or
+/// pace rather than its content: 413 over [`MAX_BODY`], 408 when it stopped arriving (the
+/// server's `RequestBodyTimeoutLayer`, somewhere in the rejection's chain of causes).
+pub(crate) fn unread_body(r: &BytesRejection) -> Option<ApiError> {
+    if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        return Some(ApiError::TooLarge);
+    }
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(r);
     while let Some(e) = cause {
         if e.is::<tower_http::timeout::TimeoutError>() {
-            return true;
+            return Some(ApiError::TimedOut);
         }
         cause = e.source();
     }
-    false
+    None
 }
 
 /// Parses a JSON body into `T`, naming the field at fault.
 pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let body = body.map_err(|r| {
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::TooLarge
-        } else if body_timed_out(&r) {
-            ApiError::TimedOut
-        } else {
-            ApiError::invalid("body", r.body_text())
-        }
-    })?;
+    let body = body
+        .map_err(|r| unread_body(&r).unwrap_or_else(|| ApiError::invalid("body", r.body_text())))?;
     // serde would also read a struct from an array of its fields: only objects are bodies.
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::invalid("body", "must be a JSON object"));

@@ -171,9 +171,9 @@ impl LiveBackend {
                 // did not come through an HTTP upgrade is a tier's, trusted.
                 if !creds.over_http() {
                     // With a token set, only one that presents it.
-                    let refused = tier_token
-                        .as_deref()
-                        .is_some_and(|t| !same_secret(creds.token().as_bytes(), t.as_bytes()));
+                    let refused = tier_token.as_deref().is_some_and(|t| {
+                        !crate::session::same_secret(creds.token().as_bytes(), t.as_bytes())
+                    });
                     return std::future::ready(if refused {
                         Err(
                             "this endpoint is for the application's tiers: their token is required"
@@ -272,21 +272,6 @@ impl LiveBackend {
         self.serving.abort();
         self.host.stop().await;
     }
-}
-
-/// Whether two secrets are equal, in a time that depends on neither: their MACs (under a
-/// key of no secret, only to bring both to one length) compared by `verify_slice`, which
-/// compares in constant time.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    use hmac::{KeyInit, Mac};
-    type Hmac = hmac::Hmac<sha2::Sha256>;
-    let mac = |bytes: &[u8]| {
-        let mut m =
-            <Hmac as KeyInit>::new_from_slice(b"coherent-tasks tier token").expect("any key");
-        m.update(bytes);
-        m
-    };
-    mac(a).verify_slice(&mac(b).finalize().into_bytes()).is_ok()
 }
 
 /// The HTTP router of a `coherent` tier connected to the backends at `addrs` (it fails

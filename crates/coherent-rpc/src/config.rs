@@ -44,17 +44,22 @@ pub(crate) fn default_max_queued(max_message_size: u32) -> usize {
 /// sends it).
 pub(crate) fn normalize_origin(origin: &str) -> String {
     let o = origin.trim().trim_end_matches('/').to_ascii_lowercase();
-    let default_port = if o.starts_with("https://") || o.starts_with("wss://") {
-        ":443"
-    } else if o.starts_with("http://") || o.starts_with("ws://") {
-        ":80"
-    } else {
+    let Some(default_port) = o.split_once("://").and_then(|(s, _)| default_port(s)) else {
         return o;
     };
     match o.strip_suffix(default_port) {
         // Only a port after the host (`[::1]:443`, `a.example:443`), not the end of one.
         Some(bare) if !bare.ends_with("://") => bare.to_owned(),
         _ => o,
+    }
+}
+
+/// The default port of a web scheme (lowercase), as an origin's or a `Host`'s suffix.
+pub(crate) fn default_port(scheme: &str) -> Option<&'static str> {
+    match scheme {
+        "http" | "ws" => Some(":80"),
+        "https" | "wss" => Some(":443"),
+        _ => None,
     }
 }
 

@@ -87,10 +87,8 @@ fn same_origin(origin: &str, host: &str) -> bool {
     let Some((scheme, authority)) = origin.split_once("://") else {
         return false;
     };
-    let default_port = match scheme {
-        "http" | "ws" => ":80",
-        "https" | "wss" => ":443",
-        _ => return false,
+    let Some(default_port) = crate::config::default_port(scheme) else {
+        return false;
     };
     let bare = |a: &str| a.strip_suffix(default_port).unwrap_or(a).to_owned();
     bare(authority) == bare(host)
