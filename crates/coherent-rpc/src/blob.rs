@@ -28,13 +28,11 @@ thread_local! {
 ///
 /// A `Blob` that is decoded some other way (e.g. `serde_json`) owns a copy. Holding a
 /// decoded `Blob` keeps the buffer it came in alive; [`Blob::detach`] copies it out.
-#[derive(Clone)]
 pub struct Blob(Repr);
 
 /// The longest blob kept inline.
 const INLINE: usize = 22;
 
-#[derive(Clone)]
 enum Repr {
     Inline { len: u8, data: [u8; INLINE] },
     Shared(Bytes),
@@ -50,6 +48,7 @@ impl Blob {
     }
 
     /// A copy of `bytes`: inline if short, else in a buffer of its own.
+    #[inline(always)]
     fn copy_from(bytes: &[u8]) -> Self {
         if bytes.len() <= INLINE {
             Self(Repr::Inline {
@@ -117,6 +116,20 @@ fn inline(bytes: &[u8]) -> [u8; INLINE] {
     data[..16].copy_from_slice(&lo.to_le_bytes());
     data[16..].copy_from_slice(&hi.to_le_bytes()[..INLINE - 16]);
     data
+}
+
+impl Clone for Blob {
+    #[inline(always)]
+    fn clone(&self) -> Self {
+        match &self.0 {
+            // SAFETY: the inline form is plain bytes (no pointer, nothing to drop): a bitwise
+            // copy of the whole value is a clone of it. Copied whole, in the value's own
+            // words, rather than field by field through a temporary whose overlapping stores
+            // the next wide load cannot be forwarded from (a stall on every clone).
+            Repr::Inline { .. } => unsafe { std::ptr::read(self) },
+            Repr::Shared(b) => Self(Repr::Shared(b.clone())),
+        }
+    }
 }
 
 impl Default for Blob {
@@ -215,6 +228,12 @@ impl Serialize for Blob {
 }
 
 impl<'de> Deserialize<'de> for Blob {
+    /// Always inlined, as are the visitor and the copy: a blob that a call returns goes
+    /// through memory, written in 16-byte halves, and a caller that reads it back in
+    /// 8-byte words stalls where the processor cannot forward a half's upper word (AMD
+    /// Zen); inlined, the blob stays in registers. An item of a stream of 1-byte blobs
+    /// took about a sixth more processor time before.
+    #[inline(always)]
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         d.deserialize_bytes(BlobVisitor)
     }
@@ -234,6 +253,7 @@ impl<'de> Visitor<'de> for BlobVisitor {
         f.write_str("a byte string")
     }
 
+    #[inline(always)]
     fn visit_borrowed_bytes<E: de::Error>(self, v: &'de [u8]) -> Result<Blob, E> {
         if v.len() < SHARE_FROM {
             return Ok(Blob::copy_from(v));
@@ -376,6 +396,27 @@ mod tests {
             assert_eq!(&blob[..], &vec![8u8; len][..]);
             assert_eq!(blob.shared().is_none(), len <= INLINE, "{len} bytes");
         }
+    }
+
+    #[test]
+    fn a_clone_holds_the_same_bytes_and_shares_only_a_shared_buffer() {
+        for len in [0, 1, 7, 8, 15, 16, INLINE] {
+            let bytes: Vec<u8> = (1..=len as u8).collect();
+            let blob = Blob::from(bytes.clone());
+            let copy = blob.clone();
+            drop(blob);
+            assert_eq!(&copy[..], &bytes[..], "{len} bytes");
+            assert!(copy.shared().is_none(), "{len} bytes stay inline");
+        }
+        let shared = Blob::from(Bytes::from(vec![4u8; 600]));
+        let copy = shared.clone();
+        assert_eq!(
+            copy.as_ptr(),
+            shared.as_ptr(),
+            "the buffer is shared, not copied"
+        );
+        drop(shared);
+        assert_eq!(&copy[..], &[4u8; 600][..]);
     }
 
     #[test]
