@@ -106,7 +106,8 @@ enum Suite {
     RpcCount {
         /// `coherent`, `tonic` or `rawtcp` (`sum` only).
         peer: String,
-        /// `sum`, or `streams.<item size>` (`streams.1`, `streams.100`).
+        /// `sum`, `connect` (a new connection, one call, its close), or
+        /// `streams.<item size>` (`streams.1`, `streams.100`).
         case: String,
         /// How many calls, or stream items.
         #[arg(long, default_value_t = 100_000)]

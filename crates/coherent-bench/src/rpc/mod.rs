@@ -165,6 +165,19 @@ fn call_work<P: Peer>(clients: Vec<P>, call: Call) -> Work {
     })
 }
 
+/// A new connection, one call on it, and its close, per unit: `latency.connect_call`'s
+/// work, for `rpc-count`.
+fn connect_work<P: Peer>(addr: SocketAddr) -> Work {
+    Arc::new(move |i| {
+        Box::pin(async move {
+            let c = P::connect(addr).await?;
+            anyhow::ensure!(c.sum(i as i32, 1).await? == i as i32 + 1, "wrong sum");
+            drop(c);
+            Ok(1)
+        })
+    })
+}
+
 /// One peer's cases for `call`: a [`Work`] per (callers, connections) setting it tries.
 async fn call_cases<P: Peer>(
     quick: bool,
@@ -524,6 +537,11 @@ pub(crate) fn count(peer: &str, case: &str, n: u64, callers: usize) -> anyhow::R
                 vec![RawTcp::connect(rawtcp::start().await?).await?],
                 Call::Sum,
             ),
+            ("coherent", "connect") => connect_work::<Coherent>(
+                coherent::start(Compression::None).await?,
+            ),
+            ("tonic", "connect") => connect_work::<Tonic>(tonic_peer::start().await?),
+            ("rawtcp", "connect") => connect_work::<RawTcp>(rawtcp::start().await?),
             (_, stream) if stream.starts_with("streams.") => {
                 let size: u32 = stream["streams.".len()..].parse()?;
                 match peer {
@@ -546,12 +564,12 @@ pub(crate) fn count(peer: &str, case: &str, n: u64, callers: usize) -> anyhow::R
                 }
             }
             other => anyhow::bail!(
-                "unknown peer and case {other:?}: coherent, tonic or rawtcp with sum; \
-                 coherent or tonic with streams.<size>"
+                "unknown peer and case {other:?}: coherent, tonic or rawtcp with sum or \
+                 connect; coherent or tonic with streams.<size>"
             ),
         };
         // Each unit of work is one call, or one stream of STREAM_ITEMS items.
-        let per_unit = if case == "sum" {
+        let per_unit = if case == "sum" || case == "connect" {
             1
         } else {
             u64::from(model::STREAM_ITEMS)
