@@ -537,9 +537,9 @@ pub(crate) fn count(peer: &str, case: &str, n: u64, callers: usize) -> anyhow::R
                 vec![RawTcp::connect(rawtcp::start().await?).await?],
                 Call::Sum,
             ),
-            ("coherent", "connect") => connect_work::<Coherent>(
-                coherent::start(Compression::None).await?,
-            ),
+            ("coherent", "connect") => {
+                connect_work::<Coherent>(coherent::start(Compression::None).await?)
+            }
             ("tonic", "connect") => connect_work::<Tonic>(tonic_peer::start().await?),
             ("rawtcp", "connect") => connect_work::<RawTcp>(rawtcp::start().await?),
             (_, stream) if stream.starts_with("streams.") => {
