@@ -298,3 +298,68 @@ async fn an_endpoint_counts_over_its_connections_closed_ones_included() {
     assert_eq!((s.totals.calls_in, c.totals.calls_out), (6, 6));
     assert!(c.totals.bytes_out > 0 && s.totals.bytes_in > c.totals.bytes_out);
 }
+
+/// A subscriber, set on this thread only, that records the names of the spans made and
+/// takes events and spans up to `max`.
+#[derive(Clone)]
+struct SpanNames {
+    max: tracing::Level,
+    names: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl SpanNames {
+    fn new(max: tracing::Level) -> Self {
+        Self {
+            max,
+            names: std::sync::Arc::default(),
+        }
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.names.lock().unwrap().clone()
+    }
+}
+
+impl tracing::Subscriber for SpanNames {
+    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
+        *meta.level() <= self.max
+    }
+
+    fn new_span(&self, span: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        let mut names = self.names.lock().unwrap();
+        names.push(span.metadata().name().to_owned());
+        tracing::span::Id::from_u64(names.len() as u64)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {}
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+// Both on a current-thread runtime: the server's handlers run on this thread, under the
+// subscriber set here.
+#[tokio::test]
+async fn a_served_call_runs_in_an_rpc_serve_span_when_debug_is_taken() {
+    let spans = SpanNames::new(tracing::Level::DEBUG);
+    let _default = tracing::subscriber::set_default(spans.clone());
+    let (calc, _, _) = calc_pair().await;
+    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+    assert_eq!(calc.sum(3, 4).await.unwrap(), 7);
+    let served = spans.names().iter().filter(|n| *n == "rpc.serve").count();
+    assert_eq!(served, 2, "spans made: {:?}", spans.names());
+}
+
+#[tokio::test]
+async fn no_span_is_made_for_a_served_call_when_debug_is_not_taken() {
+    let spans = SpanNames::new(tracing::Level::INFO);
+    let _default = tracing::subscriber::set_default(spans.clone());
+    let (calc, _, _) = calc_pair().await;
+    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+    assert!(
+        !spans.names().iter().any(|n| n == "rpc.serve"),
+        "spans made: {:?}",
+        spans.names()
+    );
+}
