@@ -352,30 +352,34 @@ impl tracing::Subscriber for SpanNames {
     }
 }
 
-// Both on a current-thread runtime: the server's handlers run on this thread, under the
-// subscriber set here. Run alone, the second takes the branch that makes no span at all
-// (every live subscriber stops at info); beside the first, the span's own callsite is
-// asked and says no: either way none is made.
-#[tokio::test]
-async fn a_served_call_runs_in_an_rpc_serve_span_when_debug_is_taken() {
-    let spans = SpanNames::new(tracing::Level::DEBUG);
+/// The names of the spans made while a Calc server answers `calls` sums, under a
+/// subscriber taking up to `max` on this thread. On a current-thread runtime (the tests'
+/// own), the server's handlers run on this thread, under that subscriber.
+async fn spans_of_served_calls(max: tracing::Level, calls: i32) -> Vec<String> {
+    let spans = SpanNames::new(max);
     let _listening = spans.listen();
     let (calc, _, _) = calc_pair().await;
-    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
-    assert_eq!(calc.sum(3, 4).await.unwrap(), 7);
-    let served = spans.names().iter().filter(|n| *n == "rpc.serve").count();
-    assert_eq!(served, 2, "spans made: {:?}", spans.names());
+    for i in 0..calls {
+        assert_eq!(calc.sum(i, 1).await.unwrap(), i + 1);
+    }
+    spans.names()
 }
 
 #[tokio::test]
+async fn a_served_call_runs_in_an_rpc_serve_span_when_debug_is_taken() {
+    let names = spans_of_served_calls(tracing::Level::DEBUG, 2).await;
+    let served = names.iter().filter(|n| *n == "rpc.serve").count();
+    assert_eq!(served, 2, "spans made: {names:?}");
+}
+
+// Run alone, this takes the branch that makes no span at all (every live subscriber stops
+// at info); beside the test above, the span's own callsite is asked and says no: either
+// way none is made.
+#[tokio::test]
 async fn no_span_is_made_for_a_served_call_when_debug_is_not_taken() {
-    let spans = SpanNames::new(tracing::Level::INFO);
-    let _listening = spans.listen();
-    let (calc, _, _) = calc_pair().await;
-    assert_eq!(calc.sum(1, 2).await.unwrap(), 3);
+    let names = spans_of_served_calls(tracing::Level::INFO, 1).await;
     assert!(
-        !spans.names().iter().any(|n| n == "rpc.serve"),
-        "spans made: {:?}",
-        spans.names()
+        !names.iter().any(|n| n == "rpc.serve"),
+        "spans made: {names:?}"
     );
 }
