@@ -18,7 +18,9 @@ use crate::changes::{
     ChangeFeed, ChangesHandler, DbChanges, FeedCounters, FeedStats, PgFeed, TableWatch, Watches,
 };
 use crate::command::{BoxFuture, Command, DynHandler, Handler, Handlers};
-use crate::db::{now_micros, Append, Cursor, Database, Engine, Execute, Logged, Reading, Tx};
+use crate::db::{
+    now_micros, Append, Cursor, Database, Engine, Execute, Finished, Logged, Reading, Tx,
+};
 use crate::error::{CommandError, ErrorKind};
 use crate::notify::{self, Notifier, Publisher};
 
@@ -2213,14 +2215,47 @@ impl<C: Command> Execute for TypedJob<C> {
         Box::pin(async move {
             self.output = None;
             tx.caller.clone_from(&self.caller);
-            let output = self.handler.execute(&self.command, tx).await?;
-            let output_json = serde_json::to_string(&output)?;
-            let row = Append {
+            tx.logging = Some(Append {
                 host: self.host.clone(),
                 kind: C::NAME,
                 command: self.command_json.clone(),
-                output: output_json.clone(),
-            };
+                output: String::new(),
+            });
+            let result = self.handler.execute(&self.command, tx).await;
+            let mut row = tx.logging.take().expect("set above, taken here only");
+            if let Some(Finished::Committed { output: logged, .. }) = &tx.finished {
+                // The handler's last write committed with its operation's row
+                // (`Tx::finish_sql`): the log holds the statement's answer, and that is
+                // the command's output, whatever the handler answered after.
+                let output: C::Output = serde_json::from_str(logged).map_err(|e| {
+                    CommandError::new(
+                        ErrorKind::BadCommand,
+                        format!("{}: the logged output does not decode: {e}", C::NAME),
+                    )
+                })?;
+                match &result {
+                    Ok(answered)
+                        if serde_json::to_value(answered).ok()
+                            == serde_json::from_str::<serde_json::Value>(logged).ok() => {}
+                    Ok(_) => tracing::error!(
+                        command = C::NAME,
+                        "the handler answered another output than its Tx::finish_sql \
+                         logged: the logged one is answered"
+                    ),
+                    Err(e) => tracing::error!(
+                        command = C::NAME,
+                        %e,
+                        "the handler failed after its Tx::finish_sql committed: the \
+                         command stands, with the logged output"
+                    ),
+                }
+                row.output.clone_from(logged);
+                self.output = Some((output, row.output.clone()));
+                return Ok(row);
+            }
+            let output = result?;
+            let output_json = serde_json::to_string(&output)?;
+            row.output.clone_from(&output_json);
             self.output = Some((output, output_json));
             Ok(row)
         })
@@ -2283,8 +2318,14 @@ impl<C: Command> Job for TypedJob<C> {
                         if commit_attempted {
                             // The commit failed: it may have happened. Invalidate to be
                             // safe (the other hosts replay it from the log if it did).
-                            if let Some((output, _)) = &output {
-                                job.handler.invalidate(&job.command, output);
+                            match &output {
+                                Some((output, _)) => job.handler.invalidate(&job.command, output),
+                                // Its last write went before its handler answered
+                                // (`Tx::finish_sql`), and the output is not known: what it
+                                // changed is not known either.
+                                None => inner.flush(
+                                    "a command that may have committed left no output to invalidate by",
+                                ),
                             }
                         }
                         e

@@ -552,6 +552,10 @@ impl Database {
                             unsent: None,
                             dead: false,
                             caller: None,
+                            logging: None,
+                            pg: None,
+                            alone: false,
+                            finished: None,
                         };
                         let row = run_handler(job.execute(&mut tx)).await?;
                         drop(tx);
@@ -609,10 +613,17 @@ impl Database {
                     unsent: None,
                     dead: false,
                     caller: None,
+                    logging: None,
+                    pg: Some(pg),
+                    alone: jobs.len() == 1,
+                    finished: None,
                 };
                 let before_commit = async {
                     let mut rows = Vec::with_capacity(jobs.len());
                     for job in jobs.iter_mut() {
+                        // What `Tx::finish_sql` finished was the command before's part of
+                        // the batch's transaction (one alone commits it at once).
+                        tx.finished = None;
                         let row = run_handler(job.execute(&mut tx)).await?;
                         for text in [&row.host, row.kind, &row.command, &row.output] {
                             if text.contains('\0') {
@@ -634,6 +645,33 @@ impl Database {
                     Ok::<_, CommandError>((rows, append))
                 }
                 .await;
+                // The handler's last write committed alone with its operation's row
+                // (`Tx::finish_sql`): nothing is open, nothing is left to send.
+                match tx.finished.take() {
+                    Some(Finished::Committed { id, position, .. }) => {
+                        fused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        guard.open = false;
+                        return match before_commit {
+                            Ok(_) => Ok(vec![(id, position)]),
+                            // Only a panic after the commit gets here (the command's own
+                            // job answers the logged output otherwise): the operation
+                            // stands, and its invalidation is not known.
+                            Err(e) => Err((e, true)),
+                        };
+                    }
+                    // The connection failed under it: it may have committed. The
+                    // connection is closed, not pooled.
+                    Some(Finished::Unknown) => {
+                        let e = before_commit.err().unwrap_or_else(|| {
+                            CommandError::new(
+                                ErrorKind::Database,
+                                "the command's last write may have committed",
+                            )
+                        });
+                        return Err((e, true));
+                    }
+                    Some(Finished::InTransaction) | None => {}
+                }
                 let mut rows_append = match before_commit {
                     Ok(done) => Ok(done),
                     Err(e) if !tx.open => {
@@ -1196,6 +1234,34 @@ pub struct Tx<'a> {
     dead: bool,
     /// Who sent the command whose handler runs now (set per command of a batch).
     pub(crate) caller: Option<coherent_rpc::Identity>,
+    /// The operation's row of the command whose handler runs now, its output not known yet
+    /// (set per command of a batch): what [`Tx::finish_sql`] writes with its statement.
+    pub(crate) logging: Option<Append>,
+    /// The pool's engine, for [`Tx::finish_sql`]'s statements that cannot be fused.
+    pg: Option<&'a Postgres>,
+    /// The batch is this one command: only then can its last write commit alone, with its
+    /// operation's row ([`Tx::finish_sql`]).
+    alone: bool,
+    /// What [`Tx::finish_sql`] did, once it has run: the transaction takes no statement
+    /// after it.
+    pub(crate) finished: Option<Finished>,
+}
+
+/// What [`Tx::finish_sql`] did.
+#[derive(Debug)]
+pub(crate) enum Finished {
+    /// Its statement ran inside the transaction, which commits as any other.
+    InTransaction,
+    /// Its statement committed alone, with the operation's row: the operation's id and
+    /// position, and the output the log holds (the statement's answer).
+    Committed {
+        id: i64,
+        position: u64,
+        output: String,
+    },
+    /// Its statement was sent, alone, and the connection failed before the answer: it may
+    /// have committed.
+    Unknown,
 }
 
 /// A deferred statement waiting for its transaction to open.
@@ -1250,6 +1316,9 @@ impl<'a> Tx<'a> {
     /// same message.
     pub fn postgres(&mut self) -> Option<&'a deadpool_postgres::ClientWrapper> {
         match self.inner {
+            // Statements after [`Tx::finish_sql`] would run outside the command's
+            // transaction (or after its commit): the connection is not handed out.
+            TxInner::Postgres(_) if self.finished.is_some() => None,
             TxInner::Postgres(client) => {
                 self.open();
                 Some(client)
@@ -1269,6 +1338,9 @@ impl<'a> Tx<'a> {
     pub fn require_postgres(
         &mut self,
     ) -> Result<&'a deadpool_postgres::ClientWrapper, CommandError> {
+        if self.finished.is_some() {
+            return Err(finished());
+        }
         self.postgres().ok_or_else(|| wrong("PostgreSQL"))
     }
 
@@ -1387,6 +1459,9 @@ impl<'a> Tx<'a> {
         let TxInner::Postgres(client) = self.inner else {
             return Err(wrong("PostgreSQL"));
         };
+        if self.finished.is_some() {
+            return Err(finished());
+        }
         if !statement.columns().is_empty() {
             // Its rows would wait unread until the commit, and the connection stops reading
             // for every statement while they wait: the handler's next statement would hang.
@@ -1397,26 +1472,7 @@ impl<'a> Tx<'a> {
         }
         // Checked now, so that a mistake is the handler's error at this call whether the
         // statement goes now or with the commit.
-        if params.len() != statement.params().len() {
-            return Err(CommandError::new(
-                ErrorKind::BadCommand,
-                format!(
-                    "Tx::defer: the statement takes {} parameters, {} given",
-                    statement.params().len(),
-                    params.len()
-                ),
-            ));
-        }
-        let mut scratch = bytes::BytesMut::new();
-        for (i, (param, ty)) in params.iter().zip(statement.params()).enumerate() {
-            scratch.clear();
-            if let Err(e) = param.to_sql_checked(ty, &mut scratch) {
-                return Err(CommandError::new(
-                    ErrorKind::BadCommand,
-                    format!("Tx::defer: parameter {}: {e}", i + 1),
-                ));
-            }
-        }
+        check_params("Tx::defer", statement, &params)?;
         if !self.open {
             // Sent when the transaction opens (at the latest with the commit).
             self.queued.push(Queued {
@@ -1454,6 +1510,312 @@ impl<'a> Tx<'a> {
     ) -> Result<(), CommandError> {
         let statement = self.prepare(sql).await?;
         self.defer_statement(&statement, params, Some(sql))
+    }
+}
+
+/// Checks that `params` fit `statement` (their number, and each one's type), as `what`'s
+/// error.
+fn check_params(
+    what: &str,
+    statement: &tokio_postgres::Statement,
+    params: &[DeferredParam],
+) -> Result<(), CommandError> {
+    if params.len() != statement.params().len() {
+        return Err(CommandError::new(
+            ErrorKind::BadCommand,
+            format!(
+                "{what}: the statement takes {} parameters, {} given",
+                statement.params().len(),
+                params.len()
+            ),
+        ));
+    }
+    let mut scratch = bytes::BytesMut::new();
+    for (i, (param, ty)) in params.iter().zip(statement.params()).enumerate() {
+        scratch.clear();
+        if let Err(e) = param.to_sql_checked(ty, &mut scratch) {
+            return Err(CommandError::new(
+                ErrorKind::BadCommand,
+                format!("{what}: parameter {}: {e}", i + 1),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A statement after [`Tx::finish_sql`].
+fn finished() -> CommandError {
+    CommandError::new(
+        ErrorKind::BadCommand,
+        "the command's transaction was finished by Tx::finish_sql: no statement goes after it",
+    )
+}
+
+/// A command's output as JSON text, from a column of type `json`, `jsonb` or `text`.
+struct JsonText(String);
+
+impl<'a> tokio_postgres::types::FromSql<'a> for JsonText {
+    fn from_sql(
+        ty: &tokio_postgres::types::Type,
+        raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        let text = if *ty == tokio_postgres::types::Type::JSONB {
+            // jsonb's binary form: a version byte (1), then the text.
+            match raw.split_first() {
+                Some((1, text)) => text,
+                _ => return Err("jsonb in an unknown binary version".into()),
+            }
+        } else {
+            raw
+        };
+        Ok(JsonText(std::str::from_utf8(text)?.to_owned()))
+    }
+
+    fn accepts(ty: &tokio_postgres::types::Type) -> bool {
+        use tokio_postgres::types::Type;
+        [Type::JSON, Type::JSONB, Type::TEXT, Type::VARCHAR].contains(ty)
+    }
+}
+
+/// PostgreSQL's SQLSTATE for a `NOT NULL` column given none.
+const NOT_NULL_VIOLATION: &str = "23502";
+
+impl Postgres {
+    /// [`Tx::finish_sql`]'s statement, `WITH` the write, `INSERT` the operation's row with
+    /// the write's answer as its output, as one statement. `None` when the write cannot
+    /// stand in a `WITH` (it then runs in the transaction); otherwise its answer: the
+    /// operation's id, position and output; `None` inside when the write answered no row
+    /// (then nothing was written); or the error, and whether the outcome is unknown.
+    #[allow(clippy::type_complexity)]
+    async fn finish_fused(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        sql: &str,
+        statement: &tokio_postgres::Statement,
+        params: &[DeferredParam],
+        row: &Append,
+    ) -> Option<Result<Option<(i64, u64, String)>, (CommandError, bool)>> {
+        if self.unfusable.lock().contains(sql) {
+            return None;
+        }
+        let n = statement.params().len();
+        let body = sql.trim_end().trim_end_matches(';');
+        // No row from the write leaves the output NULL, which its column refuses: the
+        // statement fails and writes nothing. Two rows fail the scalar subquery. A JSON
+        // `null` is the text 'null'.
+        let text = format!(
+            "WITH coherent_write AS (\n{body}\n) \
+             INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+             VALUES (${}, {PG_NOW}, ${}, ${}, \
+             (SELECT coalesce(w.o::text, 'null') FROM coherent_write AS w (o))) \
+             RETURNING id, xid::text, output",
+            n + 1,
+            n + 2,
+            n + 3,
+        );
+        let unfusable = || {
+            let mut set = self.unfusable.lock();
+            if set.len() >= 1024 {
+                set.clear();
+            }
+            set.insert(sql.to_owned());
+        };
+        let fused = match client.prepare_cached(&text).await {
+            Ok(fused) => fused,
+            Err(e) if CommandError::from(&e).is_connection_lost() => {
+                return Some(Err((e.into(), false)));
+            }
+            Err(e) if e.as_db_error().is_some() => {
+                tracing::debug!(%e, sql, "a finishing statement cannot stand in a WITH");
+                unfusable();
+                return None;
+            }
+            Err(e) => return Some(Err((e.into(), false))),
+        };
+        if fused.params().get(..n) != Some(statement.params()) {
+            unfusable();
+            return None;
+        }
+        let mut all: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
+            .iter()
+            .map(|p| &**p as &(dyn tokio_postgres::types::ToSql + Sync))
+            .collect();
+        all.extend([
+            &row.host as &(dyn tokio_postgres::types::ToSql + Sync),
+            &row.kind,
+            &row.command,
+        ]);
+        let mut query = std::pin::pin!(client.query(&fused, &all));
+        let result = match futures::FutureExt::now_or_never(query.as_mut()) {
+            // Nothing was sent (the connection's task had ended).
+            Some(Err(e)) if e.is_closed() => return Some(Err((e.into(), false))),
+            Some(result) => result,
+            None => query.await,
+        };
+        Some(match result {
+            Ok(rows) => match rows.first() {
+                Some(r) => (|| {
+                    let id: i64 = r.try_get(0)?;
+                    let position = parse_xid(r.try_get(1)?)?;
+                    Ok(Some((id, position, r.try_get::<_, String>(2)?)))
+                })()
+                .map_err(|e: CommandError| (e, true)),
+                None => Err((
+                    CommandError::new(ErrorKind::Database, "the operation's row was not answered"),
+                    true,
+                )),
+            },
+            Err(e) => match e.as_db_error() {
+                Some(db)
+                    if db.code().code() == NOT_NULL_VIOLATION
+                        && db.table() == Some("coherent_operations")
+                        && db.column() == Some("output") =>
+                {
+                    Ok(None)
+                }
+                // The server refused it: nothing was written.
+                Some(_) => Err((e.into(), false)),
+                // The connection failed: it may have committed.
+                None => Err((e.into(), true)),
+            },
+        })
+    }
+}
+
+impl Tx<'_> {
+    /// The command's last write, whose answer is the command's output: sent with the
+    /// operation's row as one statement where it can be, which commits alone (no `BEGIN`,
+    /// no `COMMIT`, one round trip where [`Tx::postgres`] and a commit take two). For a
+    /// write whose result the output needs (an `UPDATE ... RETURNING`), which
+    /// [`Tx::defer_sql`] cannot carry (PostgreSQL).
+    ///
+    /// `sql` answers at most one row of one column of type `json`, `jsonb` or `text`: the
+    /// command's output as JSON, as `serde_json` reads it (`RETURNING json_build_object(...)`).
+    /// The call answers it decoded, or `None` when the statement answered no row: then
+    /// nothing was written, and the handler goes on (usually to answer its own not-found
+    /// error). A statement that answers two rows fails, and writes nothing.
+    ///
+    /// Once it answered a row the transaction is finished: the connection is not handed
+    /// out again ([`Tx::postgres`] answers `None`), and [`Tx::defer`] fails. The handler
+    /// returns the output this call answered: where the statement committed alone, the log
+    /// holds the statement's answer, and the pipeline answers that one (an output the
+    /// handler changed after, or an error it returned, is logged as a mistake and not
+    /// answered).
+    ///
+    /// It commits alone when this command's batch is the command alone, nothing was sent
+    /// on the transaction before (no [`Tx::postgres`], no [`Tx::defer`]) and the statement
+    /// can stand in a `WITH` (an `INSERT`, `UPDATE` or `DELETE` on a table without rules).
+    /// Otherwise it runs inside the command's transaction, which then commits as usual.
+    ///
+    /// ```no_run
+    /// # #[derive(serde::Deserialize)] struct User;
+    /// # async fn handler(tx: &mut coherent_ops::Tx<'_>, id: i64, name: String)
+    /// # -> Result<Option<User>, coherent_ops::CommandError> {
+    /// let user: Option<User> = tx
+    ///     .finish_sql(
+    ///         "UPDATE users SET name = $2 WHERE id = $1 \
+    ///          RETURNING json_build_object('id', id, 'name', name)",
+    ///         vec![Box::new(id), Box::new(name)],
+    ///     )
+    ///     .await?;
+    /// # Ok(user) }
+    /// ```
+    pub async fn finish_sql<O: serde::de::DeserializeOwned>(
+        &mut self,
+        sql: &str,
+        params: Vec<DeferredParam>,
+    ) -> Result<Option<O>, CommandError> {
+        let TxInner::Postgres(client) = self.inner else {
+            return Err(wrong("PostgreSQL"));
+        };
+        if self.finished.is_some() {
+            return Err(finished());
+        }
+        let statement = client.prepare_cached(sql).await?;
+        match statement.columns() {
+            [column] if <JsonText as tokio_postgres::types::FromSql>::accepts(column.type_()) => {}
+            columns => {
+                return Err(CommandError::new(
+                    ErrorKind::BadCommand,
+                    format!(
+                        "Tx::finish_sql takes a statement that answers one column of type \
+                         json, jsonb or text (the command's output); this one answers {}",
+                        columns
+                            .iter()
+                            .map(|c| format!("{} {}", c.name(), c.type_()))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ))
+            }
+        }
+        check_params("Tx::finish_sql", &statement, &params)?;
+        let decode = |text: &str| {
+            serde_json::from_str::<O>(text).map_err(|e| {
+                CommandError::new(
+                    ErrorKind::BadCommand,
+                    format!(
+                        "Tx::finish_sql: the statement's answer does not decode as the output: {e}"
+                    ),
+                )
+            })
+        };
+        if let (Some(pg), true, false, true, Some(row)) = (
+            self.pg,
+            self.alone,
+            self.open,
+            self.queued.is_empty(),
+            &self.logging,
+        ) {
+            if let Some(done) = pg.finish_fused(client, sql, &statement, &params, row).await {
+                return match done {
+                    Ok(Some((id, position, output))) => {
+                        let decoded = decode(&output);
+                        self.finished = Some(Finished::Committed {
+                            id,
+                            position,
+                            output,
+                        });
+                        decoded.map(Some)
+                    }
+                    Ok(None) => Ok(None),
+                    Err((e, unknown)) => {
+                        if unknown {
+                            self.finished = Some(Finished::Unknown);
+                        }
+                        Err(e)
+                    }
+                };
+            }
+        }
+        // In the transaction.
+        let client = self.require_postgres()?;
+        let rows = client
+            .query_raw(
+                &statement,
+                params
+                    .iter()
+                    .map(|p| &**p as &(dyn tokio_postgres::types::ToSql + Sync)),
+            )
+            .await?;
+        let rows: Vec<tokio_postgres::Row> = futures::TryStreamExt::try_collect(rows).await?;
+        match &rows[..] {
+            [] => Ok(None),
+            [row] => {
+                self.finished = Some(Finished::InTransaction);
+                let text = row
+                    .try_get::<_, Option<JsonText>>(0)?
+                    .map_or_else(|| "null".to_owned(), |t| t.0);
+                decode(&text).map(Some)
+            }
+            rows => Err(CommandError::new(
+                ErrorKind::BadCommand,
+                format!(
+                    "Tx::finish_sql: the statement answered {} rows; it may answer one",
+                    rows.len()
+                ),
+            )),
+        }
     }
 }
 

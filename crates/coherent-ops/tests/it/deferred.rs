@@ -4,9 +4,13 @@
 
 use coherent_ops::{Database, ErrorKind};
 
+use crate::support::{create_items, database_url, fresh_schema, host};
+
 use crate::batches::{queued_behind_a_held_transaction, two_hosts, Pending};
 use crate::inproc::{postgres_db, sqlite_db};
-use crate::support::{DeferredConflict, DeferredReturning, DeferredSet, FusedWrite, Fusing};
+use crate::support::{
+    DeferredConflict, DeferredReturning, DeferredSet, FinishWrite, Finishing, FusedWrite, Fusing,
+};
 
 /// Deferred writes commit with their command, are seen by the handler's next statement,
 /// and are applied on the other host; one that fails fails its command with the server's
@@ -156,6 +160,298 @@ async fn postgres_fused_writes() {
     assert_eq!(items_a.value(1).await, Ok(22));
     a.stop().await;
     b.stop().await;
+}
+
+/// A last write whose answer is the output (`Tx::finish_sql`) commits alone with its
+/// operation's row, which logs the statement's answer: applied on the other host like any
+/// other. A write that matches no row answers `None` and writes nothing; one that matches
+/// two, or answers two columns, fails with nothing written. After a read it runs in the
+/// transaction; in a batch, too. What the handler does after it cannot undo it: the
+/// logged output is answered. A connection that fails under it leaves the outcome unknown,
+/// and the host flushes its cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_finishing_writes() {
+    let Some(db) = postgres_db("finish").await else {
+        return;
+    };
+    let (a, items_a, b, items_b, gate) = two_hosts(&db).await;
+    let finish = |how, id, value| FinishWrite { id, value, how };
+    for id in [1, 2] {
+        assert_eq!(items_a.value(id).await, Ok(0));
+        assert_eq!(items_b.value(id).await, Ok(0));
+    }
+    let before = db.log_len().await.unwrap();
+    let fused = a.stats().fused;
+
+    // Alone: one statement, logged with the statement's answer, applied on B.
+    assert_eq!(a.run(finish(Finishing::Update, 1, 31)).await, Ok(31));
+    assert_eq!(items_a.value(1).await, Ok(31));
+    b.catch_up().await.unwrap();
+    assert_eq!(items_b.value(1).await, Ok(31));
+    assert_eq!(a.stats().fused, fused + 1, "{:?}", a.stats());
+    assert_eq!(db.log_len().await.unwrap(), before + 1);
+
+    // No such item: the handler's own error, nothing logged.
+    let e = a.run(finish(Finishing::Update, 99, 1)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    assert_eq!(db.log_len().await.unwrap(), before + 1);
+
+    // Two rows: refused by the server, nothing written or logged.
+    let e = a.run(finish(Finishing::UpTo, 2, 77)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Database, "{e}");
+    assert!(e.message().contains("more than one row"), "{e}");
+    assert_eq!(db.log_len().await.unwrap(), before + 1);
+    // Two columns: the handler's mistake, said before anything is sent.
+    let e = a
+        .run(finish(Finishing::TwoColumns, 2, 77))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::BadCommand, "{e}");
+    assert!(e.message().contains("one column"), "{e}");
+    items_a.invalidate_value(1);
+    items_a.invalidate_value(2);
+    assert_eq!(items_a.value(1).await, Ok(31));
+    assert_eq!(items_a.value(2).await, Ok(0));
+
+    // After a read: in the transaction, committed with its row as any command.
+    assert_eq!(a.run(finish(Finishing::AfterRead, 2, 32)).await, Ok(32));
+    assert_eq!(a.stats().fused, fused + 1);
+    assert_eq!(db.log_len().await.unwrap(), before + 2);
+    b.catch_up().await.unwrap();
+    assert_eq!(items_b.value(2).await, Ok(32));
+
+    // What the handler does after cannot undo it: the logged output is answered.
+    assert_eq!(a.run(finish(Finishing::Changed, 1, 33)).await, Ok(33));
+    assert_eq!(a.run(finish(Finishing::ThenDefer, 1, 34)).await, Ok(34));
+    assert_eq!(items_a.value(1).await, Ok(34));
+    assert_eq!(a.stats().fused, fused + 3);
+    assert_eq!(db.log_len().await.unwrap(), before + 4);
+    b.catch_up().await.unwrap();
+    assert_eq!(items_b.value(1).await, Ok(34));
+
+    // In a batch: in the batch's transaction, each logged with its handler's output.
+    let set = |id: i64| -> Pending {
+        let a = a.clone();
+        Box::pin(async move {
+            a.run(FinishWrite {
+                id,
+                value: 400 + id,
+                how: Finishing::Update,
+            })
+            .await
+        })
+    };
+    let results = queued_behind_a_held_transaction(&a, &gate, vec![set(3), set(4), set(5)]).await;
+    assert_eq!(results, vec![Ok(403), Ok(404), Ok(405)]);
+    assert_eq!(a.stats().fused, fused + 3);
+    // The held command and the three.
+    assert_eq!(db.log_len().await.unwrap(), before + 4 + 1 + 3);
+    b.catch_up().await.unwrap();
+    for id in [3, 4, 5] {
+        assert_eq!(items_a.value(id).await, Ok(400 + id), "A, item {id}");
+        assert_eq!(items_b.value(id).await, Ok(400 + id), "B, item {id}");
+    }
+
+    // Its backend terminated while it runs: the server said the session ended, so nothing
+    // ran, and the host runs it again on another connection (where it does not wait).
+    assert_eq!(items_a.value(6).await, Ok(0));
+    let retried = a.stats().commits_retried;
+    let sleeping = tokio::spawn({
+        let a = a.clone();
+        async move { a.run(finish(Finishing::Sleeps, 6, 36)).await }
+    });
+    let admin = db.postgres_pool().unwrap().get().await.unwrap();
+    wait_for_the_sleeper(&admin, "coherent_finish_sleeps").await;
+    admin
+        .execute("UPDATE items SET value = 1 WHERE id = 10", &[])
+        .await
+        .unwrap();
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE query LIKE '%coherent_finish_sleeps%' AND wait_event = 'PgSleep'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(sleeping.await.unwrap(), Ok(36));
+    assert_eq!(a.stats().commits_retried, retried + 1, "{:?}", a.stats());
+    assert_eq!(items_a.value(6).await, Ok(36));
+    b.catch_up().await.unwrap();
+    assert_eq!(items_b.value(6).await, Ok(36));
+    a.stop().await;
+    b.stop().await;
+}
+
+/// Waits until a backend sleeps in the statement marked `marker` (`Finishing::Sleeps`).
+async fn wait_for_the_sleeper(admin: &tokio_postgres::Client, marker: &str) {
+    loop {
+        let n: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE query LIKE '%' || $1 || '%' AND wait_event = 'PgSleep'",
+                &[&marker],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n > 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// The connection under a last write that commits alone (`Tx::finish_sql`) is cut with
+/// no word from the server: the write may have committed, and its output is not known, so
+/// the host cannot invalidate by it. The command fails (not run again), and the host
+/// flushes its cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_finishing_write_cut_off_flushes_the_cache() {
+    let Some(url) = database_url() else {
+        return;
+    };
+    let schema = fresh_schema("finish_cut");
+    let direct = Database::postgres_in_schema(&url, &schema).await.unwrap();
+    create_items(&direct, 10).await;
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let (Some(tokio_postgres::config::Host::Tcp(server)), Some(port)) =
+        (config.get_hosts().first(), config.get_ports().first())
+    else {
+        eprintln!("skipped: DATABASE_URL names no TCP host");
+        return;
+    };
+    let target = tokio::net::lookup_host((server.as_str(), *port))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let cutter = Cutter::start(target, b"coherent_finish_cut").await;
+    let proxied = through(&url, cutter.addr);
+    let db = Database::postgres_in_schema(&proxied, &schema)
+        .await
+        .unwrap();
+    let (a, items) = host(&db, |b| b).await;
+    assert_eq!(items.value(6).await, Ok(0));
+    let flushes = a.stats().flushes;
+    let retried = a.stats().commits_retried;
+    let sleeping = tokio::spawn({
+        let a = a.clone();
+        async move {
+            a.run(FinishWrite {
+                id: 6,
+                value: 36,
+                how: Finishing::SleepsUntilCut,
+            })
+            .await
+        }
+    });
+    let admin = direct.postgres_pool().unwrap().get().await.unwrap();
+    wait_for_the_sleeper(&admin, "coherent_finish_cut").await;
+    cutter.cut();
+    let e = sleeping.await.unwrap().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Database, "{e}");
+    assert_eq!(a.stats().flushes, flushes + 1, "{:?}", a.stats());
+    assert_eq!(a.stats().commits_retried, retried, "not run again");
+    // The backend still sleeps, and would commit when it wakes: ended here, unanswered.
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE query LIKE '%coherent_finish_cut%' AND wait_event = 'PgSleep'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(items.value(6).await, Ok(0));
+    a.stop().await;
+}
+
+/// `url` with its host and port replaced by `addr`.
+fn through(url: &str, addr: std::net::SocketAddr) -> String {
+    let start = url
+        .find('@')
+        .map_or_else(|| url.find("://").unwrap() + 3, |at| at + 1);
+    let end = url[start..]
+        .find(['/', '?'])
+        .map_or(url.len(), |i| start + i);
+    format!("{}{addr}{}", &url[..start], &url[end..])
+}
+
+/// A TCP proxy that cuts, on demand, the connections that carried `marker` (a statement's
+/// text, in its `Parse` message): both sockets closed, the client hearing nothing from the
+/// server.
+struct Cutter {
+    addr: std::net::SocketAddr,
+    marked: std::sync::Arc<parking_lot::Mutex<Vec<tokio::sync::watch::Sender<bool>>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Cutter {
+    async fn start(target: std::net::SocketAddr, marker: &'static [u8]) -> Cutter {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let marked = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let to_mark = marked.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
+                    continue;
+                };
+                let (mut ir, mut iw) = inbound.into_split();
+                let (mut or, mut ow) = outbound.into_split();
+                let (cut, mut cut_back) = tokio::sync::watch::channel(false);
+                let mut cut_forth = cut.subscribe();
+                // Each direction ends when cut, and drops its halves: both sockets close.
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = tokio::io::copy(&mut or, &mut iw) => {}
+                        _ = cut_back.changed() => {}
+                    }
+                });
+                let to_mark = to_mark.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    let mut cut = Some(cut);
+                    loop {
+                        let n = tokio::select! {
+                            read = ir.read(&mut buf) => match read {
+                                Ok(n) if n > 0 => n,
+                                _ => break,
+                            },
+                            _ = cut_forth.changed() => break,
+                        };
+                        if buf[..n].windows(marker.len()).any(|w| w == marker) {
+                            if let Some(cut) = cut.take() {
+                                to_mark.lock().push(cut);
+                            }
+                        }
+                        if ow.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        Cutter {
+            addr,
+            marked,
+            accept,
+        }
+    }
+
+    /// Cuts every connection that carried the marker.
+    fn cut(&self) {
+        for cut in self.marked.lock().drain(..) {
+            let _ = cut.send(true);
+        }
+    }
+}
+
+impl Drop for Cutter {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
 }
 
 /// On SQLite there is no round trip to save: `defer` says the handler needs PostgreSQL,

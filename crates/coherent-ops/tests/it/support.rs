@@ -357,6 +357,105 @@ impl Handler<FusedWrite> for Items {
     }
 }
 
+/// A last write whose answer is the output (`Tx::finish_sql`): the item's new value.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct FinishWrite {
+    pub(crate) id: i64,
+    pub(crate) value: i64,
+    pub(crate) how: Finishing,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub(crate) enum Finishing {
+    /// `UPDATE ... RETURNING to_json(value)`; an id that is not there answers not found.
+    Update,
+    /// A read through `Tx::postgres` first: the write runs in the transaction.
+    AfterRead,
+    /// Every item up to `id`: two rows or more, refused.
+    UpTo,
+    /// The handler answers its value plus 1,000 after the write.
+    Changed,
+    /// The handler tries a deferred write after it, and fails with that error.
+    ThenDefer,
+    /// `RETURNING id, value`: two columns, refused.
+    TwoColumns,
+    /// Waits in the server while item 10's value is 0, up to a minute (its text marked
+    /// `coherent_finish_sleeps`).
+    Sleeps,
+    /// `Sleeps`, marked `coherent_finish_cut` (for a test of its own, which another test
+    /// ending `Sleeps`'s backends must not touch).
+    SleepsUntilCut,
+}
+
+impl Command for FinishWrite {
+    const NAME: &'static str = "test.finish_write";
+    type Output = i64;
+}
+
+impl Handler<FinishWrite> for Items {
+    async fn execute(&self, c: &FinishWrite, tx: &mut Tx<'_>) -> Result<i64, CommandError> {
+        let params =
+            || -> Vec<coherent_ops::DeferredParam> { vec![Box::new(c.id), Box::new(c.value)] };
+        let update = "UPDATE items SET value = $2 WHERE id = $1 RETURNING to_json(value)";
+        let written: Option<i64> = match c.how {
+            Finishing::Update | Finishing::Changed | Finishing::ThenDefer => {
+                tx.finish_sql(update, params()).await?
+            }
+            Finishing::AfterRead => {
+                tx.require_postgres()?
+                    .query_one("SELECT value FROM items WHERE id = $1", &[&c.id])
+                    .await?;
+                tx.finish_sql(update, params()).await?
+            }
+            Finishing::UpTo => {
+                tx.finish_sql(
+                    "UPDATE items SET value = $2 WHERE id <= $1 RETURNING to_json(value)",
+                    params(),
+                )
+                .await?
+            }
+            Finishing::TwoColumns => {
+                tx.finish_sql(
+                    "UPDATE items SET value = $2 WHERE id = $1 RETURNING id, value",
+                    params(),
+                )
+                .await?
+            }
+            Finishing::Sleeps | Finishing::SleepsUntilCut => {
+                let marker = match c.how {
+                    Finishing::Sleeps => "coherent_finish_sleeps",
+                    _ => "coherent_finish_cut",
+                };
+                let sql = format!(
+                    "UPDATE items SET value = $2 WHERE id = $1 \
+                     AND (SELECT true FROM pg_sleep(CASE WHEN \
+                     (SELECT value FROM items WHERE id = 10) = 0 THEN 60 ELSE 0 END)) \
+                     -- {marker}\n\
+                     RETURNING to_json(value)"
+                );
+                tx.finish_sql(&sql, params()).await?
+            }
+        };
+        let value = written.ok_or_else(|| CommandError::not_found(format!("item {}", c.id)))?;
+        match c.how {
+            Finishing::Changed => Ok(value + 1_000),
+            Finishing::ThenDefer => {
+                tx.defer_sql(
+                    "UPDATE items SET value = 0 WHERE id = $1",
+                    vec![Box::new(c.id)],
+                )
+                .await?;
+                Ok(value)
+            }
+            _ => Ok(value),
+        }
+    }
+
+    fn invalidate(&self, c: &FinishWrite, _: &i64) {
+        self.invalidate_value(c.id);
+    }
+}
+
 /// Defers a statement that returns rows: refused.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct DeferredReturning {
@@ -400,7 +499,8 @@ pub(crate) async fn host(
         .command::<DeferredSet>(items.clone())
         .command::<DeferredConflict>(items.clone())
         .command::<DeferredReturning>(items.clone())
-        .command::<FusedWrite>(items.clone());
+        .command::<FusedWrite>(items.clone())
+        .command::<FinishWrite>(items.clone());
     let host = configure(builder).start().await.unwrap();
     (host, items)
 }
