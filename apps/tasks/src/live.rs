@@ -312,12 +312,18 @@ impl Handler<UpdateTask> for TasksBackend {
     async fn execute(&self, c: &UpdateTask, tx: &mut Tx<'_>) -> Result<Task, CommandError> {
         c.patch.validate().map_err(rejected)?;
         let now = now_micros();
-        match tx.postgres() {
-            Some(db) => pg::update_task(db, c.id, &c.patch, now).await,
-            None => lite::update_task(tx.require_sqlite()?, c.id, &c.patch, now),
-        }
-        .map_err(command_error)?
-        .ok_or_else(|| not_found(c.id))
+        let updated = match tx.sqlite() {
+            Some(db) => lite::update_task(db, c.id, &c.patch, now).map_err(command_error)?,
+            // The write and the operation's row as one statement, its answer the output.
+            None => {
+                tx.finish_sql(
+                    pg::update_json_sql(),
+                    pg::update_params(c.id, &c.patch, now),
+                )
+                .await?
+            }
+        };
+        updated.ok_or_else(|| not_found(c.id))
     }
 
     /// The task; and when its status may have changed, the lists and counts of its
@@ -332,12 +338,14 @@ impl Handler<UpdateTask> for TasksBackend {
 
 impl Handler<DeleteTask> for TasksBackend {
     async fn execute(&self, c: &DeleteTask, tx: &mut Tx<'_>) -> Result<Task, CommandError> {
-        match tx.postgres() {
-            Some(db) => pg::delete_task(db, c.id).await,
-            None => lite::delete_task(tx.require_sqlite()?, c.id),
-        }
-        .map_err(command_error)?
-        .ok_or_else(|| not_found(c.id))
+        let deleted = match tx.sqlite() {
+            Some(db) => lite::delete_task(db, c.id).map_err(command_error)?,
+            None => {
+                tx.finish_sql(pg::delete_json_sql(), vec![Box::new(c.id)])
+                    .await?
+            }
+        };
+        deleted.ok_or_else(|| not_found(c.id))
     }
 
     fn invalidate(&self, c: &DeleteTask, task: &Task) {

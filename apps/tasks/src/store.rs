@@ -597,6 +597,72 @@ pub mod pg {
         format!("INSERT INTO tasks ({TASK_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)")
     }
 
+    /// A task's row as the JSON its [`Task`] serializes to: the `RETURNING` of a command's
+    /// last write, whose answer is the command's output (`Tx::finish_sql`). A code with no
+    /// name answers `null`, which does not decode.
+    fn task_json() -> String {
+        fn names<T: serde::Serialize>(all: &[T]) -> String {
+            all.iter()
+                .map(|v| match serde_json::to_value(v) {
+                    Ok(serde_json::Value::String(name)) => format!("'{name}'"),
+                    other => unreachable!("a unit variant serializes to its name: {other:?}"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+        format!(
+            "json_build_object('id', id, 'project', project, 'title', title, \
+             'description', description, 'priority', (ARRAY[{}])[priority + 1], \
+             'status', (ARRAY[{}])[status + 1], 'assignee', assignee, \
+             'created_at', created_at, 'updated_at', updated_at)",
+            names(&Priority::ALL),
+            names(&Status::ALL)
+        )
+    }
+
+    /// [`update_task`]'s statement, answering the task as JSON (for `Tx::finish_sql`, with
+    /// [`update_params`]).
+    pub(crate) fn update_json_sql() -> &'static str {
+        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+            format!(
+                "UPDATE tasks SET title = COALESCE($2, title),
+                   description = COALESCE($3, description),
+                   priority = COALESCE($4, priority), status = COALESCE($5, status),
+                   assignee = CASE WHEN $6 THEN $7 ELSE assignee END, updated_at = $8
+                 WHERE id = $1 RETURNING {}",
+                task_json()
+            )
+        });
+        &SQL
+    }
+
+    /// [`update_json_sql`]'s parameters.
+    pub(crate) fn update_params(
+        id: Uuid,
+        p: &TaskPatch,
+        now: i64,
+    ) -> Vec<coherent::ops::DeferredParam> {
+        vec![
+            Box::new(id),
+            Box::new(p.title.clone()),
+            Box::new(p.description.clone()),
+            Box::new(p.priority.map(Priority::code)),
+            Box::new(p.status.map(Status::code)),
+            Box::new(p.assignee.is_some()),
+            Box::new(p.assignee.clone().flatten()),
+            Box::new(now),
+        ]
+    }
+
+    /// [`delete_task`]'s statement, answering the task as JSON (for `Tx::finish_sql`; its
+    /// one parameter is the id).
+    pub(crate) fn delete_json_sql() -> &'static str {
+        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+            format!("DELETE FROM tasks WHERE id = $1 RETURNING {}", task_json())
+        });
+        &SQL
+    }
+
     pub(crate) fn task_params(t: &Task) -> [&(dyn ToSql + Sync); 9] {
         // Codes are computed by the caller's statement; these live as long as `t`.
         [
@@ -759,6 +825,51 @@ pub mod pg {
         {
             0 => Err(too_many_projects()),
             _ => Ok(()),
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// The JSON a statement answers for a task's row is what the task serializes to,
+        /// for every priority and status, a missing assignee, and text that JSON escapes.
+        #[tokio::test]
+        async fn a_rows_json_decodes_to_the_task_it_holds() {
+            let Ok(url) = std::env::var("DATABASE_URL") else {
+                eprintln!("skipped: DATABASE_URL is not set");
+                return;
+            };
+            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(connection);
+            let sql = format!(
+                "SELECT ({})::text FROM (SELECT $1::uuid AS id, $2::uuid AS project, $3::text AS title, \
+                 $4::text AS description, $5::smallint AS priority, $6::smallint AS status, \
+                 $7::text AS assignee, $8::bigint AS created_at, $9::bigint AS updated_at) AS t",
+                task_json()
+            );
+            for priority in Priority::ALL {
+                for status in Status::ALL {
+                    for assignee in [None, Some("ada \"the\" \\ café\n".to_owned())] {
+                        let t = Task {
+                            id: Uuid::now_v7(),
+                            project: Uuid::now_v7(),
+                            title: "a \"title\" \u{1}\u{1F600}".to_owned(),
+                            description: String::new(),
+                            priority,
+                            status,
+                            assignee,
+                            created_at: 1_764_000_000_000_000,
+                            updated_at: i64::MAX,
+                        };
+                        let row = client.query_one(&sql, &task_params(&t)).await.unwrap();
+                        let json: String = row.get(0);
+                        assert_eq!(serde_json::from_str::<Task>(&json).unwrap(), t, "{json}");
+                    }
+                }
+            }
         }
     }
 }
