@@ -116,9 +116,13 @@ pub struct HostStats {
     /// Batches of several commands that failed and whose commands ran again one at a time.
     pub batches_split: u64,
     /// Commands sent as one statement with their operation's row, without a transaction
-    /// around them (their one write deferred with [`Tx::defer_sql`](crate::Tx::defer_sql)).
-    /// They count in `batches` too.
+    /// around them (their one write deferred with [`Tx::defer_sql`](crate::Tx::defer_sql),
+    /// or sent with [`Tx::finish_sql`](crate::Tx::finish_sql)). They count in `batches` too.
     pub fused: u64,
+    /// This host's own operations that it applied when it read them from the log: ones
+    /// whose commit it did not see (the connection lost under it), which may have
+    /// committed after the command answered.
+    pub own_applied: u64,
     /// Acknowledgements of this host's operations received from other hosts.
     pub acks_received: u64,
     /// Commands that answered without every other live host's acknowledgement, when the
@@ -194,6 +198,7 @@ struct Counters {
     batches: AtomicU64,
     batches_split: AtomicU64,
     pub(crate) fused: AtomicU64,
+    own_applied: AtomicU64,
     acks_received: AtomicU64,
     ack_timeouts: AtomicU64,
     peers_left: AtomicU64,
@@ -733,6 +738,7 @@ impl HostBuilder {
             state: Mutex::new(State {
                 cursor,
                 applied: HashMap::new(),
+                own: HashMap::new(),
             }),
             round: tokio::sync::Mutex::new(()),
             applying: Mutex::new(()),
@@ -1005,6 +1011,11 @@ struct State {
     /// Operations the cursor has not read that are applied (or being applied), by id,
     /// with their position and the hash of their content.
     applied: HashMap<i64, (u64, u64)>,
+    /// This host's own operations whose commit it saw and invalidated by, by id, with their
+    /// position, until a read of the log finds them (and skips them). One of its own that a
+    /// read finds and that is not here may have committed without this host knowing (the
+    /// connection lost under its commit): it is applied then.
+    own: HashMap<i64, u64>,
 }
 
 impl Host {
@@ -1206,6 +1217,7 @@ impl Host {
             batches: r(&c.batches),
             batches_split: r(&c.batches_split),
             fused: r(&c.fused),
+            own_applied: r(&c.own_applied),
             acks_received: r(&c.acks_received),
             ack_timeouts: r(&c.ack_timeouts),
             peers_left: r(&c.peers_left),
@@ -1368,6 +1380,30 @@ impl Inner {
             // operations, so nothing else would ever invalidate what it changed.
             self.flush("a command's invalidation panicked");
         }
+    }
+
+    /// Applies an operation of this host's that a read of the log found and whose commit
+    /// the host did not see (the connection was lost under it, and the command answered
+    /// that its outcome is unknown). The host invalidated by its output then, or flushed,
+    /// but the commit may have come after (a statement that committed alone, or a
+    /// `COMMIT`, still running in a backend whose client was gone), and a read in between
+    /// may have cached what was there before; the log reader skips nothing of it now.
+    /// Found by `postgres_a_finishing_write_that_commits_after_its_cut_is_applied`. (It
+    /// also applies, harmlessly, one whose commit the host saw but had not finished yet.)
+    fn apply_own(&self, op: &Logged) {
+        let replayed = match self.handlers.get(&op.kind) {
+            Ok(registered) => matches!(
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    (registered.replay)(&op.command, &op.output)
+                })),
+                Ok(Ok(()))
+            ),
+            Err(_) => false,
+        };
+        if !replayed {
+            self.flush("an operation of this host's, committed unseen, that does not replay");
+        }
+        self.counters.own_applied.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Applies another host's operation unless it is applied already.
@@ -1831,7 +1867,11 @@ impl Inner {
             for op in &rows {
                 if op.host == self.id {
                     // Ours: `run` invalidated here right after the commit (this id is this
-                    // process's alone, so no earlier process's operation is skipped).
+                    // process's alone, so no earlier process's operation is skipped),
+                    // unless its commit was not seen: then it is applied now.
+                    if self.state.lock().own.remove(&op.id).is_none() {
+                        self.apply_own(op);
+                    }
                     continue;
                 }
                 self.apply(op, op.logged_at, Via::Log);
@@ -1841,6 +1881,7 @@ impl Inner {
         let mut state = self.state.lock();
         // Remembered only while the cursor has not read them.
         state.applied.retain(|_, (p, _)| !to.has_read(*p));
+        state.own.retain(|_, p| !to.has_read(*p));
         state.cursor = to;
         drop(state);
         self.reads_done.fetch_max(owed, Ordering::AcqRel);
@@ -2223,6 +2264,17 @@ impl<C: Command> Execute for TypedJob<C> {
             });
             let result = self.handler.execute(&self.command, tx).await;
             let mut row = tx.logging.take().expect("set above, taken here only");
+            if let Some(Finished::Unknown) = &tx.finished {
+                // Its last write may have committed, and no output says what it changed
+                // (whatever the handler answered after): no output, so that the host
+                // flushes rather than invalidate by a guess.
+                return Err(result.err().unwrap_or_else(|| {
+                    CommandError::new(
+                        ErrorKind::Database,
+                        format!("{}: the connection was lost under its last write", C::NAME),
+                    )
+                }));
+            }
             if let Some(Finished::Committed { output: logged, .. }) = &tx.finished {
                 // The handler's last write committed with its operation's row
                 // (`Tx::finish_sql`): the log holds the statement's answer, and that is
@@ -2230,7 +2282,11 @@ impl<C: Command> Execute for TypedJob<C> {
                 let output: C::Output = serde_json::from_str(logged).map_err(|e| {
                     CommandError::new(
                         ErrorKind::BadCommand,
-                        format!("{}: the logged output does not decode: {e}", C::NAME),
+                        format!(
+                            "{}: committed, but the logged output does not decode as the \
+                             command's: {e}",
+                            C::NAME
+                        ),
                     )
                 })?;
                 match &result {
@@ -2268,6 +2324,8 @@ impl<C: Command> Job for TypedJob<C> {
         match (result, job.output) {
             (Ok((id, position)), Some((output, output_json))) => {
                 job.handler.invalidate(&job.command, &output);
+                // A read of the log that finds it skips it (see `Inner::apply_own`).
+                inner.state.lock().own.insert(id, position);
                 let committed_at = now_micros() + inner.clock_skew;
                 inner.counters.commands.fetch_add(1, Ordering::Relaxed);
                 let _ = inner.applied_tx.send(Applied {

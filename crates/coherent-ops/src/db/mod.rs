@@ -635,6 +635,11 @@ impl Database {
                         }
                         rows.push(row);
                     }
+                    if let Some(Finished::Committed { .. }) = tx.finished {
+                        // Nothing to append (a prepare now could only fail a command that
+                        // committed).
+                        return Ok((rows, None));
+                    }
                     let append = client
                         .prepare_cached(if rows.len() == 1 {
                             APPEND_SQL
@@ -642,7 +647,7 @@ impl Database {
                             APPEND_MANY_SQL
                         })
                         .await?;
-                    Ok::<_, CommandError>((rows, append))
+                    Ok::<_, CommandError>((rows, Some(append)))
                 }
                 .await;
                 // The handler's last write committed alone with its operation's row
@@ -653,9 +658,9 @@ impl Database {
                         guard.open = false;
                         return match before_commit {
                             Ok(_) => Ok(vec![(id, position)]),
-                            // Only a panic after the commit gets here (the command's own
-                            // job answers the logged output otherwise): the operation
-                            // stands, and its invalidation is not known.
+                            // A panic after the commit, or an output that does not
+                            // decode: the operation stands, and what it changed is not
+                            // known here.
                             Err(e) => Err((e, true)),
                         };
                     }
@@ -722,6 +727,7 @@ impl Database {
                         return Err((cause, false));
                     }
                 };
+                let append = append.expect("prepared unless the command finished alone (above)");
                 // The operations' rows and the commit, pipelined behind the deferred
                 // statements: one round trip. The statement is prepared once per
                 // connection, so the server neither parses nor plans it again.
@@ -1602,12 +1608,13 @@ impl Postgres {
         let body = sql.trim_end().trim_end_matches(';');
         // No row from the write leaves the output NULL, which its column refuses: the
         // statement fails and writes nothing. Two rows fail the scalar subquery. A JSON
-        // `null` is the text 'null'.
+        // `null` is the text 'null'. Text that is not JSON fails the cast: nothing that
+        // cannot be read back commits.
         let text = format!(
             "WITH coherent_write AS (\n{body}\n) \
              INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
              VALUES (${}, {PG_NOW}, ${}, ${}, \
-             (SELECT coalesce(w.o::text, 'null') FROM coherent_write AS w (o))) \
+             (SELECT coalesce(w.o::json::text, 'null') FROM coherent_write AS w (o))) \
              RETURNING id, xid::text, output",
             n + 1,
             n + 2,
@@ -1668,6 +1675,8 @@ impl Postgres {
             Err(e) => match e.as_db_error() {
                 Some(db)
                     if db.code().code() == NOT_NULL_VIOLATION
+                        // Unquoted in `search_path`, the name is folded to lower case.
+                        && db.schema().is_some_and(|s| s.eq_ignore_ascii_case(&self.schema))
                         && db.table() == Some("coherent_operations")
                         && db.column() == Some("output") =>
                 {
@@ -1770,7 +1779,9 @@ impl Tx<'_> {
             if let Some(done) = pg.finish_fused(client, sql, &statement, &params, row).await {
                 return match done {
                     Ok(Some((id, position, output))) => {
-                        let decoded = decode(&output);
+                        let decoded = decode(&output).map_err(|e| {
+                            CommandError::new(e.kind(), format!("committed, but {}", e.message()))
+                        });
                         self.finished = Some(Finished::Committed {
                             id,
                             position,

@@ -4,7 +4,9 @@
 
 use coherent_ops::{Database, ErrorKind};
 
-use crate::support::{create_items, database_url, fresh_schema, host};
+use coherent_ops::Host;
+
+use crate::support::{create_items, database_url, fresh_schema, host, Items};
 
 use crate::batches::{queued_behind_a_held_transaction, two_hosts, Pending};
 use crate::inproc::{postgres_db, sqlite_db};
@@ -175,7 +177,14 @@ async fn postgres_finishing_writes() {
         return;
     };
     let (a, items_a, b, items_b, gate) = two_hosts(&db).await;
-    let finish = |how, id, value| FinishWrite { id, value, how };
+    // The mark of this test's statements (no other test's, or run's).
+    let marker = fresh_schema("finishing");
+    let finish = |how, id, value| FinishWrite {
+        id,
+        value,
+        how,
+        marker: marker.clone(),
+    };
     for id in [1, 2] {
         assert_eq!(items_a.value(id).await, Ok(0));
         assert_eq!(items_b.value(id).await, Ok(0));
@@ -237,6 +246,7 @@ async fn postgres_finishing_writes() {
                 id,
                 value: 400 + id,
                 how: Finishing::Update,
+                marker: String::new(),
             })
             .await
         })
@@ -257,21 +267,17 @@ async fn postgres_finishing_writes() {
     assert_eq!(items_a.value(6).await, Ok(0));
     let retried = a.stats().commits_retried;
     let sleeping = tokio::spawn({
-        let a = a.clone();
-        async move { a.run(finish(Finishing::Sleeps, 6, 36)).await }
+        let (a, command) = (a.clone(), finish(Finishing::Sleeps, 6, 36));
+        async move { a.run(command).await }
     });
     let admin = db.postgres_pool().unwrap().get().await.unwrap();
-    wait_for_the_sleeper(&admin, "coherent_finish_sleeps").await;
+    let pid = waiting_backend(&admin, &marker, "PgSleep", &sleeping).await;
     admin
         .execute("UPDATE items SET value = 1 WHERE id = 10", &[])
         .await
         .unwrap();
     admin
-        .execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE query LIKE '%coherent_finish_sleeps%' AND wait_event = 'PgSleep'",
-            &[],
-        )
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
         .await
         .unwrap();
     assert_eq!(sleeping.await.unwrap(), Ok(36));
@@ -283,34 +289,44 @@ async fn postgres_finishing_writes() {
     b.stop().await;
 }
 
-/// Waits until a backend sleeps in the statement marked `marker` (`Finishing::Sleeps`).
-async fn wait_for_the_sleeper(admin: &tokio_postgres::Client, marker: &str) {
+/// The pid of the backend that runs the statement marked `marker`, once it waits on
+/// `event` (`PgSleep`, `advisory`); fails if the command answers first, or after a minute.
+async fn waiting_backend<T: std::fmt::Debug>(
+    admin: &tokio_postgres::Client,
+    marker: &str,
+    event: &str,
+    command: &tokio::task::JoinHandle<T>,
+) -> i32 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
-        let n: i64 = admin
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE query LIKE '%' || $1 || '%' AND wait_event = 'PgSleep'",
-                &[&marker],
+        let row = admin
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity \
+                 WHERE query LIKE '%-- ' || $1 || '%' AND wait_event = $2 \
+                 AND pid <> pg_backend_pid()",
+                &[&marker, &event],
             )
             .await
-            .unwrap()
-            .get(0);
-        if n > 0 {
-            return;
+            .unwrap();
+        if let Some(row) = row {
+            return row.get(0);
         }
+        assert!(
+            !command.is_finished(),
+            "the command answered before it waited"
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no backend waited on {event} within a minute"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
 }
 
-/// The connection under a last write that commits alone (`Tx::finish_sql`) is cut with
-/// no word from the server: the write may have committed, and its output is not known, so
-/// the host cannot invalidate by it. The command fails (not run again), and the host
-/// flushes its cache.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_finishing_write_cut_off_flushes_the_cache() {
-    let Some(url) = database_url() else {
-        return;
-    };
+/// A host over a proxy that cuts the connections that carried `marker`; the database
+/// without the proxy, in the same schema.
+async fn behind_a_cutter(marker: &str) -> Option<(Database, Host, Items, Cutter)> {
+    let url = database_url()?;
     let schema = fresh_schema("finish_cut");
     let direct = Database::postgres_in_schema(&url, &schema).await.unwrap();
     create_items(&direct, 10).await;
@@ -319,35 +335,46 @@ async fn postgres_a_finishing_write_cut_off_flushes_the_cache() {
         (config.get_hosts().first(), config.get_ports().first())
     else {
         eprintln!("skipped: DATABASE_URL names no TCP host");
-        return;
+        return None;
     };
     let target = tokio::net::lookup_host((server.as_str(), *port))
         .await
         .unwrap()
         .next()
         .unwrap();
-    let cutter = Cutter::start(target, b"coherent_finish_cut").await;
-    let proxied = through(&url, cutter.addr);
-    let db = Database::postgres_in_schema(&proxied, &schema)
+    let cutter = Cutter::start(target, marker.as_bytes().to_vec()).await;
+    let db = Database::postgres_in_schema(&through(&url, cutter.addr), &schema)
         .await
         .unwrap();
     let (a, items) = host(&db, |b| b).await;
+    Some((direct, a, items, cutter))
+}
+
+/// The connection under a last write that commits alone (`Tx::finish_sql`) is cut with
+/// no word from the server: the write may have committed, and its output is not known, so
+/// the host cannot invalidate by it. The command fails (not run again), and the host
+/// flushes its cache. (Here the backend is then ended: nothing committed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_finishing_write_cut_off_flushes_the_cache() {
+    let marker = fresh_schema("cut");
+    let Some((direct, a, items, cutter)) = behind_a_cutter(&marker).await else {
+        return;
+    };
     assert_eq!(items.value(6).await, Ok(0));
     let flushes = a.stats().flushes;
     let retried = a.stats().commits_retried;
     let sleeping = tokio::spawn({
         let a = a.clone();
-        async move {
-            a.run(FinishWrite {
-                id: 6,
-                value: 36,
-                how: Finishing::SleepsUntilCut,
-            })
-            .await
-        }
+        let command = FinishWrite {
+            id: 6,
+            value: 36,
+            how: Finishing::Sleeps,
+            marker: marker.clone(),
+        };
+        async move { a.run(command).await }
     });
     let admin = direct.postgres_pool().unwrap().get().await.unwrap();
-    wait_for_the_sleeper(&admin, "coherent_finish_cut").await;
+    let pid = waiting_backend(&admin, &marker, "PgSleep", &sleeping).await;
     cutter.cut();
     let e = sleeping.await.unwrap().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Database, "{e}");
@@ -355,14 +382,72 @@ async fn postgres_a_finishing_write_cut_off_flushes_the_cache() {
     assert_eq!(a.stats().commits_retried, retried, "not run again");
     // The backend still sleeps, and would commit when it wakes: ended here, unanswered.
     admin
-        .execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE query LIKE '%coherent_finish_cut%' AND wait_event = 'PgSleep'",
-            &[],
-        )
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
         .await
         .unwrap();
     assert_eq!(items.value(6).await, Ok(0));
+    a.catch_up().await.unwrap();
+    assert_eq!(a.stats().own_applied, 0, "{:?}", a.stats());
+    a.stop().await;
+}
+
+/// The same cut, and the statement commits later, after the host flushed and read the
+/// item again: the host applies its own operation when it reads it from the log, as it
+/// would another host's, so its cache does not keep the value from before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_finishing_write_that_commits_after_its_cut_is_applied() {
+    let marker = fresh_schema("late");
+    let Some((direct, a, items, cutter)) = behind_a_cutter(&marker).await else {
+        return;
+    };
+    assert_eq!(items.value(6).await, Ok(0));
+    let admin = direct.postgres_pool().unwrap().get().await.unwrap();
+    admin
+        .execute("SELECT pg_advisory_lock(hashtext($1))", &[&marker])
+        .await
+        .unwrap();
+    let waiting = tokio::spawn({
+        let a = a.clone();
+        let command = FinishWrite {
+            id: 6,
+            value: 36,
+            how: Finishing::WaitsForLock,
+            marker: marker.clone(),
+        };
+        async move { a.run(command).await }
+    });
+    let pid = waiting_backend(&admin, &marker, "advisory", &waiting).await;
+    cutter.cut();
+    waiting.await.unwrap().unwrap_err();
+    // Read again after the flush, before the commit.
+    assert_eq!(items.value(6).await, Ok(0));
+    admin
+        .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&marker])
+        .await
+        .unwrap();
+    // The backend commits, finds its client gone, and ends.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while admin
+        .query_opt("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&pid])
+        .await
+        .unwrap()
+        .is_some()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the backend did not end"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let stored: i64 = admin
+        .query_one("SELECT value FROM items WHERE id = 6", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stored, 36, "the cut statement committed");
+    a.catch_up().await.unwrap();
+    assert_eq!(items.value(6).await, Ok(36));
+    assert_eq!(a.stats().own_applied, 1, "{:?}", a.stats());
     a.stop().await;
 }
 
@@ -387,7 +472,7 @@ struct Cutter {
 }
 
 impl Cutter {
-    async fn start(target: std::net::SocketAddr, marker: &'static [u8]) -> Cutter {
+    async fn start(target: std::net::SocketAddr, marker: Vec<u8>) -> Cutter {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -410,6 +495,7 @@ impl Cutter {
                     }
                 });
                 let to_mark = to_mark.clone();
+                let marker = marker.clone();
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 16 * 1024];
                     let mut cut = Some(cut);
@@ -421,7 +507,7 @@ impl Cutter {
                             },
                             _ = cut_forth.changed() => break,
                         };
-                        if buf[..n].windows(marker.len()).any(|w| w == marker) {
+                        if buf[..n].windows(marker.len()).any(|w| *w == marker[..]) {
                             if let Some(cut) = cut.take() {
                                 to_mark.lock().push(cut);
                             }

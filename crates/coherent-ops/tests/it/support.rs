@@ -363,6 +363,8 @@ pub(crate) struct FinishWrite {
     pub(crate) id: i64,
     pub(crate) value: i64,
     pub(crate) how: Finishing,
+    /// A comment in the statement's text, by which a test finds its backend.
+    pub(crate) marker: String,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -379,12 +381,11 @@ pub(crate) enum Finishing {
     ThenDefer,
     /// `RETURNING id, value`: two columns, refused.
     TwoColumns,
-    /// Waits in the server while item 10's value is 0, up to a minute (its text marked
-    /// `coherent_finish_sleeps`).
+    /// Waits in the server while item 10's value is 0, up to a minute.
     Sleeps,
-    /// `Sleeps`, marked `coherent_finish_cut` (for a test of its own, which another test
-    /// ending `Sleeps`'s backends must not touch).
-    SleepsUntilCut,
+    /// Waits in the server for the advisory lock `hashtext(marker)`, while it is held
+    /// elsewhere.
+    WaitsForLock,
 }
 
 impl Command for FinishWrite {
@@ -421,17 +422,19 @@ impl Handler<FinishWrite> for Items {
                 )
                 .await?
             }
-            Finishing::Sleeps | Finishing::SleepsUntilCut => {
-                let marker = match c.how {
-                    Finishing::Sleeps => "coherent_finish_sleeps",
-                    _ => "coherent_finish_cut",
+            Finishing::Sleeps | Finishing::WaitsForLock => {
+                let wait = match c.how {
+                    Finishing::Sleeps => {
+                        "pg_sleep(CASE WHEN (SELECT value FROM items WHERE id = 10) = 0 \
+                         THEN 60 ELSE 0 END)"
+                    }
+                    _ => &format!("pg_advisory_xact_lock(hashtext('{}'))", c.marker),
                 };
                 let sql = format!(
                     "UPDATE items SET value = $2 WHERE id = $1 \
-                     AND (SELECT true FROM pg_sleep(CASE WHEN \
-                     (SELECT value FROM items WHERE id = 10) = 0 THEN 60 ELSE 0 END)) \
-                     -- {marker}\n\
-                     RETURNING to_json(value)"
+                     AND (SELECT true FROM {wait}) -- {}\n\
+                     RETURNING to_json(value)",
+                    c.marker
                 );
                 tx.finish_sql(&sql, params()).await?
             }
