@@ -599,7 +599,8 @@ pub mod pg {
 
     /// A task's row as the JSON its [`Task`] serializes to: the `RETURNING` of a command's
     /// last write, whose answer is the command's output (`Tx::finish_sql`). A code with no
-    /// name answers `null`, which does not decode.
+    /// name here (a row written by a later release) fails the statement, naming the code,
+    /// so that nothing commits whose output this release could not read.
     fn task_json() -> String {
         fn names<T: serde::Serialize>(all: &[T]) -> String {
             all.iter()
@@ -612,8 +613,12 @@ pub mod pg {
         }
         format!(
             "json_build_object('id', id, 'project', project, 'title', title, \
-             'description', description, 'priority', (ARRAY[{}])[priority + 1], \
-             'status', (ARRAY[{}])[status + 1], 'assignee', assignee, \
+             'description', description, \
+             'priority', coalesce((ARRAY[{}])[priority + 1], \
+                 ('no priority has the code ' || priority)::int::text), \
+             'status', coalesce((ARRAY[{}])[status + 1], \
+                 ('no status has the code ' || status)::int::text), \
+             'assignee', assignee, \
              'created_at', created_at, 'updated_at', updated_at)",
             names(&Priority::ALL),
             names(&Status::ALL)
@@ -870,6 +875,23 @@ pub mod pg {
                     }
                 }
             }
+            // A code this release has no name for fails the statement.
+            let t = Task {
+                id: Uuid::now_v7(),
+                project: Uuid::now_v7(),
+                title: "t".to_owned(),
+                description: String::new(),
+                priority: Priority::Low,
+                status: Status::Todo,
+                assignee: None,
+                created_at: 0,
+                updated_at: 0,
+            };
+            let mut params = task_params(&t);
+            params[5] = &7i16;
+            let e = client.query_one(&sql, &params).await.unwrap_err();
+            let message = e.as_db_error().unwrap().message().to_owned();
+            assert!(message.contains("no status has the code 7"), "{message}");
         }
     }
 }
