@@ -104,7 +104,21 @@ impl Command for SlowIncrement {
     type Output = i64;
 }
 
+/// Adds one to register `key`, one of two ways, so that the faults find both: an even key
+/// by `Tx::finish_sql` (the write and the operation's row as one statement, committed
+/// alone, for a command alone that opened nothing; `SlowIncrement`'s, after its read, in
+/// its transaction), an odd one by an awaited statement in the transaction, the row and
+/// the commit after.
 async fn increment(key: i64, tx: &mut Tx<'_>) -> Result<i64, CommandError> {
+    if key % 2 == 0 {
+        let written: Option<i64> = tx
+            .finish_sql(
+                "UPDATE registers SET value = value + 1 WHERE id = $1 RETURNING to_json(value)",
+                vec![Box::new(key)],
+            )
+            .await?;
+        return written.ok_or_else(|| CommandError::not_found(format!("register {key}")));
+    }
     let row = tx
         .require_postgres()?
         .query_one(
