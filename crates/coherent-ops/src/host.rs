@@ -121,7 +121,8 @@ pub struct HostStats {
     pub fused: u64,
     /// This host's own operations that it applied when it read them from the log: ones
     /// whose commit it did not see (the connection lost under it), which may have
-    /// committed after the command answered.
+    /// committed after the command answered, or whose invalidation panicked; and, rarely,
+    /// one whose commit it saw but had not finished when the read found it.
     pub own_applied: u64,
     /// Acknowledgements of this host's operations received from other hosts.
     pub acks_received: u64,
@@ -1012,9 +1013,9 @@ struct State {
     /// with their position and the hash of their content.
     applied: HashMap<i64, (u64, u64)>,
     /// This host's own operations whose commit it saw and invalidated by, by id, with their
-    /// position, until a read of the log finds them (and skips them). One of its own that a
-    /// read finds and that is not here may have committed without this host knowing (the
-    /// connection lost under its commit): it is applied then.
+    /// position, until the cursor has read them (a read that finds them skips them). One
+    /// of its own that a read finds and that is not here may have committed without this
+    /// host knowing (the connection lost under its commit): it is applied then.
     own: HashMap<i64, u64>,
 }
 
@@ -1376,8 +1377,9 @@ impl Inner {
         let finished =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.finish(self, result)));
         if finished.is_err() {
-            // Its invalidation may not have run: the log reader skips this host's own
-            // operations, so nothing else would ever invalidate what it changed.
+            // Its invalidation may not have run, and nothing else may: the host's own
+            // operations are left to it (its log reader applies only those it did not
+            // see finished, `Inner::apply_own`, whenever it reads them).
             self.flush("a command's invalidation panicked");
         }
     }
@@ -1869,7 +1871,8 @@ impl Inner {
                     // Ours: `run` invalidated here right after the commit (this id is this
                     // process's alone, so no earlier process's operation is skipped),
                     // unless its commit was not seen: then it is applied now.
-                    if self.state.lock().own.remove(&op.id).is_none() {
+                    // Kept until the cursor passes it: a page may be read twice.
+                    if !self.state.lock().own.contains_key(&op.id) {
                         self.apply_own(op);
                     }
                     continue;

@@ -411,7 +411,12 @@ async fn a_local_invalidation_that_panics_leaves_no_stale_entry() {
     assert!(answered.is_err(), "{answered:?}");
     assert!(db.is_logged(1).await.unwrap());
     assert_eq!(items.value(1).await, Ok(PANICS));
-    assert_eq!(a.stats().flushes, 1);
+    assert!(a.stats().flushes >= 1, "{:?}", a.stats());
+    // Its log reader, which applies the host's own operations it did not see finished,
+    // replays it once it reads it (the invalidation panics again: a second flush).
+    a.catch_up().await.unwrap();
+    let stats = a.stats();
+    assert_eq!((stats.flushes, stats.own_applied), (2, 1), "{stats:?}");
 }
 
 /// A host started over a registry that holds entries (warmed first, or left by a host
