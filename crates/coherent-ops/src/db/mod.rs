@@ -195,64 +195,20 @@ impl Postgres {
         queued: &Queued,
         row: &Append,
     ) -> Option<Result<(i64, u64), (CommandError, bool)>> {
-        if self.unfusable.lock().contains(sql) {
-            return None;
-        }
-        let n = queued.statement.params().len();
-        let body = sql.trim_end().trim_end_matches(';');
-        // The write's text on lines of its own: a comment at its end ends there.
-        let text = format!(
-            "WITH coherent_write AS (\n{body}\n) \
-             INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
-             VALUES (${}, {PG_NOW}, ${}, ${}, ${}) RETURNING id, xid::text",
-            n + 1,
-            n + 2,
-            n + 3,
-            n + 4
-        );
-        let unfusable = || {
-            let mut set = self.unfusable.lock();
-            if set.len() >= 1024 {
-                set.clear();
-            }
-            set.insert(sql.to_owned());
-        };
-        let statement = match client.prepare_cached(&text).await {
-            Ok(statement) => statement,
-            // The session ended (a terminated backend): it says nothing of the statement.
-            Err(e) if CommandError::from(&e).is_connection_lost() => {
-                return Some(Err((e.into(), false)));
-            }
-            Err(e) if e.as_db_error().is_some() => {
-                tracing::debug!(%e, sql, "a deferred statement cannot stand in a WITH");
-                unfusable();
-                return None;
-            }
-            Err(e) => return Some(Err((e.into(), false))),
-        };
-        if statement.params().get(..n) != Some(queued.statement.params()) {
-            // Its parameters would be taken for other types.
-            unfusable();
-            return None;
-        }
-        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = queued
-            .params
-            .iter()
-            .map(|p| &**p as &(dyn tokio_postgres::types::ToSql + Sync))
-            .collect();
-        params.extend([
-            &row.host as &(dyn tokio_postgres::types::ToSql + Sync),
-            &row.kind,
-            &row.command,
-            &row.output,
-        ]);
-        let mut query = std::pin::pin!(client.query(&statement, &params));
-        let result = match futures::FutureExt::now_or_never(query.as_mut()) {
-            // Handed to a connection whose task had ended (its backend terminated while it
-            // sat in the pool): nothing was sent, and the command can run on another.
-            Some(Err(e)) if e.is_closed() => return Some(Err((e.into(), false))),
-            Some(result) => result,
-            None => query.await,
+        let result = match self
+            .send_fused(
+                client,
+                sql,
+                "$n1, {PG_NOW}, $n2, $n3, $n4",
+                "id, xid::text",
+                queued.statement.params(),
+                &queued.params,
+                &[&row.host, &row.kind, &row.command, &row.output],
+            )
+            .await?
+        {
+            Sent::Answered(result) => result,
+            Sent::NotSent(e) => return Some(Err((e, false))),
         };
         Some(match result {
             Ok(rows) => match rows.first() {
@@ -274,6 +230,89 @@ impl Postgres {
             }
         })
     }
+}
+
+impl Postgres {
+    /// Sends a command's write `sql` (its parameters' types `types`, its values `params`)
+    /// fused with its operation's row, as one statement: `WITH coherent_write AS (<sql>)
+    /// INSERT INTO coherent_operations (host, logged_at, kind, command, output) VALUES
+    /// (<values>) RETURNING <returning>`, where `{PG_NOW}` and `$n1`.. in `values` stand for
+    /// the database's clock and the parameters after the write's, given in `row`. `None`
+    /// when the write cannot stand in a `WITH` (remembered, and not tried again).
+    #[allow(clippy::too_many_arguments)]
+    async fn send_fused(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        sql: &str,
+        values: &str,
+        returning: &str,
+        types: &[tokio_postgres::types::Type],
+        params: &[DeferredParam],
+        row: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Option<Sent> {
+        if self.unfusable.lock().contains(sql) {
+            return None;
+        }
+        let n = types.len();
+        let mut values = values.replace("{PG_NOW}", PG_NOW);
+        // From the last, so that `$n1` does not match the start of `$n10`.
+        for k in (1..=row.len()).rev() {
+            values = values.replace(&format!("$n{k}"), &format!("${}", n + k));
+        }
+        let body = sql.trim_end().trim_end_matches(';');
+        // The write's text on lines of its own: a comment at its end ends there.
+        let text = format!(
+            "WITH coherent_write AS (\n{body}\n) \
+             INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
+             VALUES ({values}) RETURNING {returning}"
+        );
+        let unfusable = || {
+            let mut set = self.unfusable.lock();
+            if set.len() >= 1024 {
+                set.clear();
+            }
+            set.insert(sql.to_owned());
+        };
+        let fused = match client.prepare_cached(&text).await {
+            Ok(fused) => fused,
+            // The session ended (a terminated backend): it says nothing of the statement.
+            Err(e) if CommandError::from(&e).is_connection_lost() => {
+                return Some(Sent::NotSent(e.into()));
+            }
+            Err(e) if e.as_db_error().is_some() => {
+                tracing::debug!(%e, sql, "a write cannot stand in a WITH");
+                unfusable();
+                return None;
+            }
+            Err(e) => return Some(Sent::NotSent(e.into())),
+        };
+        if fused.params().get(..n) != Some(types) {
+            // Its parameters would be taken for other types.
+            unfusable();
+            return None;
+        }
+        let mut all: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
+            .iter()
+            .map(|p| &**p as &(dyn tokio_postgres::types::ToSql + Sync))
+            .collect();
+        all.extend_from_slice(row);
+        let mut query = std::pin::pin!(client.query(&fused, &all));
+        Some(match futures::FutureExt::now_or_never(query.as_mut()) {
+            // Handed to a connection whose task had ended (its backend terminated while it
+            // sat in the pool): nothing was sent, and the command can run on another.
+            Some(Err(e)) if e.is_closed() => Sent::NotSent(e.into()),
+            Some(result) => Sent::Answered(result),
+            None => Sent::Answered(query.await),
+        })
+    }
+}
+
+/// A fused statement's fate ([`Postgres::send_fused`]).
+enum Sent {
+    /// Nothing reached the server: the command can run again.
+    NotSent(CommandError),
+    /// Sent: its rows, or its error (the caller tells whether anything may have committed).
+    Answered(Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>),
 }
 
 /// One operation as the log holds it.
@@ -1601,63 +1640,25 @@ impl Postgres {
         params: &[DeferredParam],
         row: &Append,
     ) -> Option<Result<Option<(i64, u64, String)>, (CommandError, bool)>> {
-        if self.unfusable.lock().contains(sql) {
-            return None;
-        }
-        let n = statement.params().len();
-        let body = sql.trim_end().trim_end_matches(';');
         // No row from the write leaves the output NULL, which its column refuses: the
         // statement fails and writes nothing. Two rows fail the scalar subquery. A JSON
         // `null` is the text 'null'. Text that is not JSON fails the cast: nothing that
         // cannot be read back commits.
-        let text = format!(
-            "WITH coherent_write AS (\n{body}\n) \
-             INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
-             VALUES (${}, {PG_NOW}, ${}, ${}, \
-             (SELECT coalesce(w.o::json::text, 'null') FROM coherent_write AS w (o))) \
-             RETURNING id, xid::text, output",
-            n + 1,
-            n + 2,
-            n + 3,
-        );
-        let unfusable = || {
-            let mut set = self.unfusable.lock();
-            if set.len() >= 1024 {
-                set.clear();
-            }
-            set.insert(sql.to_owned());
-        };
-        let fused = match client.prepare_cached(&text).await {
-            Ok(fused) => fused,
-            Err(e) if CommandError::from(&e).is_connection_lost() => {
-                return Some(Err((e.into(), false)));
-            }
-            Err(e) if e.as_db_error().is_some() => {
-                tracing::debug!(%e, sql, "a finishing statement cannot stand in a WITH");
-                unfusable();
-                return None;
-            }
-            Err(e) => return Some(Err((e.into(), false))),
-        };
-        if fused.params().get(..n) != Some(statement.params()) {
-            unfusable();
-            return None;
-        }
-        let mut all: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
-            .iter()
-            .map(|p| &**p as &(dyn tokio_postgres::types::ToSql + Sync))
-            .collect();
-        all.extend([
-            &row.host as &(dyn tokio_postgres::types::ToSql + Sync),
-            &row.kind,
-            &row.command,
-        ]);
-        let mut query = std::pin::pin!(client.query(&fused, &all));
-        let result = match futures::FutureExt::now_or_never(query.as_mut()) {
-            // Nothing was sent (the connection's task had ended).
-            Some(Err(e)) if e.is_closed() => return Some(Err((e.into(), false))),
-            Some(result) => result,
-            None => query.await,
+        let result = match self
+            .send_fused(
+                client,
+                sql,
+                "$n1, {PG_NOW}, $n2, $n3, \
+                 (SELECT coalesce(w.o::json::text, 'null') FROM coherent_write AS w (o))",
+                "id, xid::text, output",
+                statement.params(),
+                params,
+                &[&row.host, &row.kind, &row.command],
+            )
+            .await?
+        {
+            Sent::Answered(result) => result,
+            Sent::NotSent(e) => return Some(Err((e, false))),
         };
         Some(match result {
             Ok(rows) => match rows.first() {
