@@ -211,17 +211,7 @@ impl Postgres {
             Sent::NotSent(e) => return Some(Err((e, false))),
         };
         Some(match result {
-            Ok(rows) => match rows.first() {
-                Some(r) => (|| {
-                    let id: i64 = r.try_get(0)?;
-                    Ok((id, parse_xid(r.try_get(1)?)?))
-                })()
-                .map_err(|e: CommandError| (e, true)),
-                None => Err((
-                    CommandError::new(ErrorKind::Database, "the operation's row was not answered"),
-                    true,
-                )),
-            },
+            Ok(rows) => logged(&rows).map(|(_, id, position)| (id, position)),
             // The server refused it: nothing was written. A connection that failed may have
             // written it before it did: the outcome is unknown.
             Err(e) => {
@@ -305,6 +295,21 @@ impl Postgres {
             None => Sent::Answered(query.await),
         })
     }
+}
+
+/// The operation's row a fused statement answered (`RETURNING id, xid::text, ...`): the
+/// row, its id and position. An error here comes after the commit: the outcome is unknown.
+fn logged(
+    rows: &[tokio_postgres::Row],
+) -> Result<(&tokio_postgres::Row, i64, u64), (CommandError, bool)> {
+    let Some(r) = rows.first() else {
+        return Err((
+            CommandError::new(ErrorKind::Database, "the operation's row was not answered"),
+            true,
+        ));
+    };
+    (|| Ok((r, r.try_get::<_, i64>(0)?, parse_xid(r.try_get(1)?)?)))()
+        .map_err(|e: CommandError| (e, true))
 }
 
 /// A fused statement's fate ([`Postgres::send_fused`]).
@@ -1661,18 +1666,10 @@ impl Postgres {
             Sent::NotSent(e) => return Some(Err((e, false))),
         };
         Some(match result {
-            Ok(rows) => match rows.first() {
-                Some(r) => (|| {
-                    let id: i64 = r.try_get(0)?;
-                    let position = parse_xid(r.try_get(1)?)?;
-                    Ok(Some((id, position, r.try_get::<_, String>(2)?)))
-                })()
-                .map_err(|e: CommandError| (e, true)),
-                None => Err((
-                    CommandError::new(ErrorKind::Database, "the operation's row was not answered"),
-                    true,
-                )),
-            },
+            Ok(rows) => logged(&rows).and_then(|(r, id, position)| {
+                let output = r.try_get::<_, String>(2).map_err(|e| (e.into(), true))?;
+                Ok(Some((id, position, output)))
+            }),
             Err(e) => match e.as_db_error() {
                 Some(db)
                     if db.code().code() == NOT_NULL_VIOLATION
