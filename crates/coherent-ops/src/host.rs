@@ -1393,19 +1393,51 @@ impl Inner {
     /// Found by `postgres_a_finishing_write_that_commits_after_its_cut_is_applied`. (It
     /// also applies, harmlessly, one whose commit the host saw but had not finished yet.)
     fn apply_own(&self, op: &Logged) {
-        let replayed = match self.handlers.get(&op.kind) {
-            Ok(registered) => matches!(
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    (registered.replay)(&op.command, &op.output)
-                })),
-                Ok(Ok(()))
-            ),
-            Err(_) => false,
-        };
-        if !replayed {
+        if self.replay(op).is_some() {
             self.flush("an operation of this host's, committed unseen, that does not replay");
         }
         self.counters.own_applied.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Runs operation `op`'s invalidation by its handler here; `None` when it ran,
+    /// otherwise why it could not (a command this host does not know, one that does not
+    /// decode here, an invalidation that panics: logged) and the counter of that reason.
+    fn replay(&self, op: &Logged) -> Option<(&'static str, &AtomicU64)> {
+        match self.handlers.get(&op.kind) {
+            Ok(registered) => {
+                let replay = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    (registered.replay)(&op.command, &op.output)
+                }));
+                match replay {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => {
+                        tracing::error!(host = %self.id, op = op.id, kind = op.kind, %e,
+                            "an operation that does not decode here: flushing the cache");
+                        Some((
+                            "an operation that does not decode here",
+                            &self.counters.undecodable,
+                        ))
+                    }
+                    Err(_) => {
+                        tracing::error!(host = %self.id, op = op.id, kind = op.kind,
+                            "an operation's invalidation panicked here: flushing the cache");
+                        Some((
+                            "an operation's invalidation panicked",
+                            &self.counters.replay_panics,
+                        ))
+                    }
+                }
+            }
+            Err(_) => {
+                tracing::error!(host = %self.id, op = op.id, kind = op.kind,
+                    "no handler for this operation's command here (a host of another \
+                     release?): flushing the cache");
+                Some((
+                    "an operation of a command this host does not know",
+                    &self.counters.unknown,
+                ))
+            }
+        }
     }
 
     /// Applies another host's operation unless it is applied already.
@@ -1442,41 +1474,7 @@ impl Inner {
         // does not decode here, an invalidation that panics) may have changed anything
         // this host's cache holds: the cache is flushed before the operation is
         // acknowledged, as after a lost notifier (issue 30, holes 2 and 4).
-        let failed = match self.handlers.get(&op.kind) {
-            Ok(registered) => {
-                let replay = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    (registered.replay)(&op.command, &op.output)
-                }));
-                match replay {
-                    Ok(Ok(())) => None,
-                    Ok(Err(e)) => {
-                        tracing::error!(host = %self.id, op = op.id, kind = op.kind, %e,
-                            "an operation that does not decode here: flushing the cache");
-                        Some((
-                            "an operation that does not decode here",
-                            &self.counters.undecodable,
-                        ))
-                    }
-                    Err(_) => {
-                        tracing::error!(host = %self.id, op = op.id, kind = op.kind,
-                            "an operation's invalidation panicked here: flushing the cache");
-                        Some((
-                            "an operation's invalidation panicked",
-                            &self.counters.replay_panics,
-                        ))
-                    }
-                }
-            }
-            Err(_) => {
-                tracing::error!(host = %self.id, op = op.id, kind = op.kind,
-                    "no handler for this operation's command here (a host of another \
-                     release?): flushing the cache");
-                Some((
-                    "an operation of a command this host does not know",
-                    &self.counters.unknown,
-                ))
-            }
-        };
+        let failed = self.replay(op);
         if let Some((why, counter)) = failed {
             // Not counted as applied (nor sent to subscribers): its own invalidation did
             // not run. The flush stands in for it, so its host need not wait. Counted
