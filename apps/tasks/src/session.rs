@@ -491,21 +491,19 @@ async fn guard(State(auth): State<Auth>, req: Request, next: Next) -> Response {
 
 /// The API's rule, on each of its routes (`api::router`): where [`Auth::protect`] put
 /// [`Logins`] on the request, writes need a user, and reads too when anonymous reads are
-/// off. Without `Logins` (no `protect`), anything goes.
-pub async fn require_login(req: Request, next: Next) -> Response {
-    let Some(logins) = req.extensions().get::<Logins>() else {
-        return next.run(req).await;
-    };
+/// off. Without `Logins` (no `protect`), anything goes. The refusal, or `None` to go on.
+pub fn login_refusal(req: &Request) -> Option<Response> {
+    let logins = req.extensions().get::<Logins>()?;
     let writes = !matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
     let open = matches!(req.uri().path(), "/api/session" | "/api/openapi.json");
     if !open && logins.user.is_none() && (writes || !logins.anonymous_reads) {
         let what = if writes { "writing" } else { "reading" };
-        return error(
+        return Some(error(
             StatusCode::UNAUTHORIZED,
             &format!("log in before {what}: POST /api/session"),
-        );
+        ));
     }
-    next.run(req).await
+    None
 }
 
 /// The body of `POST /api/session`.

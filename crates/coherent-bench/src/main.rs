@@ -116,6 +116,17 @@ enum Suite {
         #[arg(long, default_value_t = 200)]
         callers: usize,
     },
+    /// A fixed number of reads of a task through one of the Tasks app's routers, called in
+    /// this process and untimed: for counting instructions per request of the router's own
+    /// work under callgrind (see BENCHMARKS.md).
+    #[command(hide = true)]
+    HttpCount {
+        /// `coherent`, `static` or `direct` (on SQLite).
+        router: String,
+        /// How many reads.
+        #[arg(long, default_value_t = 100_000)]
+        n: u64,
+    },
     /// A fixed number of single-reader `local` calls on one contender, untimed: for counting
     /// instructions per call under callgrind (see BENCHMARKS.md).
     #[command(hide = true)]
@@ -191,6 +202,7 @@ fn main() -> anyhow::Result<()> {
             calls,
             threads,
         } => return local::count_calls(contender, *calls, *threads),
+        Suite::HttpCount { router, n } => return tasks::count_requests(router, *n),
         Suite::RpcCount {
             peer,
             case,

@@ -188,6 +188,60 @@ async fn start_servers(db: &DbConfig, tasks: usize) -> anyhow::Result<Servers> {
     })
 }
 
+/// `http-count`: `n` reads of a task (`GET /api/tasks/{id}`, 1,000 tasks in turn, each read
+/// once before) through one router, called in this process (no socket, no HTTP parser), on a
+/// current-thread runtime, with nothing timed: for counting instructions per request of the
+/// router's own work under `valgrind --tool=callgrind` (see BENCHMARKS.md). `router`:
+/// `coherent` (the in-process tier, as `tasks serve` runs it, on SQLite), `static` (the
+/// static handler of `get_one.static`), or `direct` (on SQLite).
+pub(crate) fn count_requests(router: &str, n: u64) -> anyhow::Result<()> {
+    use tower::ServiceExt as _;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let dir = tempfile::tempdir()?;
+    let db = DbConfig::Sqlite(dir.path().join("tasks.db"));
+    runtime.block_on(async {
+        let store = db.open(1).await?;
+        app::seed(&store, 4, 1_000).await?;
+        let ids = all_tasks(&store).await?;
+        let mut live = None;
+        let router = match router {
+            "coherent" => {
+                let backend =
+                    LiveBackend::start(&db, TcpListener::bind("127.0.0.1:0").await?, None).await?;
+                let router = backend.api_router();
+                live = Some(backend);
+                router
+            }
+            "static" => static_router(db_get(&db, ids[0]).await?),
+            "direct" => app::direct_router(&db).await?,
+            other => anyhow::bail!("unknown router {other:?}: coherent, static or direct"),
+        };
+        let read = |id: uuid::Uuid| {
+            let router = router.clone();
+            async move {
+                let request = axum::http::Request::get(format!("/api/tasks/{id}"))
+                    .body(axum::body::Body::empty())?;
+                let response = router.oneshot(request).await?;
+                anyhow::ensure!(response.status() == 200, "status {}", response.status());
+                let body = axum::body::to_bytes(response.into_body(), usize::MAX).await?;
+                anyhow::Ok(body.len() as u64)
+            }
+        };
+        for id in &ids {
+            read(*id).await?;
+        }
+        let mut bytes = 0u64;
+        for i in 0..n {
+            bytes += read(ids[i as usize % ids.len()]).await?;
+        }
+        println!("{n} reads, {bytes} bytes");
+        drop(live);
+        anyhow::Ok(())
+    })
+}
+
 /// The title of every task the post rows create (ours and wrk's).
 const POSTED: &str = "A task from the bench";
 
@@ -232,15 +286,19 @@ async fn db_get(db: &DbConfig, id: uuid::Uuid) -> anyhow::Result<bytes::Bytes> {
 
 /// A server answering `GET /api/tasks/{id}` with `body`, whatever the id.
 async fn serve_static(body: bytes::Bytes) -> anyhow::Result<SocketAddr> {
+    serve(static_router(body)).await
+}
+
+/// The router of [`serve_static`].
+fn static_router(body: bytes::Bytes) -> axum::Router {
     use axum::http::header;
-    let router = axum::Router::new().route(
+    axum::Router::new().route(
         "/api/tasks/{id}",
         axum::routing::get(move || {
             let body = body.clone();
             async move { ([(header::CONTENT_TYPE, "application/json")], body) }
         }),
-    );
-    serve(router).await
+    )
 }
 
 pub(crate) async fn serve(router: axum::Router) -> anyhow::Result<SocketAddr> {
