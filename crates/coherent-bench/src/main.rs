@@ -123,9 +123,12 @@ enum Suite {
     HttpCount {
         /// `coherent`, `static` or `direct` (on SQLite).
         router: String,
-        /// How many reads.
+        /// How many requests.
         #[arg(long, default_value_t = 100_000)]
         n: u64,
+        /// Each request a `PATCH` of a task's status instead of a read.
+        #[arg(long)]
+        patch: bool,
     },
     /// A fixed number of single-reader `local` calls on one contender, untimed: for counting
     /// instructions per call under callgrind (see BENCHMARKS.md).
@@ -202,7 +205,7 @@ fn main() -> anyhow::Result<()> {
             calls,
             threads,
         } => return local::count_calls(contender, *calls, *threads),
-        Suite::HttpCount { router, n } => return tasks::count_requests(router, *n),
+        Suite::HttpCount { router, n, patch } => return tasks::count_requests(router, *n, *patch),
         Suite::RpcCount {
             peer,
             case,

@@ -193,8 +193,10 @@ async fn start_servers(db: &DbConfig, tasks: usize) -> anyhow::Result<Servers> {
 /// current-thread runtime, with nothing timed: for counting instructions per request of the
 /// router's own work under `valgrind --tool=callgrind` (see BENCHMARKS.md). `router`:
 /// `coherent` (the in-process tier, as `tasks serve` runs it, on SQLite), `static` (the
-/// static handler of `get_one.static`), or `direct` (on SQLite).
-pub(crate) fn count_requests(router: &str, n: u64) -> anyhow::Result<()> {
+/// static handler of `get_one.static`), or `direct` (on SQLite). With `patch`, each request
+/// is instead a `PATCH` of a task's status (the status of `mixed`'s writes, in turn), and
+/// the router's work includes SQLite's.
+pub(crate) fn count_requests(router: &str, n: u64, patch: bool) -> anyhow::Result<()> {
     use tower::ServiceExt as _;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -218,11 +220,19 @@ pub(crate) fn count_requests(router: &str, n: u64) -> anyhow::Result<()> {
             "direct" => app::direct_router(&db).await?,
             other => anyhow::bail!("unknown router {other:?}: coherent, static or direct"),
         };
-        let read = |id: uuid::Uuid| {
+        let read = |id: uuid::Uuid, patch: Option<Status>| {
             let router = router.clone();
             async move {
-                let request = axum::http::Request::get(format!("/api/tasks/{id}"))
-                    .body(axum::body::Body::empty())?;
+                let request = match patch {
+                    None => axum::http::Request::get(format!("/api/tasks/{id}"))
+                        .body(axum::body::Body::empty())?,
+                    Some(status) => axum::http::Request::patch(format!("/api/tasks/{id}"))
+                        .header("content-type", "application/json")
+                        .body(axum::body::Body::from(format!(
+                            r#"{{"status":"{}"}}"#,
+                            status.name()
+                        )))?,
+                };
                 let response = router.oneshot(request).await?;
                 anyhow::ensure!(response.status() == 200, "status {}", response.status());
                 let body = axum::body::to_bytes(response.into_body(), usize::MAX).await?;
@@ -230,13 +240,16 @@ pub(crate) fn count_requests(router: &str, n: u64) -> anyhow::Result<()> {
             }
         };
         for id in &ids {
-            read(*id).await?;
+            read(*id, None).await?;
         }
         let mut bytes = 0u64;
         for i in 0..n {
-            bytes += read(ids[i as usize % ids.len()]).await?;
+            let id = ids[i as usize % ids.len()];
+            let status = patch.then(|| Status::ALL[(i as usize / ids.len()) % Status::ALL.len()]);
+            bytes += read(id, status).await?;
         }
-        println!("{n} reads, {bytes} bytes");
+        let what = if patch { "patches" } else { "reads" };
+        println!("{n} {what}, {bytes} bytes");
         drop(live);
         anyhow::Ok(())
     })
