@@ -459,8 +459,8 @@ fn error(status: StatusCode, message: &str) -> Response {
 
 /// What the outer middleware tells the API's routes: logins are required by these rules,
 /// and who (if anyone) the request's cookie stands for. The rules themselves run in
-/// [`require_login`], a layer of each API route, so that a method a route does not have
-/// stays a 405 and an unknown path a 404, logged in or not.
+/// [`login_refusal`], from a layer of each API route (`api::router`), so that a method a
+/// route does not have stays a 405 and an unknown path a 404, logged in or not.
 #[derive(Clone, Debug)]
 pub struct Logins {
     /// Whether clients that did not log in may read.
