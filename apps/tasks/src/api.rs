@@ -268,9 +268,9 @@ pub fn router<B: Backend>(backend: Arc<B>) -> Router {
 /// The API's rules, before a route's handler: the login rule
 /// ([`session::login_refusal`](crate::session::login_refusal)), then the JSON-only rule
 /// ([`json_refusal`]). A layer of its own, not `axum::middleware::from_fn`: a request that
-/// passes goes straight to the route, with no future boxed and no service cloned for it
-/// (two `from_fn` layers took about 5,500 instructions of every read, `http-count` in
-/// BENCHMARKS.md).
+/// passes goes on to the route with no future boxed and no service cloned by this layer
+/// (each `from_fn` layer did both; the two took about 5,500 instructions of every read,
+/// `http-count` in BENCHMARKS.md).
 #[derive(Clone, Copy)]
 struct RulesLayer;
 
