@@ -620,10 +620,28 @@ mod tests {
                     reads
                 }
             );
+            let summary = format!("/api/projects/{}/summary", Uuid::nil());
+            for path in ["/api/tasks", summary.as_str()] {
+                assert_eq!(
+                    send(router.clone(), Method::GET, path, false).await,
+                    if anonymous_reads {
+                        send(backend.api_router(), Method::GET, path, false).await
+                    } else {
+                        reads
+                    },
+                    "{path}"
+                );
+            }
+            // HEAD is a read.
+            assert_eq!(
+                send(router.clone(), Method::HEAD, &task, false).await,
+                reads
+            );
             for (method, path) in [
                 (Method::PATCH, task.as_str()),
                 (Method::DELETE, task.as_str()),
                 (Method::POST, "/api/tasks"),
+                (Method::POST, "/api/projects"),
             ] {
                 for json in [true, false] {
                     assert_eq!(
@@ -634,10 +652,12 @@ mod tests {
                 }
             }
             // A method the route lacks: not the rules' to answer.
-            assert_eq!(
-                send(router.clone(), Method::PUT, &task, true).await,
-                StatusCode::METHOD_NOT_ALLOWED
-            );
+            for method in [Method::PUT, Method::OPTIONS] {
+                assert_eq!(
+                    send(router.clone(), method, &task, true).await,
+                    StatusCode::METHOD_NOT_ALLOWED
+                );
+            }
         }
         // Without `protect`: no login rule, the JSON rule still.
         let router = backend.api_router();
