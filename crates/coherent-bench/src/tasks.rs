@@ -220,7 +220,7 @@ pub(crate) fn count_requests(router: &str, n: u64, patch: bool) -> anyhow::Resul
             "direct" => app::direct_router(&db).await?,
             other => anyhow::bail!("unknown router {other:?}: coherent, static or direct"),
         };
-        let read = |id: uuid::Uuid, patch: Option<Status>| {
+        let send = |id: uuid::Uuid, patch: Option<Status>| {
             let router = router.clone();
             async move {
                 let request = match patch {
@@ -240,13 +240,13 @@ pub(crate) fn count_requests(router: &str, n: u64, patch: bool) -> anyhow::Resul
             }
         };
         for id in &ids {
-            read(*id, None).await?;
+            send(*id, None).await?;
         }
         let mut bytes = 0u64;
         for i in 0..n {
             let id = ids[i as usize % ids.len()];
             let status = patch.then(|| Status::ALL[(i as usize / ids.len()) % Status::ALL.len()]);
-            bytes += read(id, status).await?;
+            bytes += send(id, status).await?;
         }
         let what = if patch { "patches" } else { "reads" };
         println!("{n} {what}, {bytes} bytes");
