@@ -129,6 +129,12 @@ enum Suite {
         /// Each request a `PATCH` of a task's status instead of a read.
         #[arg(long)]
         patch: bool,
+        /// With `--patch`: each `PATCH` followed by a read of its task (two requests).
+        #[arg(long)]
+        read_after: bool,
+        /// On PostgreSQL (`DATABASE_URL`, a schema of its own) instead of SQLite.
+        #[arg(long)]
+        postgres: bool,
     },
     /// A fixed number of single-reader `local` calls on one contender, untimed: for counting
     /// instructions per call under callgrind (see BENCHMARKS.md).
@@ -205,7 +211,13 @@ fn main() -> anyhow::Result<()> {
             calls,
             threads,
         } => return local::count_calls(contender, *calls, *threads),
-        Suite::HttpCount { router, n, patch } => return tasks::count_requests(router, *n, *patch),
+        Suite::HttpCount {
+            router,
+            n,
+            patch,
+            read_after,
+            postgres,
+        } => return tasks::count_requests(router, *n, *patch, *read_after, *postgres),
         Suite::RpcCount {
             peer,
             case,

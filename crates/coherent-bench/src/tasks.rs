@@ -195,64 +195,110 @@ async fn start_servers(db: &DbConfig, tasks: usize) -> anyhow::Result<Servers> {
 /// `coherent` (the in-process tier, as `tasks serve` runs it, on SQLite), `static` (the
 /// static handler of `get_one.static`), or `direct` (on SQLite). With `patch`, each request
 /// is instead a `PATCH` of a task's status (the status of `mixed`'s writes, in turn), and
-/// the router's work includes SQLite's.
-pub(crate) fn count_requests(router: &str, n: u64, patch: bool) -> anyhow::Result<()> {
-    use tower::ServiceExt as _;
+/// the router's work includes SQLite's. With `postgres`, on PostgreSQL (`DATABASE_URL`, a
+/// schema of its own, dropped after). With `read_after`, each `PATCH` is followed by a read of
+/// its task (a request of its own, the one after a write: a recompute where there is a cache). It prints the processor time a request of this
+/// process and of PostgreSQL's processes (one request at a time: no batching).
+pub(crate) fn count_requests(
+    router: &str,
+    n: u64,
+    patch: bool,
+    read_after: bool,
+    postgres: bool,
+) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let dir = tempfile::tempdir()?;
-    let db = DbConfig::Sqlite(dir.path().join("tasks.db"));
-    runtime.block_on(async {
-        let store = db.open(1).await?;
-        app::seed(&store, 4, 1_000).await?;
-        let ids = all_tasks(&store).await?;
-        let mut live = None;
-        let router = match router {
-            "coherent" => {
-                let backend =
-                    LiveBackend::start(&db, TcpListener::bind("127.0.0.1:0").await?, None).await?;
-                let router = backend.api_router();
-                live = Some(backend);
-                router
-            }
-            "static" => static_router(db_get(&db, ids[0]).await?),
-            "direct" => app::direct_router(&db).await?,
-            other => anyhow::bail!("unknown router {other:?}: coherent, static or direct"),
-        };
-        let send = |id: uuid::Uuid, patch: Option<Status>| {
-            let router = router.clone();
-            async move {
-                let request = match patch {
-                    None => axum::http::Request::get(format!("/api/tasks/{id}"))
-                        .body(axum::body::Body::empty())?,
-                    Some(status) => axum::http::Request::patch(format!("/api/tasks/{id}"))
-                        .header("content-type", "application/json")
-                        .body(axum::body::Body::from(format!(
-                            r#"{{"status":"{}"}}"#,
-                            status.name()
-                        )))?,
-                };
-                let response = router.oneshot(request).await?;
-                anyhow::ensure!(response.status() == 200, "status {}", response.status());
-                let body = axum::body::to_bytes(response.into_body(), usize::MAX).await?;
-                anyhow::Ok(body.len() as u64)
-            }
-        };
-        for id in &ids {
-            send(*id, None).await?;
+    let db = if postgres {
+        DbConfig::Postgres {
+            url: crate::report::database_url(),
+            schema: format!("bench_count_{}", std::process::id()),
         }
-        let mut bytes = 0u64;
-        for i in 0..n {
-            let id = ids[i as usize % ids.len()];
-            let status = patch.then(|| Status::ALL[(i as usize / ids.len()) % Status::ALL.len()]);
-            bytes += send(id, status).await?;
+    } else {
+        DbConfig::Sqlite(dir.path().join("tasks.db"))
+    };
+    let result = runtime.block_on(count_on(&db, router, n, patch, read_after));
+    if let DbConfig::Postgres { url, schema } = &db {
+        runtime.block_on(drop_schema(url, schema));
+    }
+    result
+}
+
+async fn count_on(
+    db: &DbConfig,
+    router: &str,
+    n: u64,
+    patch: bool,
+    read_after: bool,
+) -> anyhow::Result<()> {
+    use tower::ServiceExt as _;
+    let store = db.open(1).await?;
+    app::seed(&store, 4, 1_000).await?;
+    let ids = all_tasks(&store).await?;
+    let mut live = None;
+    let router = match router {
+        "coherent" => {
+            let backend =
+                LiveBackend::start(db, TcpListener::bind("127.0.0.1:0").await?, None).await?;
+            let router = backend.api_router();
+            live = Some(backend);
+            router
         }
-        let what = if patch { "patches" } else { "reads" };
-        println!("{n} {what}, {bytes} bytes");
-        drop(live);
-        anyhow::Ok(())
-    })
+        "static" => static_router(db_get(db, ids[0]).await?),
+        "direct" => app::direct_router(db).await?,
+        other => anyhow::bail!("unknown router {other:?}: coherent, static or direct"),
+    };
+    let send = |id: uuid::Uuid, patch: Option<Status>| {
+        let router = router.clone();
+        async move {
+            let request = match patch {
+                None => axum::http::Request::get(format!("/api/tasks/{id}"))
+                    .body(axum::body::Body::empty())?,
+                Some(status) => axum::http::Request::patch(format!("/api/tasks/{id}"))
+                    .header("content-type", "application/json")
+                    .body(axum::body::Body::from(format!(
+                        r#"{{"status":"{}"}}"#,
+                        status.name()
+                    )))?,
+            };
+            let response = router.oneshot(request).await?;
+            anyhow::ensure!(response.status() == 200, "status {}", response.status());
+            let body = axum::body::to_bytes(response.into_body(), usize::MAX).await?;
+            anyhow::Ok(body.len() as u64)
+        }
+    };
+    for id in &ids {
+        send(*id, None).await?;
+    }
+    let mut bytes = 0u64;
+    let servers = crate::cpu::Servers {
+        children: Vec::new(),
+        postgres: matches!(db, DbConfig::Postgres { .. }),
+    };
+    let before = servers.snapshot();
+    for i in 0..n {
+        let id = ids[i as usize % ids.len()];
+        let status = patch.then(|| Status::ALL[(i as usize / ids.len()) % Status::ALL.len()]);
+        bytes += send(id, status).await?;
+        if patch && read_after {
+            bytes += send(id, None).await?;
+        }
+    }
+    let spent = crate::cpu::Spent::between(&before, &servers.snapshot(), Duration::ZERO);
+    let what = match (patch, read_after) {
+        (false, _) => "reads",
+        (true, false) => "patches",
+        (true, true) => "patches, each with a read after",
+    };
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
+    println!(
+        "{n} {what}, {bytes} bytes; processor time each: this process {:.1} us, PostgreSQL {:.1} us",
+        per(spent.own),
+        per(spent.postgres)
+    );
+    drop(live);
+    anyhow::Ok(())
 }
 
 /// The title of every task the post rows create (ours and wrk's).
