@@ -2291,14 +2291,20 @@ impl<C: Command> Execute for TypedJob<C> {
                     )
                 })?;
                 match &result {
+                    // Checked in debug builds only: as JSON values, the logged text being
+                    // PostgreSQL's, which cost a command a sixth of its instructions here.
                     Ok(answered)
-                        if serde_json::to_value(answered).ok()
-                            == serde_json::from_str::<serde_json::Value>(logged).ok() => {}
-                    Ok(_) => tracing::error!(
-                        command = C::NAME,
-                        "the handler answered another output than its Tx::finish_sql \
-                         logged: the logged one is answered"
-                    ),
+                        if cfg!(debug_assertions)
+                            && serde_json::to_value(answered).ok()
+                                != serde_json::from_str::<serde_json::Value>(logged).ok() =>
+                    {
+                        tracing::error!(
+                            command = C::NAME,
+                            "the handler answered another output than its Tx::finish_sql \
+                             logged: the logged one is answered"
+                        )
+                    }
+                    Ok(_) => {}
                     Err(e) => tracing::error!(
                         command = C::NAME,
                         %e,

@@ -173,9 +173,11 @@ pub(crate) struct Postgres {
     /// The `LISTEN`/`NOTIFY` channel: one per schema, so that clusters in other schemas of
     /// the same database never hear each other.
     pub(crate) channel: String,
-    /// Statements of [`Tx::defer_sql`] that cannot stand in a `WITH` (see
-    /// [`Postgres::fused`]): not tried again.
-    unfusable: parking_lot::Mutex<std::collections::HashSet<String>>,
+    /// The fused statement built for each write of [`Tx::defer_sql`] and [`Tx::finish_sql`]
+    /// (see [`Postgres::send_fused`]), by [`Fusion`] and the write's text; `None` for a
+    /// write that cannot stand in a `WITH`, not tried again. Built once: the text is
+    /// rewritten and formatted, which cost more per command than the rest of sending it.
+    fused_texts: parking_lot::Mutex<[FusedTexts; 2]>,
     /// The threads that drive the pool's connections and run the hosts' own work (see
     /// [`background`]). Last: dropped after the pool.
     pub(crate) background: Background,
@@ -199,8 +201,7 @@ impl Postgres {
             .send_fused(
                 client,
                 sql,
-                "$n1, {PG_NOW}, $n2, $n3, $n4",
-                "id, xid::text",
+                Fusion::Defer,
                 queued.statement.params(),
                 &queued.params,
                 &[&row.host, &row.kind, &row.command, &row.output],
@@ -222,47 +223,94 @@ impl Postgres {
     }
 }
 
-impl Postgres {
-    /// Sends a command's write `sql` (its parameters' types `types`, its values `params`)
-    /// fused with its operation's row, as one statement: `WITH coherent_write AS (<sql>)
-    /// INSERT INTO coherent_operations (host, logged_at, kind, command, output) VALUES
-    /// (<values>) RETURNING <returning>`, where `{PG_NOW}` and `$n1`.. in `values` stand for
-    /// the database's clock and the parameters after the write's, given in `row`. `None`
-    /// when the write cannot stand in a `WITH` (remembered, and not tried again).
-    #[allow(clippy::too_many_arguments)]
-    async fn send_fused(
-        &self,
-        client: &deadpool_postgres::ClientWrapper,
-        sql: &str,
-        values: &str,
-        returning: &str,
-        types: &[tokio_postgres::types::Type],
-        params: &[DeferredParam],
-        row: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Option<Sent> {
-        if self.unfusable.lock().contains(sql) {
-            return None;
+/// The two ways a write is fused with its operation's row ([`Postgres::send_fused`]).
+#[derive(Clone, Copy)]
+enum Fusion {
+    /// [`Tx::defer_sql`]'s: the row's output is given; answers the row's id and position.
+    Defer,
+    /// [`Tx::finish_sql`]'s: the row's output is the write's answer (`NULL` when it
+    /// answered no row, which the column refuses); answers the row's id, position and
+    /// output.
+    Finish,
+}
+
+impl Fusion {
+    /// The row's values: `{PG_NOW}` and `$n1`.. stand for the database's clock and the
+    /// parameters after the write's.
+    fn values(self) -> &'static str {
+        match self {
+            Self::Defer => "$n1, {PG_NOW}, $n2, $n3, $n4",
+            Self::Finish => {
+                "$n1, {PG_NOW}, $n2, $n3, \
+                 (SELECT coalesce(w.o::json::text, 'null') FROM coherent_write AS w (o))"
+            }
         }
-        let n = types.len();
-        let mut values = values.replace("{PG_NOW}", PG_NOW);
+    }
+
+    /// What the statement answers.
+    fn returning(self) -> &'static str {
+        match self {
+            Self::Defer => "id, xid::text",
+            Self::Finish => "id, xid::text, output",
+        }
+    }
+
+    /// The fused statement of a write `sql` whose parameters are `n`, and whose row's
+    /// values after them are `extra`.
+    fn text(self, sql: &str, n: usize, extra: usize) -> String {
+        let mut values = self.values().replace("{PG_NOW}", PG_NOW);
         // From the last, so that `$n1` does not match the start of `$n10`.
-        for k in (1..=row.len()).rev() {
+        for k in (1..=extra).rev() {
             values = values.replace(&format!("$n{k}"), &format!("${}", n + k));
         }
         let body = sql.trim_end().trim_end_matches(';');
         // The write's text on lines of its own: a comment at its end ends there.
-        let text = format!(
+        format!(
             "WITH coherent_write AS (\n{body}\n) \
              INSERT INTO coherent_operations (host, logged_at, kind, command, output) \
-             VALUES ({values}) RETURNING {returning}"
-        );
-        let unfusable = || {
-            let mut set = self.unfusable.lock();
-            if set.len() >= 1024 {
-                set.clear();
+             VALUES ({values}) RETURNING {}",
+            self.returning()
+        )
+    }
+}
+
+/// The fused statements of one [`Fusion`], by the write's text (see
+/// [`Postgres::fused_texts`]). At most [`FusedTexts::MAX`]: a program with more distinct
+/// writes than that (text built per call) starts over.
+#[derive(Default)]
+struct FusedTexts(std::collections::HashMap<String, Option<Arc<str>>, foldhash::fast::RandomState>);
+
+impl FusedTexts {
+    const MAX: usize = 1024;
+}
+
+impl Postgres {
+    /// Sends a command's write `sql` (its parameters' types `types`, its values `params`)
+    /// fused with its operation's row, as one statement: `WITH coherent_write AS (<sql>)
+    /// INSERT INTO coherent_operations (host, logged_at, kind, command, output) VALUES
+    /// (...) RETURNING ...` (see [`Fusion`]), the row's values after the write's in `row`.
+    /// `None` when the write cannot stand in a `WITH` (remembered, and not tried again).
+    async fn send_fused(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        sql: &str,
+        fusion: Fusion,
+        types: &[tokio_postgres::types::Type],
+        params: &[DeferredParam],
+        row: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Option<Sent> {
+        let n = types.len();
+        let known = self.fused_texts.lock()[fusion as usize].0.get(sql).cloned();
+        let text = match known {
+            Some(None) => return None,
+            Some(Some(text)) => text,
+            None => {
+                let text: Arc<str> = fusion.text(sql, n, row.len()).into();
+                self.remember_fused(fusion, sql, Some(text.clone()));
+                text
             }
-            set.insert(sql.to_owned());
         };
+        let unfusable = || self.remember_fused(fusion, sql, None);
         let fused = match client.prepare_cached(&text).await {
             Ok(fused) => fused,
             // The session ended (a terminated backend): it says nothing of the statement.
@@ -294,6 +342,16 @@ impl Postgres {
             Some(result) => Sent::Answered(result),
             None => Sent::Answered(query.await),
         })
+    }
+
+    /// Remembers `sql`'s fused statement for `fusion` (`None`: it cannot be fused).
+    fn remember_fused(&self, fusion: Fusion, sql: &str, text: Option<Arc<str>>) {
+        let mut all = self.fused_texts.lock();
+        let texts = &mut all[fusion as usize].0;
+        if texts.len() >= FusedTexts::MAX && !texts.contains_key(sql) {
+            texts.clear();
+        }
+        texts.insert(sql.to_owned(), text);
     }
 }
 
@@ -504,7 +562,7 @@ impl Database {
                 tls,
                 schema: schema.to_owned(),
                 channel,
-                unfusable: parking_lot::Mutex::new(std::collections::HashSet::new()),
+                fused_texts: Default::default(),
                 background,
             })),
         })
@@ -1653,9 +1711,7 @@ impl Postgres {
             .send_fused(
                 client,
                 sql,
-                "$n1, {PG_NOW}, $n2, $n3, \
-                 (SELECT coalesce(w.o::json::text, 'null') FROM coherent_write AS w (o))",
-                "id, xid::text, output",
+                Fusion::Finish,
                 statement.params(),
                 params,
                 &[&row.host, &row.kind, &row.command],
@@ -1706,8 +1762,8 @@ impl Tx<'_> {
     /// out again ([`Tx::postgres`] answers `None`), and [`Tx::defer`] fails. The handler
     /// returns the output this call answered: where the statement committed alone, the log
     /// holds the statement's answer, and the pipeline answers that one (an output the
-    /// handler changed after, or an error it returned, is logged as a mistake and not
-    /// answered).
+    /// handler changed after, or an error it returned, is not answered; an error is logged
+    /// as a mistake, and so is a changed output in a debug build, where it is compared).
     ///
     /// It commits alone when this command's batch is the command alone, nothing was sent
     /// on the transaction before (no [`Tx::postgres`], no [`Tx::defer`]) and the statement
