@@ -981,7 +981,18 @@ async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed
     psql.execute("UPDATE items SET value = 6 WHERE id = 6", &[])
         .await
         .unwrap();
-    within("a change after it", six.when_invalidated()).await;
+    if tokio::time::timeout(Duration::from_secs(60), six.when_invalidated())
+        .await
+        .is_err()
+    {
+        panic!(
+            "a change after it did not end within 60 s: feed a {:?}, b {:?}; hosts a {:?}, b {:?}",
+            a.0.feed_stats(),
+            b.0.feed_stats(),
+            a.0.stats(),
+            b.0.stats()
+        );
+    }
     // Whether the slot had to be replaced depends on whether a change to a published
     // table (item 5's, or an operation of the log) was written before the feed made the
     // publication again: either way nothing stale is served, and the slot is replaced at
