@@ -1007,6 +1007,91 @@ async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed
     drop_slot(&db, &name).await;
 }
 
+/// A slot made anew while another session holds a transaction open: PostgreSQL makes it
+/// only once that transaction ends, and nothing changed meanwhile reaches the hosts until
+/// the flush after it. Meanwhile no host answers from its cache (the feed fences them):
+/// a read after a change made in that wait sees the change. (Before the fence, the read
+/// answered the value from before it for as long as the transaction ran.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_slot_made_behind_a_long_transaction_answers_nothing_stale() {
+    let Some(db) = postgres_db("feed_long").await else {
+        return;
+    };
+    let feed = feed_for(&db, "long", Mode::Stream).await;
+    let [a, b] = pair(&db, &feed).await;
+    let name = feed_name("long");
+    let psql = sql(&db).await;
+    // Holds a transaction id until the end: the new slot waits for it.
+    let long = sql(&db).await;
+    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .await
+        .unwrap();
+    // The slot lost: the publication dropped under a change, three refusals, a new slot.
+    psql.batch_execute(&format!("DROP PUBLICATION {name}"))
+        .await
+        .unwrap();
+    psql.execute("UPDATE items SET value = 5 WHERE id = 5", &[])
+        .await
+        .unwrap();
+    within("the new slot waiting for the open transaction", async {
+        loop {
+            let waiting: i64 = psql
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE query LIKE '%pg_create_logical_replication_slot%' \
+                       AND state = 'active' AND pid <> pg_backend_pid()",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // The fence was logged before the slot was dropped: B has it once it read the log.
+    within("B's read of the log", b.0.catch_up()).await.unwrap();
+    let before = b.1.value(6).await.unwrap();
+    psql.execute(
+        "UPDATE items SET value = $1 WHERE id = 6",
+        &[&(before + 1000)],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        b.1.value(6).await,
+        Ok(before + 1000),
+        "a read after a change made while the new slot waited answered from the cache"
+    );
+    assert!(
+        b.1.handle.registry().is_fenced(),
+        "B's registry is not fenced"
+    );
+    // The transaction ends, the slot is made, every host flushes and answers from its
+    // cache again.
+    long.batch_execute("COMMIT").await.unwrap();
+    within("the flush after the new slot, on both hosts", async {
+        while [&a, &b].iter().any(|h| h.1.handle.registry().is_fenced()) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(b.1.value(6).await, Ok(before + 1000));
+    assert_eq!(a.1.value(6).await, Ok(before + 1000));
+    // And the feed goes on: a change after it reaches both.
+    let seven = b.1.value_computed(7).await;
+    psql.execute("UPDATE items SET value = value + 1 WHERE id = 7", &[])
+        .await
+        .unwrap();
+    within("a change after it", seven.when_invalidated()).await;
+    a.0.stop().await;
+    b.0.stop().await;
+    drop_slot(&db, &name).await;
+}
+
 /// `PostgresOptions::tls`: every connection of the database speaks TLS (the pool's, each
 /// host's listener, the feed's SQL connection and its replication stream, which this crate
 /// opens by hand), the server's certificate checked against the roots given, and a change
