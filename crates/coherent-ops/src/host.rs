@@ -666,7 +666,6 @@ impl HostBuilder {
                 hints: AtomicU64::new(0),
                 paired: AtomicU64::new(0),
                 seen: Default::default(),
-                fenced: Default::default(),
             });
             handlers.insert::<DbChanges, _>(ChangesHandler(apply.clone()));
             Some(apply)
@@ -1960,9 +1959,6 @@ impl Inner {
             r.clear_lease();
         }
         self.unfence_locked();
-        if let Some(changes) = &self.changes {
-            changes.lift_fence();
-        }
     }
 
     fn unfence_locked(&self) {

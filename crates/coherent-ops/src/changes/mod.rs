@@ -261,12 +261,6 @@ pub(crate) struct DbChanges {
     pub(crate) tables: Vec<String>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) flush: bool,
-    /// The feed is about to see no change for a while: its slot is made anew, which
-    /// PostgreSQL does only once every transaction running then has ended (a long one
-    /// elsewhere holds it for as long), and nothing changed meanwhile reaches the hosts
-    /// before the flush that follows. Every host fences its registries until that flush.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub(crate) fence: bool,
     /// The host that applied the changes before it logged them (SQLite's tracked
     /// connections): it does not run the watches again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -335,7 +329,7 @@ impl SeenHints {
 
 impl DbChanges {
     pub(crate) fn is_empty(&self) -> bool {
-        self.rows.is_empty() && self.tables.is_empty() && !self.flush && !self.fence
+        self.rows.is_empty() && self.tables.is_empty() && !self.flush
     }
 
     /// A hash of what the changes say (rows, tables, flush), the same for a hint and for
@@ -364,35 +358,9 @@ pub(crate) struct ApplyChanges {
     /// Hints and operations whose pair was applied already (`HostStats::change_hints_paired`).
     pub(crate) paired: std::sync::atomic::AtomicU64,
     pub(crate) seen: parking_lot::Mutex<SeenHints>,
-    /// Whether a [`DbChanges::fence`] fences the registries now (lifted by the next
-    /// flush of the feed, or when the host stops).
-    pub(crate) fenced: parking_lot::Mutex<bool>,
 }
 
 impl ApplyChanges {
-    /// Fences the registries until the feed's next flush (see [`DbChanges::fence`]).
-    fn fence(&self) {
-        let mut fenced = self.fenced.lock();
-        if !*fenced {
-            *fenced = true;
-            for r in &self.registries {
-                r.fence();
-            }
-            tracing::info!("database changes: the feed makes its slot anew: no answer from the cache until its flush");
-        }
-    }
-
-    /// Lifts the fence of [`fence`](Self::fence), if it stands: after the flush that
-    /// follows it, or when the host stops.
-    pub(crate) fn lift_fence(&self) {
-        let mut fenced = self.fenced.lock();
-        if std::mem::take(&mut *fenced) {
-            for r in &self.registries {
-                r.unfence();
-            }
-        }
-    }
-
     fn flush(&self, why: &str) {
         self.flushes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -430,9 +398,7 @@ impl ApplyChanges {
 
     /// Applies changes heard in a [`HintOut`] from the host that reads the feed.
     pub(crate) fn apply_hint(&self, hint: &HintIn) {
-        // A fence comes through the log only: anyone who may `NOTIFY` can send a hint, and
-        // a forged fence would hold every host off its cache until the feed's next flush.
-        if hint.from == self.host || hint.changes.hint == 0 || hint.changes.fence {
+        if hint.from == self.host || hint.changes.hint == 0 {
             return;
         }
         self.hints
@@ -441,15 +407,8 @@ impl ApplyChanges {
     }
 
     fn run(&self, changes: &DbChanges) {
-        if changes.fence {
-            self.fence();
-            return;
-        }
         if changes.flush {
-            // Whatever was computed under the fence goes first: what it read may be older
-            // than a change the new slot does not hold.
             self.flush("the change feed may have missed changes");
-            self.lift_fence();
             return;
         }
         // Tables touched, in a stable order, each with whether it changed as a whole.
@@ -764,7 +723,6 @@ impl Batch {
                 .map(|(schema, table)| format!("{schema}.{table}"))
                 .collect(),
             flush: false,
-            fence: false,
             applied_by: None,
             hint: 0,
         }
@@ -809,7 +767,6 @@ mod tests {
             hints: AtomicU64::new(0),
             paired: AtomicU64::new(0),
             seen: Default::default(),
-            fenced: Default::default(),
         };
         (apply, seen)
     }
@@ -842,37 +799,6 @@ mod tests {
             assert_eq!(seen.load(Ordering::Relaxed), 1, "hint first: {hint_first}");
             assert_eq!(apply.paired.load(Ordering::Relaxed), 1);
         }
-    }
-
-    /// A fence holds the registries off their caches until the feed's next flush, once
-    /// however many come; a hint cannot fence; a host's stop lifts it.
-    #[test]
-    fn a_fence_stands_until_the_next_flush() {
-        let registry = coherent_core::Registry::new();
-        let (mut apply, _) = host();
-        apply.registries = vec![registry.clone()];
-        let fence = DbChanges {
-            fence: true,
-            ..DbChanges::default()
-        };
-        let mut forged = hint(fence.clone());
-        forged.changes.hint = 9;
-        apply.apply_hint(&forged);
-        assert!(!registry.is_fenced(), "a hint fenced");
-        apply.apply(&fence);
-        apply.apply(&fence);
-        assert!(registry.is_fenced());
-        apply.apply(&row_change(1));
-        assert!(registry.is_fenced(), "changes do not lift it");
-        apply.apply(&DbChanges {
-            flush: true,
-            ..DbChanges::default()
-        });
-        assert!(!registry.is_fenced(), "the flush lifts it, once for both");
-        assert_eq!(apply.flushes.load(Ordering::Relaxed), 1);
-        apply.apply(&fence);
-        apply.lift_fence();
-        assert!(!registry.is_fenced(), "a stop lifts it");
     }
 
     /// Anyone who may `NOTIFY` can send a hint: one that reuses a real batch's number with

@@ -531,9 +531,7 @@ async fn lead(
         return super::triggers::follow(host, feed, &client, &wake, stop).await;
     }
     tracing::info!(slot = %feed.feed.slot, "change feed: this host reads the slot");
-    if !ensure_slot(host, &client, feed).await? {
-        return Ok(());
-    }
+    ensure_slot(&client, feed).await?;
     if !pay_flush(host, &client, feed, &owed).await? {
         return Ok(());
     }
@@ -1117,9 +1115,8 @@ fn finished(
     }
 }
 
-/// Gives up a lost slot: records the flush the hosts owe, fences them until it (see
-/// [`DbChanges::fence`]), drops the slot, makes it anew and pays the flush. `false`: the
-/// host stopped.
+/// Gives up a lost slot: records the flush the hosts owe, drops the slot, makes it anew
+/// and pays the flush. `false`: the host stopped.
 async fn renew_slot(
     host: &Weak<Inner>,
     client: &tokio_postgres::Client,
@@ -1131,11 +1128,6 @@ async fn renew_slot(
         "change feed: the slot is lost; a new one is made and every host flushes");
     feed.counters.stuck.store(0, Ordering::Relaxed);
     owe_flush(client, feed, owed).await?;
-    // Owed first: a leader that dies from here on leaves the flush, which lifts the
-    // fence, to the next.
-    if !log(host, fence()).await? {
-        return Ok(false);
-    }
     release_slot(client, feed).await?;
     client
         .execute(
@@ -1145,9 +1137,7 @@ async fn renew_slot(
         )
         .await
         .map_err(feed_error)?;
-    if !ensure_slot(host, client, feed).await? {
-        return Ok(false);
-    }
+    ensure_slot(client, feed).await?;
     pay_flush(host, client, feed, owed).await
 }
 
@@ -1231,14 +1221,6 @@ impl<T> Drop for AbortOnDrop<T> {
 pub(super) fn flush() -> DbChanges {
     DbChanges {
         flush: true,
-        ..DbChanges::default()
-    }
-}
-
-/// The hosts fence until the next [`flush`] (see [`DbChanges::fence`]).
-fn fence() -> DbChanges {
-    DbChanges {
-        fence: true,
         ..DbChanges::default()
     }
 }
@@ -1356,15 +1338,9 @@ async fn publish(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<Keys,
 }
 
 /// Creates the slot when it is missing, after recording that the hosts owe a flush
-/// (changes before it are not in it) and logging their fence until that flush (the slot
-/// waits for every transaction running when it is made). A slot of that name in another
-/// database, or of another plugin, is refused: it is not this cluster's. `false`: the host
-/// stopped.
-async fn ensure_slot(
-    host: &Weak<Inner>,
-    client: &tokio_postgres::Client,
-    feed: &PgFeed,
-) -> Result<bool, CommandError> {
+/// (changes before it are not in it). A slot of that name in another database, or of
+/// another plugin, is refused: it is not this cluster's.
+async fn ensure_slot(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(), CommandError> {
     let found = client
         .query_opt(
             "SELECT database::text = current_database()::text, plugin::text, database::text \
@@ -1377,7 +1353,7 @@ async fn ensure_slot(
         let (here, plugin, database): (Option<bool>, Option<String>, Option<String>) =
             (row.get(0), row.get(1), row.get(2));
         if here == Some(true) && plugin.as_deref() == Some("pgoutput") {
-            return Ok(true);
+            return Ok(());
         }
         return Err(feed_error(format!(
             "the replication slot {} belongs to database {database:?} with plugin \
@@ -1386,11 +1362,6 @@ async fn ensure_slot(
         )));
     }
     owe_flush(client, feed, &feed.feed.slot).await?;
-    // Made only once every transaction running now has ended: the hosts answer nothing
-    // from their caches until the flush after it.
-    if !log(host, fence()).await? {
-        return Ok(false);
-    }
     client
         .execute(
             "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
@@ -1400,7 +1371,7 @@ async fn ensure_slot(
         .map_err(feed_error)?;
     feed.counters.slots_created.fetch_add(1, Ordering::Relaxed);
     tracing::info!(slot = %feed.feed.slot, "change feed: slot created");
-    Ok(true)
+    Ok(())
 }
 
 enum ReadError {
