@@ -508,7 +508,14 @@ async fn lead(
         }
         publish(&client, feed).await?
     };
-    if !pay_flush(host, &client, feed, &owed).await? {
+    // The triggers' flush, owed by this host's install, is paid here. A slot's is paid only
+    // under the feed's lock, by the leader: a leader making a slot anew holds the lock from
+    // the flush it owes until it pays it, and the slot waits for every transaction running
+    // when it is made; paid by another host meanwhile, the flush would come before the
+    // slot, and a change in between would be in neither (served stale until its row
+    // changed again: `changes::postgres_a_host_starting_while_a_new_slot_waits_leaves_its_
+    // flush_to_the_leader`).
+    if feed.feed.triggers && !pay_flush(host, &client, feed, &owed).await? {
         return Ok(());
     }
     // Stand by until this host holds the feed.

@@ -109,27 +109,32 @@ async fn drop_slot(db: &Database, feed_name: &str) {
     drop_slot_when_free(&c, feed_name).await;
 }
 
+/// A host with its own cache, running the feed.
+async fn feed_host(db: &Database, feed: &ChangeFeed) -> (Host, Items, Arc<Seen>) {
+    let seen = Arc::new(Seen::default());
+    let feed = feed.clone();
+    let (host, items) = {
+        let seen = seen.clone();
+        let slot = Arc::new(Mutex::new(None::<Items>));
+        let slot2 = slot.clone();
+        let (host, items) = host(db, move |b| {
+            // The watch needs the service the host builds: built with a stand-in
+            // that forwards to it.
+            let fwd = Forward(slot2);
+            fwd.install(b, &seen).change_feed(feed)
+        })
+        .await;
+        *slot.lock() = Some(items.clone());
+        (host, items)
+    };
+    (host, items, seen)
+}
+
 /// Two hosts, each with its own cache, both running the feed (one reads it).
 async fn pair(db: &Database, feed: &ChangeFeed) -> [(Host, Items, Arc<Seen>); 2] {
     let mut hosts = Vec::new();
     for _ in 0..2 {
-        let seen = Arc::new(Seen::default());
-        let feed = feed.clone();
-        let (host, items) = {
-            let seen = seen.clone();
-            let slot = Arc::new(Mutex::new(None::<Items>));
-            let slot2 = slot.clone();
-            let (host, items) = host(db, move |b| {
-                // The watch needs the service the host builds: built with a stand-in
-                // that forwards to it.
-                let fwd = Forward(slot2);
-                fwd.install(b, &seen).change_feed(feed)
-            })
-            .await;
-            *slot.lock() = Some(items.clone());
-            (host, items)
-        };
-        hosts.push((host, items, seen));
+        hosts.push(feed_host(db, feed).await);
     }
     let [a, b] = <[_; 2]>::try_from(hosts).ok().unwrap();
     // The feed is read once one of them leads and the slot exists.
@@ -804,7 +809,13 @@ async fn postgres_a_table_only_another_host_watches_reaches_that_host() {
         }
     })
     .await;
-    until("A leads", || a.feed_stats().unwrap().leading).await;
+    // Its slot made and read: a change before the slot is in no slot (the hosts flush
+    // for it; no watch runs).
+    until("A reads the feed", || {
+        let stats = a.feed_stats().unwrap();
+        stats.leading && stats.reads > 0
+    })
+    .await;
     let (b, _) = host(&db, {
         let seen = seen.clone();
         move |b| {
@@ -843,10 +854,20 @@ async fn postgres_a_table_only_another_host_watches_reaches_that_host() {
     psql.execute("UPDATE other SET v = 1 WHERE id = 1", &[])
         .await
         .unwrap();
-    until("B's watch of the other table", || {
-        seen.load(Ordering::Relaxed) == 1
+    let waited = tokio::time::timeout(Duration::from_secs(15), async {
+        while seen.load(Ordering::Relaxed) != 1 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     })
     .await;
+    assert!(
+        waited.is_ok(),
+        "B's watch of the other table: feeds {:?} {:?}; hosts {:?} {:?}",
+        a.feed_stats(),
+        b.feed_stats(),
+        a.stats(),
+        b.stats()
+    );
     a.stop().await;
     b.stop().await;
     drop_slot(&db, &feed_name("mixed")).await;
@@ -1004,6 +1025,82 @@ async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed
     assert!(created <= 2, "the slot was replaced {} times", created - 1);
     a.0.stop().await;
     b.0.stop().await;
+    drop_slot(&db, &name).await;
+}
+
+/// A slot made anew waits for every transaction running when it is made: a long one
+/// elsewhere holds it, and a change made meanwhile is in no slot, so the hosts flush once
+/// it is made. A host whose feed starts in that wait must leave that flush to the leader:
+/// paid before the slot, it would come before such a change, and the change would be
+/// served stale until its row changed again. (Every host paid what it found owed before it
+/// stood by, and this test's last read answered the old value.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the_leader() {
+    let Some(db) = postgres_db("feed_late").await else {
+        return;
+    };
+    let feed = feed_for(&db, "late", Mode::Stream).await;
+    let [a, b] = pair(&db, &feed).await;
+    let name = feed_name("late");
+    let psql = sql(&db).await;
+    // Holds a transaction id until it commits: the new slot waits for it.
+    let long = sql(&db).await;
+    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .await
+        .unwrap();
+    // The slot lost: the publication dropped under a change, three refusals, a new slot.
+    psql.batch_execute(&format!("DROP PUBLICATION {name}"))
+        .await
+        .unwrap();
+    psql.execute("UPDATE items SET value = 5 WHERE id = 5", &[])
+        .await
+        .unwrap();
+    // The feed's sessions of this schema (each host's feed connection) running `query`.
+    let sessions = |query: &'static str| {
+        let psql = &psql;
+        async move {
+            psql.query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = left($1 || ':' || current_schema(), 63) \
+                   AND query LIKE $2",
+                &[&coherent_ops::changes::FEED_APPLICATION, &query],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+        }
+    };
+    within("the new slot waiting for the open transaction", async {
+        while sessions("%pg_create_logical_replication_slot%").await == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // A third host's feed starts, and stands by behind the leader.
+    let c = feed_host(&db, &feed).await;
+    within("the third host standing by", async {
+        while sessions("%pg_try_advisory_lock%").await < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let before = b.1.value(6).await.unwrap();
+    psql.execute(
+        "UPDATE items SET value = $1 WHERE id = 6",
+        &[&(before + 1000)],
+    )
+    .await
+    .unwrap();
+    long.batch_execute("COMMIT").await.unwrap();
+    within("B's read of the change made while the slot waited", async {
+        while b.1.value(6).await != Ok(before + 1000) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    for h in [&a, &b, &c] {
+        h.0.stop().await;
+    }
     drop_slot(&db, &name).await;
 }
 
