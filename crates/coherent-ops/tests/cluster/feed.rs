@@ -175,7 +175,7 @@ async fn postgres_a_slot_past_max_slot_wal_keep_size_is_replaced_and_every_host_
     })
     .await;
     let mut b = config.spawn().await;
-    // The flush the new slot owed (logged by whichever host paid it, maybe both) applied
+    // The flush the new slot owed (logged by the host that made it, under the lock) applied
     // on both before the premise below: one that landed on B in the middle of the test
     // emptied its cache, and B then read the new value from the database (seen in CI).
     within("the slot's flush paid", async {

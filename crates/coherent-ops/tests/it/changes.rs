@@ -146,9 +146,9 @@ async fn pair(db: &Database, feed: &ChangeFeed) -> [(Host, Items, Arc<Seen>); 2]
         }
     })
     .await;
-    // The flush the new slot owed is logged before its row goes (by whichever host paid
-    // it, maybe both): once the row is gone, a read of the log applies it on each host,
-    // so that it does not land in the middle of a test.
+    // The flush the new slot owed is logged before its row goes (by the host that made
+    // the slot, under the feed's lock): once the row is gone, a read of the log applies it
+    // on each host, so that it does not land in the middle of a test.
     let psql = sql(db).await;
     within("the slot's flush paid", async {
         loop {
@@ -1055,35 +1055,48 @@ async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the
     psql.execute("UPDATE items SET value = 5 WHERE id = 5", &[])
         .await
         .unwrap();
-    // The feed's sessions of this schema (each host's feed connection) running `query`.
-    let sessions = |query: &'static str| {
+    // The feed's sessions of this schema (each host's feed connection) whose query is
+    // `query`: running it with `active`, else its last; begun after `since`.
+    let sessions = |query: &'static str, active: bool, since: std::time::SystemTime| {
         let psql = &psql;
         async move {
             psql.query_one(
                 "SELECT count(*) FROM pg_stat_activity \
                  WHERE application_name = left($1 || ':' || current_schema(), 63) \
-                   AND query LIKE $2",
-                &[&coherent_ops::changes::FEED_APPLICATION, &query],
+                   AND query LIKE $2 AND (state = 'active' OR NOT $3) \
+                   AND backend_start > $4",
+                &[
+                    &coherent_ops::changes::FEED_APPLICATION,
+                    &query,
+                    &active,
+                    &since,
+                ],
             )
             .await
             .unwrap()
             .get::<_, i64>(0)
         }
     };
+    let always = std::time::UNIX_EPOCH;
     within("the new slot waiting for the open transaction", async {
-        while sessions("%pg_create_logical_replication_slot%").await == 0 {
+        while sessions("%pg_create_logical_replication_slot%", true, always).await == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await;
-    // A third host's feed starts, and stands by behind the leader.
+    // A third host's feed starts, and stands by behind the leader (its feed's session
+    // is the one begun after this).
+    let started = std::time::SystemTime::now() - Duration::from_millis(1);
     let c = feed_host(&db, &feed).await;
     within("the third host standing by", async {
-        while sessions("%pg_try_advisory_lock%").await < 2 {
+        while sessions("%pg_try_advisory_lock%", false, started).await == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await;
+    // Whatever the third host paid is applied on B before B caches the value (so that a
+    // flush landing later could not empty B's cache and hide a stale read).
+    within("B's read of the log", b.0.catch_up()).await.unwrap();
     let before = b.1.value(6).await.unwrap();
     psql.execute(
         "UPDATE items SET value = $1 WHERE id = 6",
