@@ -196,9 +196,10 @@ async fn start_servers(db: &DbConfig, tasks: usize) -> anyhow::Result<Servers> {
 /// static handler of `get_one.static`), or `direct` (on SQLite). With `patch`, each request
 /// is instead a `PATCH` of a task's status (the status of `mixed`'s writes, in turn), and
 /// the router's work includes SQLite's. With `postgres`, on PostgreSQL (`DATABASE_URL`, a
-/// schema of its own, dropped after). With `read_after`, each `PATCH` is followed by a read of
-/// its task (a request of its own, the one after a write: a recompute where there is a cache). It prints the processor time a request of this
-/// process and of PostgreSQL's processes (one request at a time: no batching).
+/// schema of its own, dropped after). With `read_after`, each `PATCH` is followed by a read
+/// of its task (the read after a write: a recompute where there is a cache). It prints the
+/// processor time of each (a `PATCH` with its read counting as one) in this process and in
+/// PostgreSQL's processes, one request at a time (no batching).
 pub(crate) fn count_requests(
     router: &str,
     n: u64,

@@ -2291,8 +2291,8 @@ impl<C: Command> Execute for TypedJob<C> {
                     )
                 })?;
                 match &result {
-                    // Checked in debug builds only: as JSON values, the logged text being
-                    // PostgreSQL's, which cost a command a sixth of its instructions here.
+                    // Checked in debug builds only: compared as JSON values (the logged
+                    // text is PostgreSQL's), it took a fifth of a command's instructions.
                     Ok(answered)
                         if cfg!(debug_assertions)
                             && serde_json::to_value(answered).ok()

@@ -275,14 +275,12 @@ impl Fusion {
 }
 
 /// The fused statements of one [`Fusion`], by the write's text (see
-/// [`Postgres::fused_texts`]). At most [`FusedTexts::MAX`]: a program with more distinct
-/// writes than that (text built per call) starts over.
-#[derive(Default)]
-struct FusedTexts(std::collections::HashMap<String, Option<Arc<str>>, foldhash::fast::RandomState>);
+/// [`Postgres::fused_texts`]).
+type FusedTexts = std::collections::HashMap<String, Option<Arc<str>>, foldhash::fast::RandomState>;
 
-impl FusedTexts {
-    const MAX: usize = 1024;
-}
+/// Writes whose fused statement is kept, per [`Fusion`]: a program with more distinct write
+/// texts than that (text built per call) starts over.
+const FUSED_TEXTS_MAX: usize = 1024;
 
 impl Postgres {
     /// Sends a command's write `sql` (its parameters' types `types`, its values `params`)
@@ -300,7 +298,7 @@ impl Postgres {
         row: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Option<Sent> {
         let n = types.len();
-        let known = self.fused_texts.lock()[fusion as usize].0.get(sql).cloned();
+        let known = self.fused_texts.lock()[fusion as usize].get(sql).cloned();
         let text = match known {
             Some(None) => return None,
             Some(Some(text)) => text,
@@ -347,8 +345,8 @@ impl Postgres {
     /// Remembers `sql`'s fused statement for `fusion` (`None`: it cannot be fused).
     fn remember_fused(&self, fusion: Fusion, sql: &str, text: Option<Arc<str>>) {
         let mut all = self.fused_texts.lock();
-        let texts = &mut all[fusion as usize].0;
-        if texts.len() >= FusedTexts::MAX && !texts.contains_key(sql) {
+        let texts = &mut all[fusion as usize];
+        if texts.len() >= FUSED_TEXTS_MAX && !texts.contains_key(sql) {
             texts.clear();
         }
         texts.insert(sql.to_owned(), text);
