@@ -94,6 +94,11 @@ pub struct HostStats {
     /// Notifications that did not decode, or claimed an implausible position: each only
     /// woke the log reader.
     pub implausible: u64,
+    /// Messages of the notifier (notices, acknowledgements, hellos, welcomes, farewells,
+    /// pings) refused unread: their seal did not check out under the cluster's key, or
+    /// they had none (see [`HostBuilder::accept_unsealed`]). Someone other than this
+    /// cluster's hosts writes on its channel, or a host of a release before seals runs.
+    pub messages_refused: u64,
     /// Reads of the log.
     pub rounds: u64,
     /// Reads of the log that failed.
@@ -192,6 +197,7 @@ struct Counters {
     undecodable: AtomicU64,
     replay_panics: AtomicU64,
     implausible: AtomicU64,
+    messages_refused: AtomicU64,
     rounds: AtomicU64,
     round_errors: AtomicU64,
     flushes: AtomicU64,
@@ -234,6 +240,12 @@ pub(crate) struct Ack {
     /// [`HostBuilder::lease`].
     #[serde(default, skip_serializing_if = "is_zero")]
     pub(crate) ping: u64,
+    /// Which rejoin a hello is of (a random number), and a welcome answers: a welcome
+    /// counts only in the rejoin it answers, so that one seen before (anyone may listen
+    /// on the channel) cannot be sent again to end a later rejoin early. 0 from a release
+    /// before seals.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) round: u64,
 }
 
 pub(crate) fn is_zero(n: &u64) -> bool {
@@ -334,6 +346,7 @@ pub struct HostBuilder {
     lease: Option<Option<Duration>>,
     notify_interval: Duration,
     notify_queue: usize,
+    accept_unsealed: bool,
     notice_give_up: Duration,
     log_wait: Duration,
     clock_skew: i64,
@@ -585,6 +598,25 @@ impl HostBuilder {
         self
     }
 
+    /// Whether this host takes messages of the notifier that carry no seal (default
+    /// `false`). Every message the hosts send each other through the notifier is sealed
+    /// with a MAC under a key kept in the cluster's `coherent_secrets` table (see the
+    /// crate's docs, "Who can talk to a host"): on PostgreSQL any role that can connect
+    /// may `NOTIFY` on the hosts' channels, and on NATS any client the server admits may
+    /// publish on their subjects, and an acknowledgement in a host's name would end a
+    /// command's wait for that host before it invalidated. A refused message is counted
+    /// ([`HostStats::messages_refused`]) and dropped: a notice is then read from the log
+    /// at the next poll, an acknowledgement waited out as a silent host's is.
+    ///
+    /// Set it `true` only while hosts of a release before seals (which send none) run
+    /// beside this one, during a rolling upgrade: their notices and acknowledgements
+    /// count again, and so would a stranger's. A seal that does not check out is refused
+    /// either way.
+    pub fn accept_unsealed(mut self, accept: bool) -> Self {
+        self.accept_unsealed = accept;
+        self
+    }
+
     /// A test hook: this host's wall clock reads `micros` µs ahead of the machine's
     /// (behind, when negative), as a host whose clock is off would. Not for production.
     ///
@@ -730,6 +762,7 @@ impl HostBuilder {
             max_batch: self.max_batch,
         };
         let work = self.db.background_handle();
+        let seal = self.db.seal();
         let inner = Arc::new(Inner {
             id: id.clone(),
             db: self.db,
@@ -778,6 +811,8 @@ impl HostBuilder {
             ping_pending: AtomicU64::new(0),
             notify_interval: self.notify_interval,
             notify_queue: self.notify_queue,
+            seal,
+            accept_unsealed: self.accept_unsealed,
             notice_give_up: self.notice_give_up,
             delivered_horizon: AtomicU64::new(horizon),
             log_floor: watch::Sender::new((None, 0)),
@@ -792,6 +827,7 @@ impl HostBuilder {
             losses: AtomicU64::new(0),
             rejoin: AtomicBool::new(false),
             welcomed: Mutex::new(HashSet::new()),
+            rejoin_round: AtomicU64::new(0),
             clock_skew: self.clock_skew,
             beat: tokio::sync::Mutex::new(()),
         });
@@ -952,6 +988,10 @@ pub(crate) struct Inner {
     log_wait: Duration,
     /// How many entries the notifying task's queue holds at most (PostgreSQL).
     pub(crate) notify_queue: usize,
+    /// What this host seals its messages with, and checks the others' with.
+    pub(crate) seal: crate::seal::Seal,
+    /// Whether a message without a seal counts (see [`HostBuilder::accept_unsealed`]).
+    accept_unsealed: bool,
     /// What the notifying task (PostgreSQL) dropped.
     pub(crate) outbox: Arc<notify::OutboxCounts>,
     /// The other live hosts, by id: `true` for one that missed an acknowledgement's
@@ -973,6 +1013,8 @@ pub(crate) struct Inner {
     rejoin: AtomicBool,
     /// The hosts that welcomed this one in its current rejoin.
     welcomed: Mutex<HashSet<String>>,
+    /// The current rejoin's round (see [`Ack::round`]).
+    rejoin_round: AtomicU64,
     /// How far this host's wall clock is off (a test hook, [`HostBuilder::clock_skew`]).
     clock_skew: i64,
     /// Held by the heartbeat while it writes this host's row: [`Host::stop`] takes it
@@ -1040,6 +1082,7 @@ impl Host {
             lease: None,
             notify_interval: Duration::from_millis(1),
             notify_queue: NOTIFY_QUEUE,
+            accept_unsealed: false,
             notice_give_up: notify::SEND_GIVE_UP,
             log_wait: LOG_WAIT,
             clock_skew: 0,
@@ -1209,6 +1252,7 @@ impl Host {
             undecodable: r(&c.undecodable),
             replay_panics: r(&c.replay_panics),
             implausible: r(&c.implausible),
+            messages_refused: r(&c.messages_refused),
             rounds: r(&c.rounds),
             round_errors: r(&c.round_errors),
             flushes: r(&c.flushes) + changes_stat(|a| &a.flushes),
@@ -1240,11 +1284,21 @@ impl Host {
     }
 
     /// Where this host's notifications travel: the NATS subject or the PostgreSQL channel
-    /// (`None` when it polls). Every host of a log uses the same one; whoever can publish
-    /// there can wake the hosts (notifications are only wake-ups: the log decides what is
-    /// applied), so keep it as private as the database.
+    /// (`None` when it polls). Every host of a log uses the same one. Anyone may write
+    /// there who can connect to the database (or publish on the NATS server): what is
+    /// not sealed under the cluster's key is refused (see
+    /// [`HostBuilder::accept_unsealed`]).
     pub fn notification_channel(&self) -> Option<String> {
         self.inner.publisher.lock().channel(&self.inner.db)
+    }
+
+    /// Where this host hears the other hosts' acknowledgements, hellos, welcomes and
+    /// farewells: a channel (PostgreSQL) or subject (NATS) of its own, derived from
+    /// [`notification_channel`](Self::notification_channel) and its id. `None` when it
+    /// polls. Sealed like the notices.
+    pub fn acknowledgement_channel(&self) -> Option<String> {
+        self.notification_channel()
+            .map(|base| notify::ack_channel(&base, &self.inner.id))
     }
 
     /// Whether the notifier is connected now (always `true` for [`Notifier::Poll`]).
@@ -1718,13 +1772,22 @@ impl Inner {
                 &Ack {
                     from: self.id.clone(),
                     welcome: true,
+                    round: ack.round,
                     ..Ack::default()
                 },
             );
             return;
         }
         if ack.welcome {
-            self.welcomed.lock().insert(ack.from.clone());
+            // Of this rejoin (or of a release before seals, when those are let in); the
+            // round read under the set's lock, which a new rejoin changes it under.
+            let mut welcomed = self.welcomed.lock();
+            let round = self.rejoin_round.load(Ordering::Acquire);
+            if ack.round != round && !(ack.round == 0 && self.accept_unsealed) {
+                return;
+            }
+            welcomed.insert(ack.from.clone());
+            drop(welcomed);
             self.heard_from(&ack.from);
             return;
         }
@@ -1815,6 +1878,34 @@ impl Inner {
     }
 
     /// A notification that did not decode: count it, and read the log.
+    /// Whether a message of the notifier counts: sealed under the cluster's key, or
+    /// unsealed where [`HostBuilder::accept_unsealed`] allows it. A refused one is counted
+    /// and dropped.
+    pub(crate) fn admit(&self, payload: &[u8], what: &'static str) -> bool {
+        let why = match self.seal.open(payload) {
+            crate::seal::Opened::Sealed => return true,
+            crate::seal::Opened::Unsealed if self.accept_unsealed => return true,
+            crate::seal::Opened::Unsealed => "it has no seal",
+            crate::seal::Opened::Forged => "its seal does not check out",
+        };
+        let refused = self
+            .counters
+            .messages_refused
+            .fetch_add(1, Ordering::Relaxed);
+        // The first, then one in 1,024: a stranger's flood does not flood the log.
+        if refused % 1024 == 0 {
+            tracing::warn!(
+                what,
+                why,
+                refused = refused + 1,
+                "a message of the notifier refused: someone other than this cluster's hosts \
+                 writes on its channel, or a host of a release before seals runs (see \
+                 HostBuilder::accept_unsealed)"
+            );
+        }
+        false
+    }
+
     pub(crate) fn bad_notice(&self, e: &dyn std::fmt::Display) {
         self.counters.implausible.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(%e, "an undecodable notification: reading the log");
@@ -2123,7 +2214,14 @@ impl Inner {
     async fn rejoin(&self) -> Result<(), CommandError> {
         let losses = self.losses.load(Ordering::Acquire);
         let started = Instant::now();
-        self.welcomed.lock().clear();
+        let round = rand::random::<u64>() | 1;
+        {
+            // Under the set's lock, which a welcome is checked under: one of the round
+            // before was counted before this (and is cleared with the set) or is not.
+            let mut welcomed = self.welcomed.lock();
+            self.rejoin_round.store(round, Ordering::Release);
+            welcomed.clear();
+        }
         let greet = self.acknowledgements.is_some() && self.publisher.lock().acks();
         loop {
             if !greet {
@@ -2159,6 +2257,7 @@ impl Inner {
                 let hello = Ack {
                     from: self.id.clone(),
                     hello: true,
+                    round,
                     ..Ack::default()
                 };
                 for peer in &pending {

@@ -42,6 +42,26 @@
 //! the joiner, reading the log once welcomed, has it. From the welcome on, the joiner is a
 //! peer: notified and waited for.
 //!
+//! # Who can talk to a host
+//!
+//! The notifier is not the cluster's own: on PostgreSQL any role that can connect may
+//! `NOTIFY` on any channel, and listen on it; on NATS any client the server admits may
+//! publish on the hosts' subjects. A stranger's acknowledgement in a host's name would end
+//! a command's wait before that host invalidated (a read there after the answer would be
+//! stale); its farewell would make the others forget a live host, its welcome end a
+//! rejoin early, its ping stretch a host's lease. So every message the hosts send each
+//! other (notices, acknowledgements, hellos, welcomes, farewells, pings) is **sealed**: a
+//! MAC (HMAC-SHA-256, 128 bits) under a key that the first host made and keeps in the
+//! cluster's `coherent_secrets` table (`PUBLIC` has no access to it; the roles that can
+//! read it are the cluster's). A message whose seal does not check out, or that has
+//! none, is dropped unread and counted ([`HostStats::messages_refused`]): a notice is
+//! then read from the log, an acknowledgement waited out as a silent host's. A welcome
+//! counts only in the rejoin it answers (a hello's random round), so one heard before
+//! cannot be sent again. Hints of the change feed are not sealed: each only wakes the
+//! feed's reader, which the database decides. A host of a release before seals sends
+//! none: during a rolling upgrade from one, [`HostBuilder::accept_unsealed`] lets its
+//! messages (and a stranger's) in.
+//!
 //! Remote clients send commands over Coherent RPC ([`CommandServer`], [`CommandClient`]);
 //! the answer returns after the invalidation ran on the host that ran the command, and
 //! the other live hosts acknowledged it.
@@ -57,6 +77,7 @@ mod error;
 mod host;
 mod notify;
 mod rpc;
+mod seal;
 
 pub use changes::{watch_table, Change, ChangeFeed, ChangeKind, FeedStats, Row, TableWatch};
 pub use command::{Command, Handler};

@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use crate::db::{Database, Engine, PG_PAYLOAD_LIMIT};
 use crate::error::{CommandError, ErrorKind};
 use crate::host::{Ack, Host, Inner, Notice};
+use crate::seal::{Seal, SEAL_LEN};
 
 /// How a host hears of other hosts' operations.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,14 +58,17 @@ pub(crate) struct NatsOutbox {
     counts: std::sync::Arc<OutboxCounts>,
     sends: std::sync::Arc<Sends>,
     /// The longest notice the server takes (its `max_payload`, less room for the rest of
-    /// the message): a longer one goes without its operation.
+    /// the message and its seal): a longer one goes without its operation.
     notice_max: usize,
+    /// Every payload is sealed as it is queued.
+    seal: Seal,
 }
 
 #[cfg(feature = "nats")]
 impl NatsOutbox {
-    fn push(&self, ack: bool, subject: String, payload: Vec<u8>) {
+    fn push(&self, ack: bool, subject: String, mut payload: Vec<u8>) {
         use tokio::sync::mpsc::error::TrySendError;
+        self.seal.seal(&mut payload);
         if let Err(TrySendError::Full(_)) = self.queue.try_send((subject, payload.into(), 0)) {
             self.counts
                 .dropped(ack, 1, "the NATS publishing queue is full");
@@ -76,18 +80,21 @@ impl NatsOutbox {
     fn push_notice(
         &self,
         subject: String,
-        payload: Vec<u8>,
+        mut payload: Vec<u8>,
         seq: u64,
         wake_up: impl FnOnce() -> Vec<u8>,
     ) {
         use tokio::sync::mpsc::error::TrySendError;
+        self.seal.seal(&mut payload);
         if let Err(TrySendError::Full(_)) = self.queue.try_send((subject, payload.into(), seq)) {
             self.counts.dropped(
                 false,
                 1,
                 "the NATS publishing queue is full: a wake-up goes instead",
             );
-            self.sends.owe(seq, wake_up());
+            let mut wake_up = wake_up();
+            self.seal.seal(&mut wake_up);
+            self.sends.owe(seq, wake_up);
         }
     }
 }
@@ -438,11 +445,11 @@ pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), Comm
     if peers.is_empty() {
         return Ok(());
     }
-    let payload = serde_json::to_string(&Ack {
+    let payload = inner.seal.seal_string(serde_json::to_string(&Ack {
         from: inner.id.clone(),
         bye: true,
         ..Ack::default()
-    })?;
+    })?);
     enum Route {
         Postgres(String),
         #[cfg(feature = "nats")]
@@ -646,6 +653,7 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                 payloads,
                 inner.outbox.clone(),
                 sends.clone(),
+                inner.seal.clone(),
             ));
             *inner.publisher.lock() = Publisher::Postgres {
                 queue: Outbox {
@@ -738,7 +746,9 @@ pub(crate) async fn start(host: &Host, notifier: Notifier) -> Result<(), Command
                 queue,
                 counts: inner.outbox.clone(),
                 sends: sends.clone(),
+                // The room left holds the seal's SEAL_LEN bytes too.
                 notice_max: max_payload.saturating_sub(4096).max(1024),
+                seal: inner.seal.clone(),
             };
             *inner.publisher.lock() = Publisher::Nats(client, subject, outbox);
             tokio::spawn(nats_listen(
@@ -781,8 +791,12 @@ async fn nats_listen(
     sends: std::sync::Arc<Sends>,
 ) {
     // A notice: another host's is applied; this host's own, come back, is out ([`Sends`]).
-    let take = |inner: &Inner, payload: &[u8]| match serde_json::from_slice::<Notice>(payload) {
-        Ok(notice) => {
+    let take = |inner: &Inner, payload: &[u8]| match inner
+        .admit(payload, "a notice")
+        .then(|| serde_json::from_slice::<Notice>(payload))
+    {
+        None => {}
+        Some(Ok(notice)) => {
             if notice.host == inner.id {
                 if notice.seq != 0 {
                     sends.out(notice.seq);
@@ -791,7 +805,7 @@ async fn nats_listen(
                 inner.apply_notice(notice);
             }
         }
-        Err(e) => inner.bad_notice(&e),
+        Some(Err(e)) => inner.bad_notice(&e),
     };
     loop {
         let message = tokio::select! {
@@ -799,6 +813,9 @@ async fn nats_listen(
             a = acks.next() => {
                 let Some(a) = a else { return };
                 let Some(inner) = host.upgrade() else { return };
+                if !inner.admit(&a.payload, "an acknowledgement") {
+                    continue;
+                }
                 match serde_json::from_slice::<Ack>(&a.payload) {
                     Ok(ack) => {
                         // The client hands each subscription its messages in the order
@@ -836,6 +853,7 @@ async fn nats_listen(
 /// would cap commands at one flush each, one per batch costs a flush per batch. A
 /// command's acknowledgement deadline starts once its notice is out ([`Sends`]); a
 /// `NOTIFY` that fails is sent again. Ends when the host is dropped.
+#[allow(clippy::too_many_arguments)]
 async fn pg_notify_batches(
     pool: deadpool_postgres::Pool,
     channel: String,
@@ -844,6 +862,7 @@ async fn pg_notify_batches(
     mut outgoing: tokio::sync::mpsc::Receiver<Outgoing>,
     counts: std::sync::Arc<OutboxCounts>,
     sends: std::sync::Arc<Sends>,
+    seal: Seal,
 ) {
     const BATCH: usize = 256;
     let _all_out = AllOut(sends.clone());
@@ -911,6 +930,10 @@ async fn pg_notify_batches(
             payloads.extend(packer.finish().into_iter().map(|p| (to.clone(), p)));
         }
         payloads.extend(controls);
+        // Each sealed as it goes out (the packers left room for the seal).
+        for (_, payload) in &mut payloads {
+            *payload = seal.seal_string(std::mem::take(payload));
+        }
         if unsent_notices > 0 {
             // Which of the batch's commands lost its notice is not kept: each of them
             // waits for the other hosts to read the log instead.
@@ -970,8 +993,12 @@ fn packed_head(host: &str) -> String {
     format!("{{\"from\":{host},\"notices\":[")
 }
 
+/// What a payload may hold before its seal: [`PG_PAYLOAD_LIMIT`] less [`SEAL_LEN`].
+const PAYLOAD_ROOM: usize = PG_PAYLOAD_LIMIT - SEAL_LEN;
+
 /// Packs JSON items into as few payloads as hold them, each `head`, the items separated by
-/// commas, then `tail`, and each at most [`PG_PAYLOAD_LIMIT`] bytes, every byte counted:
+/// commas, then `tail`, and each at most [`PAYLOAD_ROOM`] bytes (its seal then brings it
+/// to [`PG_PAYLOAD_LIMIT`] at most), every byte counted:
 /// the head (the host's id, escaped, is most of it), the commas, the tail (issue 30,
 /// hole 5: a long host id took a payload past the limit, and PostgreSQL refused the whole
 /// `NOTIFY`). An item that does not fit even alone is left out (see
@@ -1007,7 +1034,7 @@ impl Packer {
 
     /// The longest item that fits in a payload (alone).
     fn item_max(&self) -> usize {
-        PG_PAYLOAD_LIMIT.saturating_sub(self.head.len() + self.tail.len())
+        PAYLOAD_ROOM.saturating_sub(self.head.len() + self.tail.len())
     }
 
     /// Adds `item`; `false` when it is longer than [`item_max`](Self::item_max) (it is
@@ -1017,7 +1044,7 @@ impl Packer {
             return false;
         }
         if !self.current.is_empty()
-            && self.current.len() + 1 + item.len() + self.tail.len() > PG_PAYLOAD_LIMIT
+            && self.current.len() + 1 + item.len() + self.tail.len() > PAYLOAD_ROOM
         {
             self.close();
         }
@@ -1047,7 +1074,7 @@ impl Packer {
 /// Applies a notification's payload: one notice (a JSON object), or several ([`Packed`]).
 /// `own` is how this host's own packed payloads begin: those are skipped unread.
 fn apply_payload(inner: &Inner, own: &str, payload: &str) {
-    if payload.starts_with(own) {
+    if payload.starts_with(own) || !inner.admit(payload.as_bytes(), "a notice") {
         return;
     }
     if payload.starts_with("{\"from\":") {
@@ -1135,6 +1162,9 @@ async fn pg_listen_once(
                         return;
                     };
                     if n.channel() == acks_here {
+                        if !inner.admit(n.payload().as_bytes(), "an acknowledgement") {
+                            continue;
+                        }
                         match serde_json::from_str::<Ack>(n.payload()) {
                             Ok(ack) => inner.ack_received(ack),
                             Err(e) => tracing::debug!(%e, "an undecodable acknowledgement"),
@@ -1184,7 +1214,8 @@ async fn pg_listen_once(
 
 #[cfg(test)]
 mod tests {
-    use super::{ack_channel, hint_channel, Packed, Packer, PG_PAYLOAD_LIMIT};
+    use super::{ack_channel, hint_channel, Packed, Packer, PAYLOAD_ROOM, PG_PAYLOAD_LIMIT};
+    use crate::seal::{Opened, Seal};
 
     /// Channel names fit PostgreSQL's 63 bytes, cut on a character boundary, and two bases
     /// that share their first bytes get two hint channels.
@@ -1239,9 +1270,13 @@ mod tests {
                     sent.push(i);
                 }
             }
+            let seal = Seal::new(b"key");
             let mut got = Vec::new();
             for payload in packer.finish() {
+                assert!(payload.len() <= PAYLOAD_ROOM, "{}", payload.len());
+                let payload = seal.seal_string(payload);
                 assert!(payload.len() <= PG_PAYLOAD_LIMIT, "{}", payload.len());
+                assert_eq!(seal.open(payload.as_bytes()), Opened::Sealed);
                 let packed: Packed = serde_json::from_str(&payload).unwrap();
                 got.extend(packed.notices.iter().map(|n| n.id));
             }
@@ -1254,6 +1289,7 @@ mod tests {
             }
             let mut got = Vec::new();
             for payload in packer.finish() {
+                let payload = seal.seal_string(payload);
                 assert!(payload.len() <= PG_PAYLOAD_LIMIT, "{}", payload.len());
                 let ack: Ack = serde_json::from_str(&payload).unwrap();
                 assert_eq!(ack.from, host);

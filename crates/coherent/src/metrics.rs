@@ -53,6 +53,7 @@
 //! | `coherent_ops_operations_undecodable_total` | counter | `host` | operations whose logged command or output did not decode |
 //! | `coherent_ops_replay_panics_total` | counter | `host` | replays of another host's invalidation that panicked (each flushed the cache) |
 //! | `coherent_ops_notifications_implausible_total` | counter | `host` | notifications that did not decode or claimed an implausible position (each only woke the log reader) |
+//! | `coherent_ops_messages_refused_total` | counter | `host` | messages of the notifier refused unread: not sealed under the cluster's key (a stranger writes on its channel, or a host of a release before seals runs) |
 //! | `coherent_ops_log_reads_total` | counter | `host` | reads of the log |
 //! | `coherent_ops_log_read_errors_total` | counter | `host` | reads of the log that failed |
 //! | `coherent_ops_flushes_total` | counter | `host` | times the host invalidated its whole cache (it may have missed operations or changes) |
@@ -255,6 +256,7 @@ impl Observer {
                     "coherent_ops_notifications_implausible_total",
                     s.implausible,
                 ),
+                ("coherent_ops_messages_refused_total", s.messages_refused),
                 ("coherent_ops_log_reads_total", s.rounds),
                 ("coherent_ops_log_read_errors_total", s.round_errors),
                 ("coherent_ops_flushes_total", s.flushes),

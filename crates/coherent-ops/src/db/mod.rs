@@ -162,6 +162,8 @@ pub(crate) struct Sqlite {
     writer: tokio::sync::Mutex<Connection>,
     /// Log reads, heartbeats and trimming.
     reader: parking_lot::Mutex<Connection>,
+    /// The key the hosts seal their messages with (`coherent_secrets`; see [`seal`](crate::seal)).
+    seal_key: String,
 }
 
 pub(crate) struct Postgres {
@@ -173,6 +175,8 @@ pub(crate) struct Postgres {
     /// The `LISTEN`/`NOTIFY` channel: one per schema, so that clusters in other schemas of
     /// the same database never hear each other.
     pub(crate) channel: String,
+    /// The key the hosts seal their messages with (`coherent_secrets`; see [`seal`](crate::seal)).
+    seal_key: String,
     /// The fused statement built for each write of [`Tx::defer_sql`] and [`Tx::finish_sql`]
     /// (see [`Postgres::send_fused`]), by [`Fusion`] and the write's text; `None` for a
     /// write that cannot stand in a `WITH`, not tried again. Built once: the text is
@@ -409,6 +413,10 @@ CREATE TABLE IF NOT EXISTS coherent_hosts (
     host TEXT PRIMARY KEY,
     horizon INTEGER NOT NULL,
     seen_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS coherent_secrets (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
 );";
 
 const PG_SCHEMA: &str = "
@@ -426,7 +434,16 @@ CREATE TABLE IF NOT EXISTS coherent_hosts (
     host TEXT PRIMARY KEY,
     horizon BIGINT NOT NULL,
     seen_at BIGINT NOT NULL
-);";
+);
+CREATE TABLE IF NOT EXISTS coherent_secrets (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+REVOKE ALL ON coherent_secrets FROM PUBLIC;";
+
+/// The row of `coherent_secrets` that holds the key of the hosts' seals, written once by
+/// whichever host makes the tables (see [`crate::seal`]).
+const SEAL_KEY_ROW: &str = "seal";
 
 /// An arbitrary constant: the advisory lock that makes concurrent schema creation safe.
 const SCHEMA_LOCK: i64 = 0x636f_6865_7265_6e74;
@@ -438,12 +455,23 @@ impl Database {
         let path = path.as_ref().to_owned();
         let writer = sqlite_open(&path)?;
         writer.execute_batch(SQLITE_SCHEMA)?;
+        writer.execute(
+            "INSERT INTO coherent_secrets (name, value) VALUES (?1, ?2) \
+             ON CONFLICT (name) DO NOTHING",
+            params![SEAL_KEY_ROW, crate::seal::new_key()],
+        )?;
+        let seal_key: String = writer.query_row(
+            "SELECT value FROM coherent_secrets WHERE name = ?1",
+            params![SEAL_KEY_ROW],
+            |r| r.get(0),
+        )?;
         let reader = sqlite_open(&path)?;
         Ok(Self {
             inner: Arc::new(Engine::Sqlite(Sqlite {
                 path,
                 writer: tokio::sync::Mutex::new(writer),
                 reader: parking_lot::Mutex::new(reader),
+                seal_key,
             })),
         })
     }
@@ -505,21 +533,32 @@ impl Database {
             .parse()
             .map_err(|e: tokio_postgres::Error| CommandError::from(&e))?;
         tls.settle(&mut config)?;
-        {
+        let seal_key = {
             let (client, connection) = config.connect(tls.clone()).await?;
             let driver = tokio::spawn(connection);
+            // The key is hex: nothing to escape.
+            let key = crate::seal::new_key();
             client
                 .batch_execute(&format!(
                     // The lock is the transaction's: hosts starting together create the
                     // tables once, the others wait for that commit and find them.
                     "BEGIN; SELECT pg_advisory_xact_lock({SCHEMA_LOCK}); \
                      CREATE SCHEMA IF NOT EXISTS {schema}; SET LOCAL search_path TO {schema}; \
-                     {PG_SCHEMA} COMMIT;"
+                     {PG_SCHEMA} INSERT INTO coherent_secrets (name, value) \
+                     VALUES ('{SEAL_KEY_ROW}', '{key}') ON CONFLICT (name) DO NOTHING; COMMIT;"
                 ))
                 .await?;
+            let seal_key: String = client
+                .query_one(
+                    &format!("SELECT value FROM {schema}.coherent_secrets WHERE name = $1"),
+                    &[&SEAL_KEY_ROW],
+                )
+                .await?
+                .try_get(0)?;
             drop(client);
             let _ = driver.await;
-        }
+            seal_key
+        };
         // After the URL's own options (a statement_timeout, say), which it keeps.
         let options = format!(
             "{} -c search_path={schema}",
@@ -560,6 +599,7 @@ impl Database {
                 tls,
                 schema: schema.to_owned(),
                 channel,
+                seal_key,
                 fused_texts: Default::default(),
                 background,
             })),
@@ -573,6 +613,16 @@ impl Database {
             Engine::Postgres(pg) => Some(&pg.pool),
             Engine::Sqlite(_) => None,
         }
+    }
+
+    /// What the hosts of this database seal their messages with: its key, from
+    /// `coherent_secrets` (see [`crate::seal`]).
+    pub(crate) fn seal(&self) -> crate::seal::Seal {
+        let key = match &*self.inner {
+            Engine::Postgres(pg) => &pg.seal_key,
+            Engine::Sqlite(s) => &s.seal_key,
+        };
+        crate::seal::Seal::new(key.as_bytes())
     }
 
     /// The SQLite file. `None` for PostgreSQL.

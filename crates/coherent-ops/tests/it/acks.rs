@@ -416,3 +416,193 @@ async fn postgres_a_host_alone_skips_its_notices_and_a_joining_host_misses_nothi
     })
     .await;
 }
+
+/// Anyone who can connect to the database may `NOTIFY` on a host's acknowledgement channel
+/// (on NATS, publish on its subject). A stranger's acknowledgement in another host's name,
+/// or its farewell, carries no seal under the cluster's key: it is refused, and the
+/// command still waits for that host to apply its operation (here, for B's
+/// `after_invalidate`, held closed until the forgeries were refused).
+async fn a_forged_acknowledgement_does_not_end_a_commands_wait<F, Fut>(
+    db: Database,
+    notifier: impl Fn(HostBuilder) -> HostBuilder,
+    forge: F,
+) where
+    F: Fn(String, String) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let (open, opened) = tokio::sync::watch::channel(false);
+    let (a, _) = host(&db, |b| notifier(b).acknowledgements(Some(PATIENT))).await;
+    let (b, items_b) = host(&db, |b| {
+        notifier(b)
+            .acknowledgements(Some(PATIENT))
+            .after_invalidate(move || {
+                let mut opened = opened.clone();
+                async move {
+                    let _ = opened.wait_for(|&o| o).await;
+                }
+            })
+    })
+    .await;
+    wait_until(|| a.stats().peers >= 1 && a.notifier_connected() && b.notifier_connected()).await;
+    assert_eq!(items_b.value(1).await, Ok(0));
+
+    let command = tokio::spawn({
+        let a = a.clone();
+        async move { a.run(SetValue { id: 1, value: 7 }).await }
+    });
+    // B applied it, and holds its acknowledgement.
+    wait_until(|| {
+        let s = b.stats();
+        s.applied_notified + s.applied_from_log >= 1
+    })
+    .await;
+    let id: i64 = db
+        .postgres_pool()
+        .unwrap()
+        .get()
+        .await
+        .unwrap()
+        .query_one("SELECT max(id) FROM coherent_operations", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let to = a.acknowledgement_channel().unwrap();
+    let from = serde_json::to_string(b.id()).unwrap();
+    forge(to.clone(), format!(r#"{{"from":{from},"ids":[{id}]}}"#)).await;
+    forge(to.clone(), format!(r#"{{"from":{from},"bye":true}}"#)).await;
+    // A seal of the wrong key, and one cut from a message of another.
+    forge(
+        to.clone(),
+        format!(r#"{{"from":{from},"ids":[{id}],"mac":"00000000000000000000000000000000"}}"#),
+    )
+    .await;
+    wait_until(|| a.stats().messages_refused >= 3).await;
+    assert!(
+        !command.is_finished(),
+        "the command returned on a forged acknowledgement, before B applied its operation"
+    );
+    assert_eq!(a.stats().peers, 1, "a forged farewell made A forget B");
+
+    open.send_replace(true);
+    command.await.unwrap().unwrap();
+    let s = a.stats();
+    assert!(s.acks_received >= 1, "{s:?}");
+    assert_eq!(s.ack_timeouts, 0, "{s:?}");
+    assert_eq!(b.stats().messages_refused, 0);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_forged_acknowledgement_does_not_end_a_commands_wait() {
+    let Some(db) = postgres_db("acks_forged").await else {
+        return;
+    };
+    let stranger =
+        crate::support::connect_in_schema(&crate::support::database_url().unwrap(), "public").await;
+    let stranger = &stranger;
+    a_forged_acknowledgement_does_not_end_a_commands_wait(
+        db,
+        |b| b,
+        |channel, payload| async move {
+            stranger
+                .execute("SELECT pg_notify($1, $2)", &[&channel, &payload])
+                .await
+                .unwrap();
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_forged_acknowledgement_does_not_end_a_commands_wait_by_nats() {
+    let Some(url) = nats_url() else { return };
+    let Some(db) = postgres_db("acks_forged_nats").await else {
+        return;
+    };
+    let stranger = async_nats::connect(url.as_str()).await.unwrap();
+    let stranger = &stranger;
+    a_forged_acknowledgement_does_not_end_a_commands_wait(
+        db,
+        move |b| b.notifier(Notifier::Nats(url.clone())),
+        |subject, payload| async move {
+            stranger.publish(subject, payload.into()).await.unwrap();
+            stranger.flush().await.unwrap();
+        },
+    )
+    .await;
+}
+
+/// A message sealed as the cluster's hosts seal theirs: the key from `coherent_secrets`
+/// (whoever can read it is the cluster), HMAC-SHA-256 of a context string and the JSON,
+/// its first 16 bytes in hex as a last field.
+fn sealed(key: &str, json: &str) -> String {
+    use hmac::{KeyInit, Mac};
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(key.as_bytes()).unwrap();
+    mac.update(b"coherent-ops seal v1\0");
+    mac.update(json.as_bytes());
+    let tag = mac.finalize().into_bytes();
+    let hex: String = tag[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{},\"mac\":\"{hex}\"}}", &json[..json.len() - 1])
+}
+
+/// A welcome counts only in the rejoin whose hello it answers: one sent before (anyone
+/// may listen on the channels and keep what it heard) cannot end a later rejoin. Here B
+/// waits for a host that never answers ('ghost', whose row stays fresh); a welcome in the
+/// ghost's name, sealed under the cluster's key but of another round, does not lift B's
+/// fence: B gives up on the ghost after the rejoin's time, as on any host that does not
+/// answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_welcome_of_another_rejoin_does_not_count() {
+    let Some(db) = postgres_db("acks_welcome_round").await else {
+        return;
+    };
+    let client = db.postgres_pool().unwrap().get().await.unwrap();
+    let later = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64
+        + 600_000_000;
+    client
+        .execute(
+            "INSERT INTO coherent_hosts (host, horizon, seen_at) VALUES ('ghost', 0, $1)",
+            &[&later],
+        )
+        .await
+        .unwrap();
+    let key: String = client
+        .query_one(
+            "SELECT value FROM coherent_secrets WHERE name = 'seal'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let (b, _) = host(&db, |b| b).await;
+    wait_until(|| b.notifier_connected()).await;
+    assert!(b.is_fenced(), "waits for the ghost's welcome");
+    for round in [0u64, 1, 12_345, u64::MAX] {
+        let welcome = format!(r#"{{"from":"ghost","welcome":true,"round":{round}}}"#);
+        client
+            .execute(
+                "SELECT pg_notify($1, $2)",
+                &[
+                    &b.acknowledgement_channel().unwrap(),
+                    &sealed(&key, &welcome),
+                ],
+            )
+            .await
+            .unwrap();
+    }
+    wait_until(|| !b.is_fenced()).await;
+    let s = b.stats();
+    assert_eq!(
+        s.rejoins_incomplete, 1,
+        "the ghost's welcomes counted: {s:?}"
+    );
+    assert_eq!(
+        s.messages_refused, 0,
+        "sealed under the cluster's key: {s:?}"
+    );
+    b.stop().await;
+}
