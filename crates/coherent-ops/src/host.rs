@@ -809,6 +809,7 @@ impl HostBuilder {
             reads_owed: AtomicU64::new(0),
             reads_done: AtomicU64::new(0),
             ping_pending: AtomicU64::new(0),
+            ping_latest: AtomicU64::new(0),
             notify_interval: self.notify_interval,
             notify_queue: self.notify_queue,
             seal,
@@ -827,7 +828,8 @@ impl HostBuilder {
             losses: AtomicU64::new(0),
             rejoin: AtomicBool::new(false),
             welcomed: Mutex::new(HashSet::new()),
-            rejoin_round: AtomicU64::new(0),
+            // Never 0, the round of a release before seals.
+            rejoin_round: AtomicU64::new(rand::random::<u64>() | 1),
             clock_skew: self.clock_skew,
             beat: tokio::sync::Mutex::new(()),
         });
@@ -970,6 +972,8 @@ pub(crate) struct Inner {
     /// The latest ping (its `sent`) that came back while a read of the log was owed: it
     /// renews the lease once that read is done.
     ping_pending: AtomicU64,
+    /// The newest ping that came back (its `sent`): one not newer is ignored.
+    ping_latest: AtomicU64,
     /// The least time between two `NOTIFY` transactions.
     pub(crate) notify_interval: Duration,
     /// How long a batch of notices is tried before it is given up on.
@@ -1877,7 +1881,20 @@ impl Inner {
         Ok(())
     }
 
-    /// A notification that did not decode: count it, and read the log.
+    /// [`admit`](Self::admit) for a notice. One refused still wakes the log reader, unread,
+    /// as a notice without its operation does: it may be the notice of a host of a
+    /// release before seals (or of one whose key is not this host's), and a ping of this
+    /// host that comes back after it must not renew the lease before the log is read
+    /// (`reads_owed`). A stranger's flood costs reads of the log, one at a time, as
+    /// undecodable notices always have.
+    pub(crate) fn admit_notice(&self, payload: &[u8]) -> bool {
+        let admitted = self.admit(payload, "a notice");
+        if !admitted {
+            self.owe_read();
+        }
+        admitted
+    }
+
     /// Whether a message of the notifier counts: sealed under the cluster's key, or
     /// unsealed where [`HostBuilder::accept_unsealed`] allows it. A refused one is counted
     /// and dropped.
@@ -1906,6 +1923,7 @@ impl Inner {
         false
     }
 
+    /// A notification that did not decode: count it, and read the log.
     pub(crate) fn bad_notice(&self, e: &dyn std::fmt::Display) {
         self.counters.implausible.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(%e, "an undecodable notification: reading the log");
@@ -2107,6 +2125,13 @@ impl Inner {
     /// lease it would give ran out means the host was paused or its notifier stalled.
     fn ping_back(&self, sent: u64) {
         let Some(lease) = self.lease else { return };
+        // Each ping comes back once, in the order they were sent: one not newer than the
+        // last is heard again (anyone may listen on the channel and send a sealed
+        // message again; an old ping would lose the lease), one from the future is no
+        // ping of this process's clock.
+        if sent > lease_clock() || self.ping_latest.fetch_max(sent, Ordering::AcqRel) >= sent {
+            return;
+        }
         if self.fenced.load(Ordering::Acquire) {
             return;
         }

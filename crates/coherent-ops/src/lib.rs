@@ -52,15 +52,19 @@
 //! rejoin early, its ping stretch a host's lease. So every message the hosts send each
 //! other (notices, acknowledgements, hellos, welcomes, farewells, pings) is **sealed**: a
 //! MAC (HMAC-SHA-256, 128 bits) under a key that the first host made and keeps in the
-//! cluster's `coherent_secrets` table (`PUBLIC` has no access to it; the roles that can
-//! read it are the cluster's). A message whose seal does not check out, or that has
-//! none, is dropped unread and counted ([`HostStats::messages_refused`]): a notice is
-//! then read from the log, an acknowledgement waited out as a silent host's. A welcome
-//! counts only in the rejoin it answers (a hello's random round), so one heard before
-//! cannot be sent again. Hints of the change feed are not sealed: each only wakes the
-//! feed's reader, which the database decides. A host of a release before seals sends
-//! none: during a rolling upgrade from one, [`HostBuilder::accept_unsealed`] lets its
-//! messages (and a stranger's) in.
+//! cluster's `coherent_secrets` table, made without `PUBLIC` access: whoever can read it
+//! (its owner, a superuser, a role granted `SELECT` on it or `pg_read_all_data`) can seal.
+//! A message whose seal does not check out, or that has none, is dropped unread and
+//! counted ([`HostStats::messages_refused`]); a refused notice still wakes the log reader
+//! (the operation it may stand for is read from the log), and a refused acknowledgement
+//! is waited out as a silent host's. A sealed message may be heard and sent again: a
+//! ping heard again is ignored, a welcome counts only in the rejoin whose hello it
+//! answers (a random round), a notice or acknowledgement is taken once; a departed host's
+//! message sent again makes the others wait for it once more (one acknowledgement
+//! deadline: a delay, not a stale read). Hints of the change feed are not sealed: each
+//! only wakes the feed's reader, which the database decides. A host of a release before
+//! seals sends none: during a rolling upgrade from one, [`HostBuilder::accept_unsealed`]
+//! lets its messages (and a stranger's) in.
 //!
 //! Remote clients send commands over Coherent RPC ([`CommandServer`], [`CommandClient`]);
 //! the answer returns after the invalidation ran on the host that ran the command, and

@@ -792,7 +792,7 @@ async fn nats_listen(
 ) {
     // A notice: another host's is applied; this host's own, come back, is out ([`Sends`]).
     let take = |inner: &Inner, payload: &[u8]| match inner
-        .admit(payload, "a notice")
+        .admit_notice(payload)
         .then(|| serde_json::from_slice::<Notice>(payload))
     {
         None => {}
@@ -1074,7 +1074,7 @@ impl Packer {
 /// Applies a notification's payload: one notice (a JSON object), or several ([`Packed`]).
 /// `own` is how this host's own packed payloads begin: those are skipped unread.
 fn apply_payload(inner: &Inner, own: &str, payload: &str) {
-    if payload.starts_with(own) || !inner.admit(payload.as_bytes(), "a notice") {
+    if payload.starts_with(own) || !inner.admit_notice(payload.as_bytes()) {
         return;
     }
     if payload.starts_with("{\"from\":") {

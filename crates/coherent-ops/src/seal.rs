@@ -131,8 +131,8 @@ fn unhex(d: u8) -> Option<u8> {
     }
 }
 
-/// A new key for a cluster: 32 random bytes from the operating system's generator, as
-/// 64 hex digits.
+/// A new key for a cluster: 32 random bytes of `rand`'s thread generator (a CSPRNG
+/// seeded by the operating system), as 64 hex digits.
 pub(crate) fn new_key() -> String {
     let bytes: [u8; 32] = rand::random();
     let mut s = String::with_capacity(64);

@@ -438,12 +438,45 @@ CREATE TABLE IF NOT EXISTS coherent_hosts (
 CREATE TABLE IF NOT EXISTS coherent_secrets (
     name TEXT PRIMARY KEY,
     value TEXT NOT NULL
-);
-REVOKE ALL ON coherent_secrets FROM PUBLIC;";
+);";
 
 /// The row of `coherent_secrets` that holds the key of the hosts' seals, written once by
 /// whichever host makes the tables (see [`crate::seal`]).
 const SEAL_KEY_ROW: &str = "seal";
+
+/// The key of the hosts' seals in `schema`, made if there is none yet. Read first: a
+/// host whose role may read the table but not write it starts as well. The one host that
+/// makes it (the others' inserts do nothing) takes `PUBLIC`'s access away (none by default
+/// on a table; a role's default privileges may have given some).
+async fn pg_seal_key(
+    client: &tokio_postgres::Client,
+    schema: &str,
+) -> Result<String, CommandError> {
+    let select = format!("SELECT value FROM {schema}.coherent_secrets WHERE name = $1");
+    if let Some(row) = client.query_opt(&select, &[&SEAL_KEY_ROW]).await? {
+        return Ok(row.try_get(0)?);
+    }
+    let made = client
+        .execute(
+            &format!(
+                "INSERT INTO {schema}.coherent_secrets (name, value) VALUES ($1, $2) \
+                 ON CONFLICT (name) DO NOTHING"
+            ),
+            &[&SEAL_KEY_ROW, &crate::seal::new_key()],
+        )
+        .await?;
+    if made == 1 {
+        client
+            .batch_execute(&format!(
+                "REVOKE ALL ON {schema}.coherent_secrets FROM PUBLIC"
+            ))
+            .await?;
+    }
+    Ok(client
+        .query_one(&select, &[&SEAL_KEY_ROW])
+        .await?
+        .try_get(0)?)
+}
 
 /// An arbitrary constant: the advisory lock that makes concurrent schema creation safe.
 const SCHEMA_LOCK: i64 = 0x636f_6865_7265_6e74;
@@ -536,25 +569,16 @@ impl Database {
         let seal_key = {
             let (client, connection) = config.connect(tls.clone()).await?;
             let driver = tokio::spawn(connection);
-            // The key is hex: nothing to escape.
-            let key = crate::seal::new_key();
             client
                 .batch_execute(&format!(
                     // The lock is the transaction's: hosts starting together create the
                     // tables once, the others wait for that commit and find them.
                     "BEGIN; SELECT pg_advisory_xact_lock({SCHEMA_LOCK}); \
                      CREATE SCHEMA IF NOT EXISTS {schema}; SET LOCAL search_path TO {schema}; \
-                     {PG_SCHEMA} INSERT INTO coherent_secrets (name, value) \
-                     VALUES ('{SEAL_KEY_ROW}', '{key}') ON CONFLICT (name) DO NOTHING; COMMIT;"
+                     {PG_SCHEMA} COMMIT;"
                 ))
                 .await?;
-            let seal_key: String = client
-                .query_one(
-                    &format!("SELECT value FROM {schema}.coherent_secrets WHERE name = $1"),
-                    &[&SEAL_KEY_ROW],
-                )
-                .await?
-                .try_get(0)?;
+            let seal_key = pg_seal_key(&client, schema).await?;
             drop(client);
             let _ = driver.await;
             seal_key

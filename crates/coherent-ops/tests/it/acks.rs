@@ -470,7 +470,7 @@ async fn a_forged_acknowledgement_does_not_end_a_commands_wait<F, Fut>(
     let from = serde_json::to_string(b.id()).unwrap();
     forge(to.clone(), format!(r#"{{"from":{from},"ids":[{id}]}}"#)).await;
     forge(to.clone(), format!(r#"{{"from":{from},"bye":true}}"#)).await;
-    // A seal of the wrong key, and one cut from a message of another.
+    // And one whose seal does not check out.
     forge(
         to.clone(),
         format!(r#"{{"from":{from},"ids":[{id}],"mac":"00000000000000000000000000000000"}}"#),
@@ -581,20 +581,24 @@ async fn postgres_a_welcome_of_another_rejoin_does_not_count() {
     let (b, _) = host(&db, |b| b).await;
     wait_until(|| b.notifier_connected()).await;
     assert!(b.is_fenced(), "waits for the ghost's welcome");
-    for round in [0u64, 1, 12_345, u64::MAX] {
-        let welcome = format!(r#"{{"from":"ghost","welcome":true,"round":{round}}}"#);
-        client
-            .execute(
-                "SELECT pg_notify($1, $2)",
-                &[
-                    &b.acknowledgement_channel().unwrap(),
-                    &sealed(&key, &welcome),
-                ],
-            )
-            .await
-            .unwrap();
+    // Sent again and again until B's fence is lifted (a welcome that came before B's
+    // rejoin began is cleared by it: the ones after must not count either).
+    let channel = b.acknowledgement_channel().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while b.is_fenced() {
+        assert!(std::time::Instant::now() < deadline, "B is still fenced");
+        for round in [0u64, 1, 12_345, u64::MAX] {
+            let welcome = format!(r#"{{"from":"ghost","welcome":true,"round":{round}}}"#);
+            client
+                .execute(
+                    "SELECT pg_notify($1, $2)",
+                    &[&channel, &sealed(&key, &welcome)],
+                )
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    wait_until(|| !b.is_fenced()).await;
     let s = b.stats();
     assert_eq!(
         s.rejoins_incomplete, 1,
@@ -604,5 +608,97 @@ async fn postgres_a_welcome_of_another_rejoin_does_not_count() {
         s.messages_refused, 0,
         "sealed under the cluster's key: {s:?}"
     );
+    b.stop().await;
+}
+
+/// A host's pings to itself renew its lease. Anyone may listen on its acknowledgement
+/// channel, keep a (sealed) ping, and send it again once its lease has run out: heard
+/// again, it is ignored. (Taken as new, it came back after its lease ran out: the host
+/// lost its lease, fenced itself and flushed its cache.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_ping_heard_again_does_not_cost_the_lease() {
+    let Some(db) = postgres_db("acks_ping_again").await else {
+        return;
+    };
+    // A lease long enough that no ping of B's own comes back after it on a loaded machine.
+    let lease = Duration::from_secs(2);
+    let (b, items_b) = host(&db, |b| {
+        b.acknowledgements(Some(PATIENT)).lease(Some(lease))
+    })
+    .await;
+    wait_until(|| b.notifier_connected() && !b.is_fenced()).await;
+    assert_eq!(items_b.value(1).await, Ok(0));
+    let channel = b.acknowledgement_channel().unwrap();
+
+    // A listener of B's channel, as any role may be.
+    let url = crate::support::database_url().unwrap();
+    let (listener, mut connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let (heard_tx, mut heard) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = futures::StreamExt::next(&mut messages).await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message {
+                let _ = heard_tx.send(n.payload().to_owned());
+            }
+        }
+    });
+    listener
+        .batch_execute(&format!("LISTEN \"{}\"", channel.replace('"', "\"\"")))
+        .await
+        .unwrap();
+    let ping = loop {
+        let payload = heard.recv().await.unwrap();
+        if payload.contains("\"ping\":") {
+            break payload;
+        }
+    };
+    // Its lease runs out; B's own later pings renew B's meanwhile.
+    tokio::time::sleep(lease + Duration::from_millis(500)).await;
+    let before = b.stats();
+    listener
+        .execute("SELECT pg_notify($1, $2)", &[&channel, &ping])
+        .await
+        .unwrap();
+    // After it, from the same session (delivered in order): a message B refuses, so that
+    // B has heard the ping once this is counted.
+    listener
+        .execute("SELECT pg_notify($1, '{\"from\":\"x\"}')", &[&channel])
+        .await
+        .unwrap();
+    wait_until(|| b.stats().messages_refused > before.messages_refused).await;
+    let after = b.stats();
+    assert_eq!(after.leases_lost, before.leases_lost, "{after:?}");
+    assert_eq!(after.fences, before.fences, "{after:?}");
+    b.stop().await;
+}
+
+/// A notice that is refused (no seal under this host's key: a host of a release before
+/// seals sends such) still wakes the log reader, unread, as a notice without its
+/// operation does: the operation it may stand for is read from the log now, not at the
+/// next poll (here an hour away), and the host's lease waits for that read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_refused_notice_still_wakes_the_log_reader() {
+    let Some(db) = postgres_db("acks_refused_wakes").await else {
+        return;
+    };
+    let (b, _) = host(&db, |b| b.poll_interval(Duration::from_secs(3600))).await;
+    wait_until(|| b.notifier_connected() && !b.is_fenced()).await;
+    let before = b.stats();
+    let stranger =
+        crate::support::connect_in_schema(&crate::support::database_url().unwrap(), "public").await;
+    stranger
+        .execute(
+            "SELECT pg_notify($1, '{\"id\":1,\"position\":1,\"host\":\"old\",\"committed_at\":0}')",
+            &[&b.notification_channel().unwrap()],
+        )
+        .await
+        .unwrap();
+    wait_until(|| {
+        let s = b.stats();
+        s.messages_refused > before.messages_refused && s.rounds > before.rounds
+    })
+    .await;
     b.stop().await;
 }
