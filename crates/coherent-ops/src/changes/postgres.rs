@@ -1159,61 +1159,102 @@ const MAX_LOGGING: usize = 16;
 /// refuses, before the slot is given up.
 const STUCK_TRIES: u64 = 3;
 
+/// The statements that make the table of owed flushes in `schema` (an identifier, quoted
+/// or not): a row per name, `owed` counted up by every owe, so that a payment clears only
+/// what it paid. A table of an earlier release, without `owed`, gets it (each row then
+/// owes once).
+pub(super) fn flushes_table_sql(schema: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {schema}.coherent_feed_flushes \
+             (name TEXT PRIMARY KEY, owed BIGINT NOT NULL DEFAULT 1); \
+         DO $coherent$ BEGIN \
+           IF NOT EXISTS (SELECT 1 FROM pg_attribute \
+             WHERE attrelid = to_regclass('{schema}.coherent_feed_flushes') \
+             AND attname = 'owed' AND NOT attisdropped) THEN \
+             ALTER TABLE {schema}.coherent_feed_flushes \
+               ADD COLUMN owed BIGINT NOT NULL DEFAULT 1; \
+           END IF; \
+         END $coherent$; "
+    )
+}
+
+/// The statement that records a flush owed under the name `$1` in `schema` (see
+/// [`owe_flush`]).
+pub(super) fn owe_flush_sql(schema: &str) -> String {
+    format!(
+        "INSERT INTO {schema}.coherent_feed_flushes AS f (name) VALUES ($1) \
+         ON CONFLICT (name) DO UPDATE SET owed = f.owed + 1"
+    )
+}
+
 /// Records, in the cluster's schema, that the hosts owe a flush (a slot or triggers are
 /// about to be made: what changed before them is in neither), so that a host that dies
-/// before logging the flush leaves it to the next.
+/// before logging the flush leaves it to the next. Owed again while one is being paid,
+/// it stays owed once that payment clears what it read (`owed` counts up).
 pub(super) async fn owe_flush(
     client: &tokio_postgres::Client,
     feed: &PgFeed,
     name: &str,
 ) -> Result<(), CommandError> {
     client
-        .execute(
-            &format!(
-                "INSERT INTO {}.coherent_feed_flushes (name) VALUES ($1) ON CONFLICT DO NOTHING",
-                feed.schema
-            ),
-            &[&name],
-        )
+        .execute(&owe_flush_sql(&feed.schema), &[&name])
         .await
         .map_err(feed_error)?;
     Ok(())
 }
 
-/// Logs the flush owed under `name`, if one is, then clears it. `false`: the host stopped.
+/// How many times a flush was owed under `name` since it was last paid; `None`: none is.
+async fn flush_owed(
+    client: &tokio_postgres::Client,
+    schema: &str,
+    name: &str,
+) -> Result<Option<i64>, CommandError> {
+    Ok(client
+        .query_opt(
+            &format!("SELECT owed FROM {schema}.coherent_feed_flushes WHERE name = $1"),
+            &[&name],
+        )
+        .await
+        .map_err(feed_error)?
+        .map(|r| r.get(0)))
+}
+
+/// Clears the flush owed under `name` if it is still owed `owed` times (read before the
+/// payment): one owed again meanwhile (triggers installed by a host starting then, whose
+/// earlier changes the payment, logged before them, does not cover) stays owed.
+/// `true` when cleared.
+async fn clear_flush(
+    client: &tokio_postgres::Client,
+    schema: &str,
+    name: &str,
+    owed: i64,
+) -> Result<bool, CommandError> {
+    Ok(client
+        .execute(
+            &format!("DELETE FROM {schema}.coherent_feed_flushes WHERE name = $1 AND owed = $2"),
+            &[&name, &owed],
+        )
+        .await
+        .map_err(feed_error)?
+        == 1)
+}
+
+/// Logs the flush owed under `name`, as often as it is owed again while being paid, then
+/// clears it. `false`: the host stopped.
 async fn pay_flush(
     host: &Weak<Inner>,
     client: &tokio_postgres::Client,
     feed: &PgFeed,
     name: &str,
 ) -> Result<bool, CommandError> {
-    let owed = client
-        .query_opt(
-            &format!(
-                "SELECT 1 FROM {}.coherent_feed_flushes WHERE name = $1",
-                feed.schema
-            ),
-            &[&name],
-        )
-        .await
-        .map_err(feed_error)?
-        .is_some();
-    if !owed {
-        return Ok(true);
+    while let Some(owed) = flush_owed(client, &feed.schema, name).await? {
+        if !log(host, flush()).await? {
+            return Ok(false);
+        }
+        if clear_flush(client, &feed.schema, name, owed).await? {
+            break;
+        }
     }
-    if !log(host, flush()).await? {
-        return Ok(false);
-    }
-    client
-        .execute(
-            &format!(
-                "DELETE FROM {}.coherent_feed_flushes WHERE name = $1",
-                feed.schema
-            ),
-            &[&name],
-        )
-        .await
-        .map_err(feed_error)?;
     Ok(true)
 }
 
@@ -1239,10 +1280,7 @@ pub(super) fn flush() -> DbChanges {
 async fn publish(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<Keys, CommandError> {
     let publication = &feed.feed.publication;
     client
-        .batch_execute(&format!(
-            "CREATE TABLE IF NOT EXISTS {}.coherent_feed_flushes (name TEXT PRIMARY KEY)",
-            feed.schema
-        ))
+        .batch_execute(&flushes_table_sql(&feed.schema))
         .await
         .map_err(feed_error)?;
     let quoted = |t: &str| {
@@ -1479,7 +1517,76 @@ async fn read(
 
 #[cfg(test)]
 mod tests {
-    use super::{names_standby, visible_in};
+    use super::{
+        clear_flush, flush_owed, flushes_table_sql, names_standby, owe_flush_sql, visible_in,
+    };
+
+    /// A flush owed again while one is being paid (between the payer's read and its clear:
+    /// triggers installed meanwhile by a host starting, whose earlier changes the flush
+    /// being logged does not cover) stays owed; the payer's clear leaves it for the next
+    /// payment. And a table of an earlier release, without the count, gets it.
+    #[tokio::test]
+    async fn a_flush_owed_while_one_is_paid_stays_owed() {
+        let Ok(url) = std::env::var("DATABASE_URL") else {
+            eprintln!("skipped: DATABASE_URL is not set");
+            return;
+        };
+        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let schema = format!("flush_owed_{}", rand::random::<u32>());
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {schema}; \
+                 CREATE TABLE {schema}.coherent_feed_flushes (name TEXT PRIMARY KEY); \
+                 INSERT INTO {schema}.coherent_feed_flushes VALUES ('slot'); \
+                 {}",
+                flushes_table_sql(&schema)
+            ))
+            .await
+            .unwrap();
+        client
+            .batch_execute(&flushes_table_sql(&schema))
+            .await
+            .unwrap();
+        assert_eq!(flush_owed(&client, &schema, "slot").await.unwrap(), Some(1));
+        assert_eq!(
+            flush_owed(&client, &schema, "triggers").await.unwrap(),
+            None
+        );
+
+        let owe = owe_flush_sql(&schema);
+        client.execute(&owe, &[&"triggers"]).await.unwrap();
+        // A payer reads what is owed, logs its flush; another host owes meanwhile.
+        let read = flush_owed(&client, &schema, "triggers")
+            .await
+            .unwrap()
+            .unwrap();
+        client.execute(&owe, &[&"triggers"]).await.unwrap();
+        assert!(!clear_flush(&client, &schema, "triggers", read)
+            .await
+            .unwrap());
+        let again = flush_owed(&client, &schema, "triggers")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_ne!(
+            again, read,
+            "owed again: the next payment logs another flush"
+        );
+        assert!(clear_flush(&client, &schema, "triggers", again)
+            .await
+            .unwrap());
+        assert_eq!(
+            flush_owed(&client, &schema, "triggers").await.unwrap(),
+            None
+        );
+        client
+            .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+            .await
+            .unwrap();
+    }
 
     #[test]
     fn the_standby_names_that_would_make_the_feed_a_synchronous_standby() {

@@ -44,9 +44,10 @@ pub(super) async fn install(
 ) -> Result<(), CommandError> {
     let schema = ident(&feed.schema);
     let notify = literal(&channel(&feed.schema));
+    let flushes = super::postgres::flushes_table_sql(&schema);
     let mut sql = format!(
         "BEGIN; SELECT pg_advisory_xact_lock(hashtext('coherent.changes.install')); \
-         CREATE TABLE IF NOT EXISTS {schema}.coherent_feed_flushes (name TEXT PRIMARY KEY); \
+         {flushes} \
          CREATE TABLE IF NOT EXISTS {schema}.coherent_changes ( \
              id BIGSERIAL PRIMARY KEY, \
              xid xid8 NOT NULL DEFAULT pg_current_xact_id(), \
@@ -118,8 +119,8 @@ pub(super) async fn install(
     }
     if missing {
         sql.push_str(&format!(
-            "INSERT INTO {schema}.coherent_feed_flushes (name) VALUES ('triggers') \
-             ON CONFLICT DO NOTHING; "
+            "{}; ",
+            super::postgres::owe_flush_sql(&schema).replace("$1", "'triggers'")
         ));
         feed.counters.slots_created.fetch_add(1, Ordering::Relaxed);
     }
