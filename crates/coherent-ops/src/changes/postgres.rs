@@ -1159,38 +1159,25 @@ const MAX_LOGGING: usize = 16;
 /// refuses, before the slot is given up.
 const STUCK_TRIES: u64 = 3;
 
-/// The statements that make the table of owed flushes in `schema` (an identifier, quoted
-/// or not): a row per name, `owed` counted up by every owe, so that a payment clears only
-/// what it paid. A table of an earlier release, without `owed`, gets it (each row then
-/// owes once).
+/// The statement that makes the table of owed flushes in `schema` (an identifier, quoted
+/// or not): a row per name.
 pub(super) fn flushes_table_sql(schema: &str) -> String {
-    format!(
-        "CREATE TABLE IF NOT EXISTS {schema}.coherent_feed_flushes \
-             (name TEXT PRIMARY KEY, owed BIGINT NOT NULL DEFAULT 1); \
-         DO $coherent$ BEGIN \
-           IF NOT EXISTS (SELECT 1 FROM pg_attribute \
-             WHERE attrelid = to_regclass('{schema}.coherent_feed_flushes') \
-             AND attname = 'owed' AND NOT attisdropped) THEN \
-             ALTER TABLE {schema}.coherent_feed_flushes \
-               ADD COLUMN owed BIGINT NOT NULL DEFAULT 1; \
-           END IF; \
-         END $coherent$; "
-    )
+    format!("CREATE TABLE IF NOT EXISTS {schema}.coherent_feed_flushes (name TEXT PRIMARY KEY)")
 }
 
 /// The statement that records a flush owed under the name `$1` in `schema` (see
-/// [`owe_flush`]).
+/// [`owe_flush`]). Owed again, the row is written again: a new version of it.
 pub(super) fn owe_flush_sql(schema: &str) -> String {
     format!(
-        "INSERT INTO {schema}.coherent_feed_flushes AS f (name) VALUES ($1) \
-         ON CONFLICT (name) DO UPDATE SET owed = f.owed + 1"
+        "INSERT INTO {schema}.coherent_feed_flushes (name) VALUES ($1) \
+         ON CONFLICT (name) DO UPDATE SET name = excluded.name"
     )
 }
 
 /// Records, in the cluster's schema, that the hosts owe a flush (a slot or triggers are
 /// about to be made: what changed before them is in neither), so that a host that dies
 /// before logging the flush leaves it to the next. Owed again while one is being paid,
-/// it stays owed once that payment clears what it read (`owed` counts up).
+/// it stays owed: the payment clears only the version of the row it read.
 pub(super) async fn owe_flush(
     client: &tokio_postgres::Client,
     feed: &PgFeed,
@@ -1203,15 +1190,16 @@ pub(super) async fn owe_flush(
     Ok(())
 }
 
-/// How many times a flush was owed under `name` since it was last paid; `None`: none is.
+/// The version of the row of the flush owed under `name` (the transaction that last
+/// wrote it, `xmin`); `None`: none is owed.
 async fn flush_owed(
     client: &tokio_postgres::Client,
     schema: &str,
     name: &str,
-) -> Result<Option<i64>, CommandError> {
+) -> Result<Option<String>, CommandError> {
     Ok(client
         .query_opt(
-            &format!("SELECT owed FROM {schema}.coherent_feed_flushes WHERE name = $1"),
+            &format!("SELECT xmin::text FROM {schema}.coherent_feed_flushes WHERE name = $1"),
             &[&name],
         )
         .await
@@ -1219,20 +1207,24 @@ async fn flush_owed(
         .map(|r| r.get(0)))
 }
 
-/// Clears the flush owed under `name` if it is still owed `owed` times (read before the
-/// payment): one owed again meanwhile (triggers installed by a host starting then, whose
-/// earlier changes the payment, logged before them, does not cover) stays owed.
-/// `true` when cleared.
+/// Clears the flush owed under `name` if its row is still the version read before the
+/// payment: one owed again meanwhile (triggers installed by a host starting then, whose
+/// earlier changes the payment, logged before them, does not cover), by an update of the
+/// row or by a new row after another payer's clear, stays owed. An owe not yet committed
+/// holds the row: the clear waits for it, then finds another version. `true` when cleared.
 async fn clear_flush(
     client: &tokio_postgres::Client,
     schema: &str,
     name: &str,
-    owed: i64,
+    version: &str,
 ) -> Result<bool, CommandError> {
     Ok(client
         .execute(
-            &format!("DELETE FROM {schema}.coherent_feed_flushes WHERE name = $1 AND owed = $2"),
-            &[&name, &owed],
+            &format!(
+                "DELETE FROM {schema}.coherent_feed_flushes \
+                 WHERE name = $1 AND xmin::text = $2"
+            ),
+            &[&name, &version],
         )
         .await
         .map_err(feed_error)?
@@ -1247,11 +1239,11 @@ async fn pay_flush(
     feed: &PgFeed,
     name: &str,
 ) -> Result<bool, CommandError> {
-    while let Some(owed) = flush_owed(client, &feed.schema, name).await? {
+    while let Some(version) = flush_owed(client, &feed.schema, name).await? {
         if !log(host, flush()).await? {
             return Ok(false);
         }
-        if clear_flush(client, &feed.schema, name, owed).await? {
+        if clear_flush(client, &feed.schema, name, &version).await? {
             break;
         }
     }
@@ -1523,66 +1515,95 @@ mod tests {
 
     /// A flush owed again while one is being paid (between the payer's read and its clear:
     /// triggers installed meanwhile by a host starting, whose earlier changes the flush
-    /// being logged does not cover) stays owed; the payer's clear leaves it for the next
-    /// payment. And a table of an earlier release, without the count, gets it.
+    /// being logged does not cover) stays owed, whether the owe updated the row, is not
+    /// committed yet when the payer clears (the clear waits for it), or made the row anew
+    /// after another payer cleared it.
     #[tokio::test]
     async fn a_flush_owed_while_one_is_paid_stays_owed() {
         let Ok(url) = std::env::var("DATABASE_URL") else {
             eprintln!("skipped: DATABASE_URL is not set");
             return;
         };
-        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(connection);
+        let connect = || async {
+            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(connection);
+            client
+        };
+        let (payer, installer) = (connect().await, connect().await);
         let schema = format!("flush_owed_{}", rand::random::<u32>());
-        client
+        payer
             .batch_execute(&format!(
-                "CREATE SCHEMA {schema}; \
-                 CREATE TABLE {schema}.coherent_feed_flushes (name TEXT PRIMARY KEY); \
-                 INSERT INTO {schema}.coherent_feed_flushes VALUES ('slot'); \
-                 {}",
+                "CREATE SCHEMA {schema}; {}",
                 flushes_table_sql(&schema)
             ))
             .await
             .unwrap();
-        client
-            .batch_execute(&flushes_table_sql(&schema))
-            .await
-            .unwrap();
-        assert_eq!(flush_owed(&client, &schema, "slot").await.unwrap(), Some(1));
-        assert_eq!(
-            flush_owed(&client, &schema, "triggers").await.unwrap(),
-            None
-        );
-
         let owe = owe_flush_sql(&schema);
-        client.execute(&owe, &[&"triggers"]).await.unwrap();
-        // A payer reads what is owed, logs its flush; another host owes meanwhile.
-        let read = flush_owed(&client, &schema, "triggers")
-            .await
-            .unwrap()
-            .unwrap();
-        client.execute(&owe, &[&"triggers"]).await.unwrap();
-        assert!(!clear_flush(&client, &schema, "triggers", read)
-            .await
-            .unwrap());
-        let again = flush_owed(&client, &schema, "triggers")
-            .await
-            .unwrap()
-            .unwrap();
-        assert_ne!(
-            again, read,
-            "owed again: the next payment logs another flush"
-        );
-        assert!(clear_flush(&client, &schema, "triggers", again)
+        let owed = || flush_owed(&payer, &schema, "triggers");
+
+        // Owed again by an update of the row.
+        installer.execute(&owe, &[&"triggers"]).await.unwrap();
+        let read = owed().await.unwrap().unwrap();
+        installer.execute(&owe, &[&"triggers"]).await.unwrap();
+        assert!(!clear_flush(&payer, &schema, "triggers", &read)
             .await
             .unwrap());
-        assert_eq!(
-            flush_owed(&client, &schema, "triggers").await.unwrap(),
-            None
+        let again = owed().await.unwrap().unwrap();
+        assert!(clear_flush(&payer, &schema, "triggers", &again)
+            .await
+            .unwrap());
+        assert_eq!(owed().await.unwrap(), None);
+
+        // Owed again in a transaction still open when the payer clears.
+        installer.execute(&owe, &[&"triggers"]).await.unwrap();
+        let read = owed().await.unwrap().unwrap();
+        installer.batch_execute("BEGIN").await.unwrap();
+        installer.execute(&owe, &[&"triggers"]).await.unwrap();
+        let clear = {
+            let (schema, read) = (schema.clone(), read.clone());
+            let payer = connect().await;
+            tokio::spawn(async move { clear_flush(&payer, &schema, "triggers", &read).await })
+        };
+        // The clear waits for the owe's row lock.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let waiting = format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE 'DELETE FROM {schema}.coherent_feed_flushes%'"
         );
-        client
+        while payer
+            .query_one(&waiting, &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the clear never waited"
+            );
+            tokio::task::yield_now().await;
+        }
+        installer.batch_execute("COMMIT").await.unwrap();
+        assert!(
+            !clear.await.unwrap().unwrap(),
+            "cleared an owe made after its read"
+        );
+        assert!(owed().await.unwrap().is_some());
+
+        // Owed anew after another payer cleared what both read.
+        let read = owed().await.unwrap().unwrap();
+        assert!(clear_flush(&payer, &schema, "triggers", &read)
+            .await
+            .unwrap());
+        installer.execute(&owe, &[&"triggers"]).await.unwrap();
+        assert!(!clear_flush(&payer, &schema, "triggers", &read)
+            .await
+            .unwrap());
+        assert!(owed().await.unwrap().is_some());
+
+        payer
             .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
             .await
             .unwrap();

@@ -47,7 +47,7 @@ pub(super) async fn install(
     let flushes = super::postgres::flushes_table_sql(&schema);
     let mut sql = format!(
         "BEGIN; SELECT pg_advisory_xact_lock(hashtext('coherent.changes.install')); \
-         {flushes} \
+         {flushes}; \
          CREATE TABLE IF NOT EXISTS {schema}.coherent_changes ( \
              id BIGSERIAL PRIMARY KEY, \
              xid xid8 NOT NULL DEFAULT pg_current_xact_id(), \
