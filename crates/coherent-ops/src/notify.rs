@@ -929,8 +929,16 @@ async fn pg_notify_batches(
             }
             payloads.extend(packer.finish().into_iter().map(|p| (to.clone(), p)));
         }
-        payloads.extend(controls);
-        // Each sealed as it goes out (the packers left room for the seal).
+        // A handshake message (a hello, a welcome, a ping) holds the host's id: one longer
+        // than a payload with its seal would have PostgreSQL refuse the whole `NOTIFY`.
+        for (to, payload) in controls {
+            if payload.len() <= PAYLOAD_ROOM {
+                payloads.push((to, payload));
+            } else {
+                unsent_acks += 1;
+            }
+        }
+        // Each sealed as it goes out (the packers and the check above left room for it).
         for (_, payload) in &mut payloads {
             *payload = seal.seal_string(std::mem::take(payload));
         }
