@@ -132,6 +132,47 @@ async fn postgres_a_write_on_one_host_reaches_the_other_by_notify() {
     assert_eq!(via, Via::Notification);
 }
 
+/// Two processes on one SQLite file, as two `Database`s: they read the same key of the
+/// cluster (made once in the file), so each takes the other's sealed notices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_hosts_of_two_databases_on_one_file_hear_each_other_by_nats() {
+    let Some(url) = nats_url() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let db_a = sqlite_db(&dir).await;
+    let db_b = Database::sqlite(dir.path().join("cluster.db")).unwrap();
+    let nats = |b: coherent_ops::HostBuilder| {
+        b.notifier(Notifier::Nats(url.clone()))
+            .poll_interval(Duration::from_secs(3600))
+    };
+    let (a, _) = host(&db_a, nats).await;
+    let (b, items_b) = host(&db_b, nats).await;
+    // Both past their rejoin (whose read of the log could apply A's write first).
+    wait_until(|| {
+        [&a, &b]
+            .iter()
+            .all(|h| h.notifier_connected() && !h.is_fenced())
+            && a.stats().peers >= 1
+    })
+    .await;
+    assert_eq!(items_b.value(4).await, Ok(0));
+    // (One may reach B by a read of the log that a ping or a heartbeat owed; most by
+    // their notices, none refused.)
+    for value in 1..=5 {
+        a.run(SetValue { id: 4, value }).await.unwrap();
+    }
+    wait_until(|| {
+        let s = b.stats();
+        s.applied_notified + s.applied_from_log >= 5
+    })
+    .await;
+    assert_eq!(items_b.value(4).await, Ok(5));
+    let (sa, sb) = (a.stats(), b.stats());
+    assert!(sb.applied_notified >= 1, "{sb:?}");
+    assert_eq!((sa.messages_refused, sb.messages_refused), (0, 0));
+    a.stop().await;
+    b.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_write_on_one_host_reaches_the_other_by_nats() {
     let Some(url) = nats_url() else { return };
