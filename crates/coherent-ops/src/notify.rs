@@ -445,11 +445,12 @@ pub(crate) async fn farewell(inner: &Inner, peers: &[String]) -> Result<(), Comm
     if peers.is_empty() {
         return Ok(());
     }
-    let payload = inner.seal.seal_string(serde_json::to_string(&Ack {
+    let mut payload = serde_json::to_string(&Ack {
         from: inner.id.clone(),
         bye: true,
         ..Ack::default()
-    })?);
+    })?;
+    inner.seal.seal_string(&mut payload);
     enum Route {
         Postgres(String),
         #[cfg(feature = "nats")]
@@ -940,7 +941,7 @@ async fn pg_notify_batches(
         }
         // Each sealed as it goes out (the packers and the check above left room for it).
         for (_, payload) in &mut payloads {
-            *payload = seal.seal_string(std::mem::take(payload));
+            seal.seal_string(payload);
         }
         if unsent_notices > 0 {
             // Which of the batch's commands lost its notice is not kept: each of them
@@ -1282,7 +1283,8 @@ mod tests {
             let mut got = Vec::new();
             for payload in packer.finish() {
                 assert!(payload.len() <= PAYLOAD_ROOM, "{}", payload.len());
-                let payload = seal.seal_string(payload);
+                let mut payload = payload;
+                seal.seal_string(&mut payload);
                 assert!(payload.len() <= PG_PAYLOAD_LIMIT, "{}", payload.len());
                 assert_eq!(seal.open(payload.as_bytes()), Opened::Sealed);
                 let packed: Packed = serde_json::from_str(&payload).unwrap();
@@ -1297,7 +1299,8 @@ mod tests {
             }
             let mut got = Vec::new();
             for payload in packer.finish() {
-                let payload = seal.seal_string(payload);
+                let mut payload = payload;
+                seal.seal_string(&mut payload);
                 assert!(payload.len() <= PG_PAYLOAD_LIMIT, "{}", payload.len());
                 let ack: Ack = serde_json::from_str(&payload).unwrap();
                 assert_eq!(ack.from, host);

@@ -68,26 +68,32 @@ impl Seal {
 
     /// Seals a message's JSON (an object: it ends with `}`) where it lies.
     pub(crate) fn seal(&self, json: &mut Vec<u8>) {
+        let end = self.end(json);
+        json.pop();
+        json.extend_from_slice(&end);
+    }
+
+    /// [`seal`](Self::seal) for a message held as text.
+    pub(crate) fn seal_string(&self, json: &mut String) {
+        let end = self.end(json.as_bytes());
+        json.pop();
+        json.extend(end.iter().map(|&b| char::from(b)));
+    }
+
+    /// What takes the place of `json`'s closing `}`: the seal's field, then the `}`.
+    fn end(&self, json: &[u8]) -> [u8; SEAL_LEN + 1] {
         debug_assert_eq!(json.last(), Some(&b'}'), "a JSON object");
         let mut mac = Hmac::clone(&self.keyed);
         mac.update(json);
         let tag = mac.finalize().into_bytes();
-        json.pop();
-        json.reserve(SEAL_LEN + 1);
-        json.extend_from_slice(FIELD);
-        for b in &tag[..TAG_HEX / 2] {
-            json.push(HEX[usize::from(b >> 4)]);
-            json.push(HEX[usize::from(b & 15)]);
-        }
-        json.extend_from_slice(b"\"}");
-    }
-
-    /// [`seal`](Self::seal) for a message held as text.
-    pub(crate) fn seal_string(&self, json: String) -> String {
-        let mut bytes = json.into_bytes();
-        self.seal(&mut bytes);
-        // Only ASCII went in after valid UTF-8.
-        String::from_utf8(bytes).unwrap_or_default()
+        let mut end = [0u8; SEAL_LEN + 1];
+        end[..FIELD.len()].copy_from_slice(FIELD);
+        hex_into(
+            &tag[..TAG_HEX / 2],
+            &mut end[FIELD.len()..FIELD.len() + TAG_HEX],
+        );
+        end[SEAL_LEN - 1..].copy_from_slice(b"\"}");
+        end
     }
 
     /// Whether `payload` is sealed under this key. The payload is read as it is (the seal's
@@ -131,16 +137,21 @@ fn unhex(d: u8) -> Option<u8> {
     }
 }
 
+/// `bytes` as lowercase hex digits into `out` (twice as long).
+fn hex_into(bytes: &[u8], out: &mut [u8]) {
+    for (b, pair) in bytes.iter().zip(out.chunks_exact_mut(2)) {
+        pair[0] = HEX[usize::from(b >> 4)];
+        pair[1] = HEX[usize::from(b & 15)];
+    }
+}
+
 /// A new key for a cluster: 32 random bytes of `rand`'s thread generator (a CSPRNG
 /// seeded by the operating system), as 64 hex digits.
 pub(crate) fn new_key() -> String {
     let bytes: [u8; 32] = rand::random();
-    let mut s = String::with_capacity(64);
-    for b in bytes {
-        s.push(char::from(HEX[usize::from(b >> 4)]));
-        s.push(char::from(HEX[usize::from(b & 15)]));
-    }
-    s
+    let mut hex = [0u8; 64];
+    hex_into(&bytes, &mut hex);
+    hex.iter().map(|&b| char::from(b)).collect()
 }
 
 #[cfg(test)]
@@ -165,7 +176,8 @@ mod tests {
         let read: Ack = serde_json::from_slice(&sealed).unwrap();
         assert_eq!((read.from.as_str(), read.ids), ("host-1", vec![7, 8]));
         assert_eq!(seal.open(&json), Opened::Unsealed);
-        let text = seal.seal_string(String::from_utf8(json).unwrap());
+        let mut text = String::from_utf8(json).unwrap();
+        seal.seal_string(&mut text);
         assert_eq!(text.as_bytes(), sealed);
     }
 

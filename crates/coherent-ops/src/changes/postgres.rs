@@ -1165,11 +1165,12 @@ pub(super) fn flushes_table_sql(schema: &str) -> String {
     format!("CREATE TABLE IF NOT EXISTS {schema}.coherent_feed_flushes (name TEXT PRIMARY KEY)")
 }
 
-/// The statement that records a flush owed under the name `$1` in `schema` (see
-/// [`owe_flush`]). Owed again, the row is written again: a new version of it.
-pub(super) fn owe_flush_sql(schema: &str) -> String {
+/// The statement that records a flush owed under the name `name` (SQL: a parameter or a
+/// literal) in `schema` (see [`owe_flush`]). Owed again, the row is written again: a new
+/// version of it.
+pub(super) fn owe_flush_sql(schema: &str, name: &str) -> String {
     format!(
-        "INSERT INTO {schema}.coherent_feed_flushes (name) VALUES ($1) \
+        "INSERT INTO {schema}.coherent_feed_flushes (name) VALUES ({name}) \
          ON CONFLICT (name) DO UPDATE SET name = excluded.name"
     )
 }
@@ -1184,7 +1185,7 @@ pub(super) async fn owe_flush(
     name: &str,
 ) -> Result<(), CommandError> {
     client
-        .execute(&owe_flush_sql(&feed.schema), &[&name])
+        .execute(&owe_flush_sql(&feed.schema, "$1"), &[&name])
         .await
         .map_err(feed_error)?;
     Ok(())
@@ -1540,7 +1541,7 @@ mod tests {
             ))
             .await
             .unwrap();
-        let owe = owe_flush_sql(&schema);
+        let owe = owe_flush_sql(&schema, "$1");
         let owed = || flush_owed(&payer, &schema, "triggers");
 
         // Owed again by an update of the row.

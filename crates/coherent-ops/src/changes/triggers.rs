@@ -118,10 +118,8 @@ pub(super) async fn install(
         ));
     }
     if missing {
-        sql.push_str(&format!(
-            "{}; ",
-            super::postgres::owe_flush_sql(&schema).replace("$1", "'triggers'")
-        ));
+        sql.push_str(&super::postgres::owe_flush_sql(&schema, "'triggers'"));
+        sql.push_str("; ");
         feed.counters.slots_created.fetch_add(1, Ordering::Relaxed);
     }
     sql.push_str(&format!(

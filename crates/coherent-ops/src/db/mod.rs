@@ -162,8 +162,9 @@ pub(crate) struct Sqlite {
     writer: tokio::sync::Mutex<Connection>,
     /// Log reads, heartbeats and trimming.
     reader: parking_lot::Mutex<Connection>,
-    /// The key the hosts seal their messages with (`coherent_secrets`; see [`seal`](crate::seal)).
-    seal_key: String,
+    /// What the hosts seal their messages with: the key of `coherent_secrets` (see
+    /// [`seal`](crate::seal)).
+    seal: crate::seal::Seal,
 }
 
 pub(crate) struct Postgres {
@@ -175,8 +176,9 @@ pub(crate) struct Postgres {
     /// The `LISTEN`/`NOTIFY` channel: one per schema, so that clusters in other schemas of
     /// the same database never hear each other.
     pub(crate) channel: String,
-    /// The key the hosts seal their messages with (`coherent_secrets`; see [`seal`](crate::seal)).
-    seal_key: String,
+    /// What the hosts seal their messages with: the key of `coherent_secrets` (see
+    /// [`seal`](crate::seal)).
+    seal: crate::seal::Seal,
     /// The fused statement built for each write of [`Tx::defer_sql`] and [`Tx::finish_sql`]
     /// (see [`Postgres::send_fused`]), by [`Fusion`] and the write's text; `None` for a
     /// write that cannot stand in a `WITH`, not tried again. Built once: the text is
@@ -504,7 +506,7 @@ impl Database {
                 path,
                 writer: tokio::sync::Mutex::new(writer),
                 reader: parking_lot::Mutex::new(reader),
-                seal_key,
+                seal: crate::seal::Seal::new(seal_key.as_bytes()),
             })),
         })
     }
@@ -623,7 +625,7 @@ impl Database {
                 tls,
                 schema: schema.to_owned(),
                 channel,
-                seal_key,
+                seal: crate::seal::Seal::new(seal_key.as_bytes()),
                 fused_texts: Default::default(),
                 background,
             })),
@@ -642,11 +644,10 @@ impl Database {
     /// What the hosts of this database seal their messages with: its key, from
     /// `coherent_secrets` (see [`crate::seal`]).
     pub(crate) fn seal(&self) -> crate::seal::Seal {
-        let key = match &*self.inner {
-            Engine::Postgres(pg) => &pg.seal_key,
-            Engine::Sqlite(s) => &s.seal_key,
-        };
-        crate::seal::Seal::new(key.as_bytes())
+        match &*self.inner {
+            Engine::Postgres(pg) => pg.seal.clone(),
+            Engine::Sqlite(s) => s.seal.clone(),
+        }
     }
 
     /// The SQLite file. `None` for PostgreSQL.
