@@ -51,8 +51,9 @@ struct Cli {
     /// Run only the `rpc` cases under this name (`calls`, `calls.sum`, `streams`,
     /// `streams.1`, `latency`, `payload`), only the `tasks` rows whose name contains this
     /// (`mixed`, `tasks.sqlite`, `get_one.coherent`), or only the `cluster` phases whose
-    /// name contains it (`cached`, `propagation`, `nats`, `direct`, `ttl`, `commands`): for
-    /// iterating on one part.
+    /// name contains it (`cached`, `propagation`, `nats`, `direct`, `ttl`, `commands`), or,
+    /// in `local`, `1reader`: ours and the peers side by side, nothing else: for iterating on
+    /// one part.
     #[arg(long, global = true)]
     only: Option<String>,
 }
@@ -200,9 +201,13 @@ fn main() -> anyhow::Result<()> {
             .with_writer(std::io::stderr)
             .init();
     }
-    if cli.only.is_some() && !matches!(cli.suite, Suite::Rpc | Suite::Tasks { .. } | Suite::Cluster)
+    if cli.only.is_some()
+        && !matches!(
+            cli.suite,
+            Suite::Rpc | Suite::Tasks { .. } | Suite::Cluster | Suite::Local
+        )
     {
-        anyhow::bail!("--only applies to the rpc, tasks and cluster suites");
+        anyhow::bail!("--only applies to the local, rpc, tasks and cluster suites");
     }
     let timing = Timing::from_cli(&cli);
     let report = match &cli.suite {
@@ -227,7 +232,7 @@ fn main() -> anyhow::Result<()> {
         Suite::MemoryProbe(args) => {
             return local::memory::probe(&args.shape, args.keys, args.hit_seconds)
         }
-        Suite::Local => local::run(timing)?,
+        Suite::Local => local::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Rpc => rpc::run(timing, cli.only.as_deref().unwrap_or(""))?,
         Suite::Remote => remote::run(timing)?,
         Suite::Dbchanges => dbchanges::run(timing)?,

@@ -6,7 +6,36 @@ pub use crate::options::{ComputeOptions, OutputKind, TransientError};
 pub use crate::service::{ComputeService, MethodDescriptor};
 pub use crate::table::{Hit, Table};
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use crate::sync::Arc;
+
+/// A call's miss path: its future boxed, behind a `poll` that is never inlined. The front of a
+/// compute method (`async fn`) holds one of these after its hit check; with the miss's poll
+/// out of line, the front's own `poll` is the hit and a call, small enough for LLVM to inline
+/// into the caller's loop. A boxed `impl Future` alone is not enough: its concrete `poll`
+/// (the body's, kilobytes of code) would be inlined into the front's, and the front then
+/// left out of line.
+pub struct Miss<F>(Pin<Box<F>>);
+
+impl<F: Future> Miss<F> {
+    /// Boxes `future`.
+    #[inline]
+    pub fn new(future: F) -> Self {
+        Self(Box::pin(future))
+    }
+}
+
+impl<F: Future> Future for Miss<F> {
+    type Output = F::Output;
+
+    #[inline(never)]
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        self.0.as_mut().poll(cx)
+    }
+}
 
 /// The table of `method` in `service`.
 #[inline]

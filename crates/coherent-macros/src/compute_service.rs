@@ -409,8 +409,8 @@ fn expand_method(
             fn #miss_fn(
                 &self,
                 __coherent_key: #key_ty,
-            ) -> ::core::pin::Pin<::std::boxed::Box<impl ::core::future::Future<Output = #output> + '_>> {
-                ::std::boxed::Box::pin(#table.compute(
+            ) -> #plumbing::Miss<impl ::core::future::Future<Output = #output> + '_> {
+                #plumbing::Miss::new(#table.compute(
                     __coherent_key,
                     |#key| self.#body_name(#(#arg_names),*),
                 ))

@@ -414,43 +414,56 @@ async fn store_rows(
 }
 
 /// Runs the suite.
-pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
+/// `only`: `""` for every row; `1reader` for ours and the peers side by side alone (the hit
+/// path, for iterating on it).
+pub(crate) fn run(timing: Timing, only: &str) -> anyhow::Result<Report> {
+    let hits_alone = match only {
+        "" => false,
+        "1reader" => true,
+        other => anyhow::bail!("local --only takes `1reader`, not `{other}`"),
+    };
     let runtime: Runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cores())
         .enable_all()
         .build()?;
-    runtime.block_on(run_async(timing))
+    runtime.block_on(run_async(timing, hits_alone))
 }
 
-async fn run_async(timing: Timing) -> anyhow::Result<Report> {
+async fn run_async(timing: Timing, hits_alone: bool) -> anyhow::Result<Report> {
     let mut report = Report::new("local");
     let bar = progress(11 + memory::steps(timing));
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("users.db");
     let sqlite = Arc::new(Store::sqlite(&path, (cores() * 2) as u32)?);
-    let sqlite_service = store_rows("sqlite", sqlite, timing, &mut report, &bar, true).await;
+    let sqlite_service = if hits_alone {
+        Arc::new(UserService::new(sqlite, &Registry::new()))
+    } else {
+        store_rows("sqlite", sqlite, timing, &mut report, &bar, true).await
+    };
     report.note(format!(
         "sqlite: a WAL-mode file ({}) through an r2d2 pool",
         path.display()
     ));
 
-    let url = crate::report::database_url();
-    match Store::postgres(&url, cores() * 4).await {
-        Ok(Some(postgres)) => {
-            store_rows(
-                "postgres",
-                Arc::new(postgres),
-                timing,
-                &mut report,
-                &bar,
-                false,
-            )
-            .await;
-            report.note("postgres: tokio-postgres through a deadpool pool");
-        }
-        Ok(None) | Err(_) => {
-            bar.inc(4);
-            report.note(format!("postgres rows skipped: {url} is not reachable"));
+    if !hits_alone {
+        let url = crate::report::database_url();
+        match Store::postgres(&url, cores() * 4).await {
+            Ok(Some(postgres)) => {
+                store_rows(
+                    "postgres",
+                    Arc::new(postgres),
+                    timing,
+                    &mut report,
+                    &bar,
+                    false,
+                )
+                .await;
+                report.note("postgres: tokio-postgres through a deadpool pool");
+            }
+            Ok(None) | Err(_) => {
+                bar.inc(4);
+                report.note(format!("postgres rows skipped: {url} is not reachable"));
+            }
         }
     }
 
@@ -515,6 +528,10 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
         }
     }
     report.note(peers::SETTINGS);
+    if hits_alone {
+        bar.finish_and_clear();
+        return Ok(report);
+    }
 
     memory::rows(timing, &mut report, &bar)?;
     if let Some(leaf) = report.value("memory.coherent.leaf") {
