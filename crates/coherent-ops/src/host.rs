@@ -113,6 +113,10 @@ pub struct HostStats {
     /// Hints, and operations of database changes, not applied because the other of the
     /// pair was: what the hints saved in double invalidations.
     pub change_hints_paired: u64,
+    /// Times this host held its cache for a flush the change feed owed (a new slot waiting
+    /// for the transactions running when it was made): every call read the database until
+    /// the flush was paid.
+    pub change_holds: u64,
     /// Operations this host deleted from the log.
     pub trimmed: u64,
     /// Transactions that committed commands of this host (a batch is one; see
@@ -698,6 +702,8 @@ impl HostBuilder {
                 hints: AtomicU64::new(0),
                 paired: AtomicU64::new(0),
                 seen: Default::default(),
+                holds: parking_lot::Mutex::new(Some(Default::default())),
+                held: AtomicU64::new(0),
             });
             handlers.insert::<DbChanges, _>(ChangesHandler(apply.clone()));
             Some(apply)
@@ -1262,6 +1268,7 @@ impl Host {
             flushes: r(&c.flushes) + changes_stat(|a| &a.flushes),
             change_hints: changes_stat(|a| &a.hints),
             change_hints_paired: changes_stat(|a| &a.paired),
+            change_holds: changes_stat(|a| &a.held),
             trimmed: r(&c.trimmed),
             batches: r(&c.batches),
             batches_split: r(&c.batches_split),
@@ -1337,6 +1344,9 @@ impl Host {
         self.inner.batcher.close();
         // Its registries are a local cache from now on: not left fenced.
         self.inner.release();
+        if let Some(changes) = &self.inner.changes {
+            changes.release_all();
+        }
         // A heartbeat under way ends first (the next sees the stop): none comes after the
         // row is deleted.
         drop(self.inner.beat.lock().await);
@@ -2345,6 +2355,9 @@ impl Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.release();
+        if let Some(changes) = &self.changes {
+            changes.release_all();
+        }
     }
 }
 

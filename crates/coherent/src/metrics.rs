@@ -59,6 +59,7 @@
 //! | `coherent_ops_flushes_total` | counter | `host` | times the host invalidated its whole cache (it may have missed operations or changes) |
 //! | `coherent_ops_change_hints_total` | counter | `host` | hints of database changes heard from the host that reads the change feed |
 //! | `coherent_ops_change_hints_paired_total` | counter | `host` | hints, and operations of database changes, skipped because the other of the pair was applied |
+//! | `coherent_ops_change_holds_total` | counter | `host` | times the host held its cache (every call read the database) for a flush the change feed owed, while a new slot waited |
 //! | `coherent_ops_trimmed_total` | counter | `host` | operations this host deleted from the log |
 //! | `coherent_ops_batches_total` | counter | `host` | transactions that committed this host's commands |
 //! | `coherent_ops_batches_split_total` | counter | `host` | batches that failed and whose commands ran again one at a time |
@@ -265,6 +266,7 @@ impl Observer {
                     "coherent_ops_change_hints_paired_total",
                     s.change_hints_paired,
                 ),
+                ("coherent_ops_change_holds_total", s.change_holds),
                 ("coherent_ops_trimmed_total", s.trimmed),
                 ("coherent_ops_batches_total", s.batches),
                 ("coherent_ops_batches_split_total", s.batches_split),

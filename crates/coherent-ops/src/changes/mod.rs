@@ -270,6 +270,15 @@ pub(crate) struct DbChanges {
     /// whichever of the two reaches it first and skips the other (see [`SeenHints`]).
     #[serde(default, skip_serializing_if = "crate::host::is_zero")]
     pub(crate) hint: u64,
+    /// With `flush`: the name of a flush now owed (a slot about to be made, which waits for
+    /// every transaction running then; a change committed in that wait reaches no slot).
+    /// Each host holds its cache from here until the flush that pays it ([`paid`](Self::paid)):
+    /// every call reads the database meanwhile (see [`ApplyChanges::hold`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) hold: Option<String>,
+    /// With `flush`: the name of the owed flush this one pays, which ends a hold of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) paid: Option<String>,
 }
 
 /// Database changes, sent by the host that reads the change feed to the other hosts
@@ -358,9 +367,65 @@ pub(crate) struct ApplyChanges {
     /// Hints and operations whose pair was applied already (`HostStats::change_hints_paired`).
     pub(crate) paired: std::sync::atomic::AtomicU64,
     pub(crate) seen: parking_lot::Mutex<SeenHints>,
+    /// The owed flushes this host holds its cache for ([`DbChanges::hold`]), each with a
+    /// fence on every registry; `None` once the host stopped (no hold goes up then).
+    pub(crate) holds: parking_lot::Mutex<Option<BTreeSet<String>>>,
+    /// Holds taken here (`HostStats::change_holds`).
+    pub(crate) held: std::sync::atomic::AtomicU64,
 }
 
 impl ApplyChanges {
+    /// Holds this host's cache until the flush owed under `name` is paid: a fence on every
+    /// registry, so that no call answers from a result computed before a change that the
+    /// feed cannot deliver (one committed while a new slot waits). Once per name.
+    pub(crate) fn hold(&self, name: &str) {
+        let mut holds = self.holds.lock();
+        let Some(holds) = holds.as_mut() else {
+            return;
+        };
+        if holds.insert(name.to_owned()) {
+            self.held.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            for r in &self.registries {
+                r.fence();
+            }
+            tracing::warn!(host = %self.host, owed = %name,
+                "database changes: a flush is owed (a new slot waits for the transactions \
+                 running when it is made): every call reads the database until it is paid");
+        }
+    }
+
+    /// Whether this host holds its cache for the flush owed under `name`.
+    pub(crate) fn holding(&self, name: &str) -> bool {
+        self.holds.lock().as_ref().is_some_and(|h| h.contains(name))
+    }
+
+    /// Ends the hold for `name`, if there is one: the cache is flushed first (what it held
+    /// may be older than a change that no slot carries), unless `flushed` says the caller
+    /// just did, then the fence lifted.
+    pub(crate) fn release(&self, name: &str, flushed: bool) {
+        let mut holds = self.holds.lock();
+        if holds.as_mut().is_some_and(|h| h.remove(name)) {
+            if !flushed {
+                self.flush("the flush owed for a new slot is paid");
+            }
+            for r in &self.registries {
+                r.unfence();
+            }
+        }
+    }
+
+    /// Ends every hold, for good: the host stopped, and its registries are a local cache
+    /// from now on.
+    pub(crate) fn release_all(&self) {
+        if let Some(holds) = self.holds.lock().take() {
+            for _ in holds {
+                for r in &self.registries {
+                    r.unfence();
+                }
+            }
+        }
+    }
+
     fn flush(&self, why: &str) {
         self.flushes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -408,7 +473,13 @@ impl ApplyChanges {
 
     fn run(&self, changes: &DbChanges) {
         if changes.flush {
+            if let Some(name) = &changes.hold {
+                self.hold(name);
+            }
             self.flush("the change feed may have missed changes");
+            if let Some(name) = &changes.paid {
+                self.release(name, true);
+            }
             return;
         }
         // Tables touched, in a stable order, each with whether it changed as a whole.
@@ -513,6 +584,15 @@ impl ChangeFeed {
     /// starts at that moment: what committed before is not replayed, and the hosts flush
     /// their caches once). Needs `wal_level = logical` and a role allowed to replicate (a
     /// superuser or `REPLICATION`).
+    ///
+    /// PostgreSQL makes a slot only once every transaction running then has ended, and a
+    /// change committed in that wait is in no slot: from just before the slot is made
+    /// until the flush after it, every host that acknowledged the hold (and each feed host
+    /// that starts in the wait, once its feed checks) answers each call from the
+    /// database, not its cache ([`HostStats::change_holds`](crate::HostStats::change_holds)).
+    /// A transaction left open elsewhere (an idle `psql` session) makes that last; bound it
+    /// with PostgreSQL's `idle_in_transaction_session_timeout`. A slot that cannot be made
+    /// (no `REPLICATION` right, every slot taken) keeps the hosts holding until it is.
     ///
     /// A slot keeps the write-ahead log from its position on: while no host reads it (the
     /// whole cluster stopped), it grows with every write to the database. Bound it with
@@ -725,6 +805,8 @@ impl Batch {
             flush: false,
             applied_by: None,
             hint: 0,
+            hold: None,
+            paid: None,
         }
     }
 }
@@ -767,6 +849,8 @@ mod tests {
             hints: AtomicU64::new(0),
             paired: AtomicU64::new(0),
             seen: Default::default(),
+            holds: parking_lot::Mutex::new(Some(Default::default())),
+            held: AtomicU64::new(0),
         };
         (apply, seen)
     }
@@ -779,6 +863,53 @@ mod tests {
         })
         .unwrap();
         serde_json::from_str(&json).unwrap()
+    }
+
+    /// A hold fences the host's registry once per owed name, through JSON as the log
+    /// carries it; the flush that pays that name (and only it) lifts it; a stopped host's
+    /// holds are lifted for good and no new one goes up.
+    #[test]
+    fn a_hold_fences_until_its_flush_is_paid() {
+        let registry = coherent_core::Registry::new();
+        let (mut apply, _) = host();
+        apply.registries = vec![registry.clone()];
+        let through_json = |changes: DbChanges| -> DbChanges {
+            serde_json::from_str(&serde_json::to_string(&changes).unwrap()).unwrap()
+        };
+        let hold = |name: &str| {
+            through_json(DbChanges {
+                flush: true,
+                hold: Some(name.to_owned()),
+                ..DbChanges::default()
+            })
+        };
+        let paid = |name: &str| {
+            through_json(DbChanges {
+                flush: true,
+                paid: Some(name.to_owned()),
+                ..DbChanges::default()
+            })
+        };
+        apply.apply(&hold("slot"));
+        apply.apply(&hold("slot"));
+        assert!(registry.is_fenced());
+        assert_eq!(apply.held.load(Ordering::Relaxed), 1);
+        // Another flush, or another name's payment, does not end it.
+        apply.apply(&through_json(DbChanges {
+            flush: true,
+            ..DbChanges::default()
+        }));
+        apply.apply(&paid("triggers"));
+        assert!(registry.is_fenced());
+        apply.apply(&paid("slot"));
+        assert!(!registry.is_fenced(), "the payment lifts the hold");
+        apply.apply(&paid("slot"));
+        assert!(!registry.is_fenced());
+        apply.apply(&hold("slot"));
+        apply.release_all();
+        assert!(!registry.is_fenced(), "a stopped host holds nothing");
+        apply.apply(&hold("slot"));
+        assert!(!registry.is_fenced(), "nor takes a hold after");
     }
 
     /// The hint and its operation: the first applies, the second is skipped, whichever

@@ -437,6 +437,27 @@ pub(super) async fn log(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, 
     Ok(true)
 }
 
+/// Logs `changes` and waits, as a command's caller does, for every live host's
+/// acknowledgement: for a hold ([`DbChanges::hold`]), which must stand on every host before
+/// the slot that owes its flush is made. `false`: the host stopped.
+async fn log_acknowledged(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, CommandError> {
+    let Some(inner) = host.upgrade() else {
+        return Ok(false);
+    };
+    let runtime = inner.work.clone();
+    let host = Host { inner };
+    runtime
+        .spawn(async move { host.run(changes).await })
+        .await
+        .map_err(|e| feed_error(format!("the log of changes: {e}")))??;
+    Ok(true)
+}
+
+/// This host's handler of database changes, which holds its cache for an owed flush.
+fn applier(host: &Weak<Inner>) -> Option<Arc<super::ApplyChanges>> {
+    host.upgrade().and_then(|inner| inner.changes.clone())
+}
+
 /// A table's key columns (its primary key), by `(schema, name)`: what a change carries
 /// beside the watches' columns, whatever the table's replica identity sends.
 pub(super) type Keys = HashMap<(String, String), Vec<String>>;
@@ -518,6 +539,17 @@ async fn lead(
     if feed.feed.triggers && !pay_flush(host, &client, feed, &owed).await? {
         return Ok(());
     }
+    // A slot's flush owed already (the slot being made, waiting for the transactions
+    // running then): this host, which may have started after the hold was logged (and
+    // then does not read it), holds its cache too until it is paid. Read after the host's
+    // start, which set where it reads the log from: a hold logged after this read is in
+    // the log it reads.
+    let applier = applier(host);
+    if !feed.feed.triggers && flush_owed(&client, &feed.schema, &owed).await?.is_some() {
+        if let Some(applier) = &applier {
+            applier.hold(&owed);
+        }
+    }
     // Stand by until this host holds the feed.
     loop {
         let row = client
@@ -526,6 +558,13 @@ async fn lead(
             .map_err(feed_error)?;
         if row.get::<_, bool>(0) {
             break;
+        }
+        // The flush held for paid (its row cleared after its operation was logged), by
+        // an operation this host may not read (logged before it started): flushed here.
+        if let Some(applier) = applier.as_ref().filter(|a| a.holding(&owed)) {
+            if flush_owed(&client, &feed.schema, &owed).await?.is_none() {
+                applier.release(&owed, false);
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(feed.feed.standby) => {}
@@ -538,8 +577,10 @@ async fn lead(
         return super::triggers::follow(host, feed, &client, &wake, stop).await;
     }
     tracing::info!(slot = %feed.feed.slot, "change feed: this host reads the slot");
-    ensure_slot(&client, feed).await?;
-    if !pay_flush(host, &client, feed, &owed).await? {
+    if !ensure_slot(host, &client, feed).await?
+        || !pay_flush(host, &client, feed, &owed).await?
+        || !settle_hold(host, feed).await?
+    {
         return Ok(());
     }
     // The hints' statement, prepared once: one round trip per hint, its transaction
@@ -1144,8 +1185,9 @@ async fn renew_slot(
         )
         .await
         .map_err(feed_error)?;
-    ensure_slot(client, feed).await?;
-    pay_flush(host, client, feed, owed).await
+    Ok(ensure_slot(host, client, feed).await?
+        && pay_flush(host, client, feed, owed).await?
+        && settle_hold(host, feed).await?)
 }
 
 /// What a log of changes answers: whether the host still runs, and the rows and tables
@@ -1232,6 +1274,26 @@ async fn clear_flush(
         == 1)
 }
 
+/// Once the slot exists and its flush is paid: a hold of it still standing here (this
+/// host took it from the owed row and then the lock, after another host cleared the row;
+/// or a host of an earlier release paid before the slot existed, so no payment named it)
+/// ends with one more flush that pays it, logged for every host. `false`: the host
+/// stopped.
+async fn settle_hold(host: &Weak<Inner>, feed: &PgFeed) -> Result<bool, CommandError> {
+    let slot = &feed.feed.slot;
+    if !applier(host).is_some_and(|a| a.holding(slot)) {
+        return Ok(true);
+    }
+    log(
+        host,
+        DbChanges {
+            paid: Some(slot.clone()),
+            ..flush()
+        },
+    )
+    .await
+}
+
 /// Logs the flush owed under `name`, as often as it is owed again while being paid, then
 /// clears it. `false`: the host stopped.
 async fn pay_flush(
@@ -1241,7 +1303,11 @@ async fn pay_flush(
     name: &str,
 ) -> Result<bool, CommandError> {
     while let Some(version) = flush_owed(client, &feed.schema, name).await? {
-        if !log(host, flush()).await? {
+        let paid = DbChanges {
+            paid: Some(name.to_owned()),
+            ..flush()
+        };
+        if !log(host, paid).await? {
             return Ok(false);
         }
         if clear_flush(client, &feed.schema, name, &version).await? {
@@ -1376,9 +1442,16 @@ async fn publish(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<Keys,
 }
 
 /// Creates the slot when it is missing, after recording that the hosts owe a flush
-/// (changes before it are not in it). A slot of that name in another database, or of
-/// another plugin, is refused: it is not this cluster's.
-async fn ensure_slot(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(), CommandError> {
+/// (changes before it are not in it) and holding every host's cache until it is paid:
+/// the slot waits for every transaction running when it is made, and a change committed
+/// in that wait is in no slot (see [`DbChanges::hold`]). A slot of that name in another
+/// database, or of another plugin, is refused: it is not this cluster's. `false`: the
+/// host stopped.
+async fn ensure_slot(
+    host: &Weak<Inner>,
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+) -> Result<bool, CommandError> {
     let found = client
         .query_opt(
             "SELECT database::text = current_database()::text, plugin::text, database::text \
@@ -1391,7 +1464,7 @@ async fn ensure_slot(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(
         let (here, plugin, database): (Option<bool>, Option<String>, Option<String>) =
             (row.get(0), row.get(1), row.get(2));
         if here == Some(true) && plugin.as_deref() == Some("pgoutput") {
-            return Ok(());
+            return Ok(true);
         }
         return Err(feed_error(format!(
             "the replication slot {} belongs to database {database:?} with plugin \
@@ -1400,6 +1473,15 @@ async fn ensure_slot(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(
         )));
     }
     owe_flush(client, feed, &feed.feed.slot).await?;
+    // After the owed row: a host starting now reads the row, or (started after this was
+    // logged) reads this in the log.
+    let hold = DbChanges {
+        hold: Some(feed.feed.slot.clone()),
+        ..flush()
+    };
+    if !log_acknowledged(host, hold).await? {
+        return Ok(false);
+    }
     client
         .execute(
             "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
@@ -1409,7 +1491,7 @@ async fn ensure_slot(client: &tokio_postgres::Client, feed: &PgFeed) -> Result<(
         .map_err(feed_error)?;
     feed.counters.slots_created.fetch_add(1, Ordering::Relaxed);
     tracing::info!(slot = %feed.feed.slot, "change feed: slot created");
-    Ok(())
+    Ok(true)
 }
 
 enum ReadError {

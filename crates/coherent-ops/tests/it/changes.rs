@@ -1033,7 +1033,8 @@ async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed
 /// it is made. A host whose feed starts in that wait must leave that flush to the leader:
 /// paid before the slot, it would come before such a change, and the change would be
 /// served stale until its row changed again. (Every host paid what it found owed before it
-/// stood by, and this test's last read answered the old value.)
+/// stood by, and this test's last read answered the old value.) It holds its cache, as
+/// the others do, until the flush is paid: it finds the flush owed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the_leader() {
     let Some(db) = postgres_db("feed_late").await else {
@@ -1104,6 +1105,15 @@ async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the
     )
     .await
     .unwrap();
+    // Every host holds its cache while the slot waits: the third one, started after the
+    // hold was logged, by the flush it found owed.
+    for (host, what) in [(&a, "A"), (&b, "B"), (&c, "C")] {
+        assert!(
+            host.1.handle.registry().is_fenced(),
+            "{what} answers from its cache while the new slot waits"
+        );
+        assert_eq!(host.1.value(6).await, Ok(before + 1000), "{what}");
+    }
     long.batch_execute("COMMIT").await.unwrap();
     within("B's read of the change made while the slot waited", async {
         while b.1.value(6).await != Ok(before + 1000) {
@@ -1111,7 +1121,101 @@ async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the
         }
     })
     .await;
+    within("the hosts answering from their caches again", async {
+        while [&a, &b, &c]
+            .iter()
+            .any(|h| h.1.handle.registry().is_fenced())
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(c.1.value(6).await, Ok(before + 1000));
     for h in [&a, &b, &c] {
+        h.0.stop().await;
+    }
+    drop_slot(&db, &name).await;
+}
+
+/// A slot made anew waits for every transaction running when it is made, and a change
+/// committed in that wait is in no slot: the hosts learn of it only from the flush paid
+/// after the slot. Until then they must not answer from their caches (they did: a value
+/// cached before the change was served for as long as the wait lasted). Each host holds
+/// its cache (a fence: every call reads the database) from before the slot is made until
+/// that flush, and answers from it again after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_change_while_a_new_slot_waits_is_not_served_stale() {
+    let Some(db) = postgres_db("feed_wait").await else {
+        return;
+    };
+    let feed = feed_for(&db, "wait", Mode::Stream).await;
+    let [a, b] = pair(&db, &feed).await;
+    let name = feed_name("wait");
+    let psql = sql(&db).await;
+    // Cached on both hosts before anything happens.
+    let before = b.1.value(6).await.unwrap();
+    assert_eq!(a.1.value(6).await, Ok(before));
+    // Holds a transaction id until it commits: the new slot waits for it.
+    let long = sql(&db).await;
+    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .await
+        .unwrap();
+    // The slot lost: the publication dropped under a change, three refusals, a new slot.
+    psql.batch_execute(&format!("DROP PUBLICATION {name}"))
+        .await
+        .unwrap();
+    psql.execute("UPDATE items SET value = 5 WHERE id = 5", &[])
+        .await
+        .unwrap();
+    within("the new slot waiting for the open transaction", async {
+        loop {
+            let waiting: i64 = psql
+                .query_one(
+                    // This schema's feed sessions only: other tests make slots too.
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE application_name = left($1 || ':' || current_schema(), 63) \
+                       AND query LIKE '%pg_create_logical_replication_slot%' \
+                       AND state = 'active'",
+                    &[&coherent_ops::changes::FEED_APPLICATION],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // Committed while the slot waits: no slot will carry it.
+    psql.execute(
+        "UPDATE items SET value = $1 WHERE id = 6",
+        &[&(before + 1000)],
+    )
+    .await
+    .unwrap();
+    for (host, what) in [(&a, "A"), (&b, "B")] {
+        assert_eq!(
+            host.1.value(6).await,
+            Ok(before + 1000),
+            "{what} answered from its cache a row changed while the new slot waited"
+        );
+    }
+    long.batch_execute("COMMIT").await.unwrap();
+    // The flush after the slot ends the hold: the hosts answer from their caches again.
+    within("the hosts answering from their caches again", async {
+        while a.1.handle.registry().is_fenced() || b.1.handle.registry().is_fenced() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    for host in [&a, &b] {
+        assert_eq!(host.1.value(6).await, Ok(before + 1000));
+        let six = host.1.value_computed(6).await;
+        assert!(six.is_consistent(), "a read after the hold is cached");
+    }
+    for h in [&a, &b] {
         h.0.stop().await;
     }
     drop_slot(&db, &name).await;
