@@ -270,15 +270,44 @@ pub(crate) struct DbChanges {
     /// whichever of the two reaches it first and skips the other (see [`SeenHints`]).
     #[serde(default, skip_serializing_if = "crate::host::is_zero")]
     pub(crate) hint: u64,
-    /// With `flush`: the name of a flush now owed (a slot about to be made, which waits for
-    /// every transaction running then; a change committed in that wait reaches no slot).
-    /// Each host holds its cache from here until the flush that pays it ([`paid`](Self::paid)):
+    /// With `flush`: a flush now owed (a slot about to be made, which waits for every
+    /// transaction running then; a change committed in that wait reaches no slot). Each
+    /// host holds its cache from here until a flush that pays it ([`paid`](Self::paid)):
     /// every call reads the database meanwhile (see [`ApplyChanges::hold`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) hold: Option<String>,
-    /// With `flush`: the name of the owed flush this one pays, which ends a hold of it.
+    pub(crate) hold: Option<Owed>,
+    /// With `flush`: the owed flush this one pays, which ends the holds of that name
+    /// numbered below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) paid: Option<String>,
+    pub(crate) paid: Option<Owed>,
+}
+
+/// An owed flush in a hold or a payment: its name (the slot's) and a number, a 64-bit
+/// PostgreSQL transaction id. A hold is numbered by the transaction that owed the flush, a
+/// payment by the next id when it read the debt: a payment is above the holds it pays and
+/// below any hold owed after it, whatever order a host hears them in (a notice can come
+/// before an older operation that a rejoin reads from the log).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Owed {
+    pub(crate) name: String,
+    pub(crate) at: u64,
+}
+
+impl Owed {
+    pub(crate) fn new(name: &str, at: u64) -> Self {
+        Self {
+            name: name.to_owned(),
+            at,
+        }
+    }
+}
+
+/// A host's holds, by owed name: the number of the newest hold standing, and of the newest
+/// payment heard.
+#[derive(Default)]
+pub(crate) struct Holds {
+    held: BTreeMap<String, u64>,
+    paid: BTreeMap<String, u64>,
 }
 
 /// Database changes, sent by the host that reads the change feed to the other hosts
@@ -369,45 +398,75 @@ pub(crate) struct ApplyChanges {
     pub(crate) seen: parking_lot::Mutex<SeenHints>,
     /// The owed flushes this host holds its cache for ([`DbChanges::hold`]), each with a
     /// fence on every registry; `None` once the host stopped (no hold goes up then).
-    pub(crate) holds: parking_lot::Mutex<Option<BTreeSet<String>>>,
+    pub(crate) holds: parking_lot::Mutex<Option<Holds>>,
     /// Holds taken here (`HostStats::change_holds`).
     pub(crate) held: std::sync::atomic::AtomicU64,
 }
 
 impl ApplyChanges {
-    /// Holds this host's cache until the flush owed under `name` is paid: a fence on every
-    /// registry, so that no call answers from a result computed before a change that the
-    /// feed cannot deliver (one committed while a new slot waits). Once per name.
-    pub(crate) fn hold(&self, name: &str) {
+    /// Holds this host's cache until the flush owed under `name` (numbered `at`) is paid: a
+    /// fence on every registry, so that no call answers from a result computed before a
+    /// change that the feed cannot deliver (one committed while a new slot waits). One
+    /// fence per name; a hold whose payment was heard first is not taken.
+    pub(crate) fn hold(&self, name: &str, at: u64) {
         let mut holds = self.holds.lock();
         let Some(holds) = holds.as_mut() else {
             return;
         };
-        if holds.insert(name.to_owned()) {
-            self.held.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            for r in &self.registries {
-                r.fence();
+        if holds.paid.get(name).is_some_and(|&paid| paid > at) {
+            return;
+        }
+        match holds.held.get_mut(name) {
+            Some(held) => *held = (*held).max(at),
+            None => {
+                holds.held.insert(name.to_owned(), at);
+                self.held.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                for r in &self.registries {
+                    r.fence();
+                }
+                tracing::warn!(host = %self.host, owed = %name,
+                    "database changes: a flush is owed (a new slot waits for the transactions \
+                     running when it is made): every call reads the database until it is paid");
             }
-            tracing::warn!(host = %self.host, owed = %name,
-                "database changes: a flush is owed (a new slot waits for the transactions \
-                 running when it is made): every call reads the database until it is paid");
         }
     }
 
     /// Whether this host holds its cache for the flush owed under `name`.
     pub(crate) fn holding(&self, name: &str) -> bool {
-        self.holds.lock().as_ref().is_some_and(|h| h.contains(name))
+        self.holds
+            .lock()
+            .as_ref()
+            .is_some_and(|h| h.held.contains_key(name))
     }
 
-    /// Ends the hold for `name`, if there is one: the cache is flushed first (what it held
-    /// may be older than a change that no slot carries), unless `flushed` says the caller
-    /// just did, then the fence lifted.
-    pub(crate) fn release(&self, name: &str, flushed: bool) {
+    /// A payment of the flush owed under `name`, numbered `at`, just flushed here: ends a
+    /// hold of that name numbered below it.
+    fn paid(&self, name: &str, at: u64) {
         let mut holds = self.holds.lock();
-        if holds.as_mut().is_some_and(|h| h.remove(name)) {
-            if !flushed {
-                self.flush("the flush owed for a new slot is paid");
+        let Some(holds) = holds.as_mut() else {
+            return;
+        };
+        let paid = holds.paid.entry(name.to_owned()).or_insert(0);
+        *paid = (*paid).max(at);
+        if holds.held.get(name).is_some_and(|&held| held < at) {
+            holds.held.remove(name);
+            for r in &self.registries {
+                r.unfence();
             }
+        }
+    }
+
+    /// Ends the hold for `name`, if there is one, whatever its number (the debt's row is
+    /// gone: every debt this host held for was paid by an operation logged before its
+    /// clear): the cache is flushed first (what it held may be older than a change that no
+    /// slot carries), then the fence lifted.
+    pub(crate) fn release(&self, name: &str) {
+        let mut holds = self.holds.lock();
+        if holds
+            .as_mut()
+            .is_some_and(|h| h.held.remove(name).is_some())
+        {
+            self.flush("the flush owed for a new slot is paid");
             for r in &self.registries {
                 r.unfence();
             }
@@ -418,7 +477,7 @@ impl ApplyChanges {
     /// from now on.
     pub(crate) fn release_all(&self) {
         if let Some(holds) = self.holds.lock().take() {
-            for _ in holds {
+            for _ in holds.held {
                 for r in &self.registries {
                     r.unfence();
                 }
@@ -473,12 +532,12 @@ impl ApplyChanges {
 
     fn run(&self, changes: &DbChanges) {
         if changes.flush {
-            if let Some(name) = &changes.hold {
-                self.hold(name);
+            if let Some(owed) = &changes.hold {
+                self.hold(&owed.name, owed.at);
             }
             self.flush("the change feed may have missed changes");
-            if let Some(name) = &changes.paid {
-                self.release(name, true);
+            if let Some(owed) = &changes.paid {
+                self.paid(&owed.name, owed.at);
             }
             return;
         }
@@ -876,39 +935,56 @@ mod tests {
         let through_json = |changes: DbChanges| -> DbChanges {
             serde_json::from_str(&serde_json::to_string(&changes).unwrap()).unwrap()
         };
-        let hold = |name: &str| {
+        let hold = |name: &str, at: u64| {
             through_json(DbChanges {
                 flush: true,
-                hold: Some(name.to_owned()),
+                hold: Some(super::Owed::new(name, at)),
                 ..DbChanges::default()
             })
         };
-        let paid = |name: &str| {
+        let paid = |name: &str, at: u64| {
             through_json(DbChanges {
                 flush: true,
-                paid: Some(name.to_owned()),
+                paid: Some(super::Owed::new(name, at)),
                 ..DbChanges::default()
             })
         };
-        apply.apply(&hold("slot"));
-        apply.apply(&hold("slot"));
+        apply.apply(&hold("slot", 100));
+        apply.apply(&hold("slot", 100));
         assert!(registry.is_fenced());
         assert_eq!(apply.held.load(Ordering::Relaxed), 1);
-        // Another flush, or another name's payment, does not end it.
+        // Another flush, another name's payment, or a payment of an earlier debt (heard
+        // late), does not end it.
         apply.apply(&through_json(DbChanges {
             flush: true,
             ..DbChanges::default()
         }));
-        apply.apply(&paid("triggers"));
+        apply.apply(&paid("triggers", 500));
+        apply.apply(&paid("slot", 90));
         assert!(registry.is_fenced());
-        apply.apply(&paid("slot"));
+        apply.apply(&paid("slot", 101));
         assert!(!registry.is_fenced(), "the payment lifts the hold");
-        apply.apply(&paid("slot"));
+        // The hold of a debt whose payment came first (a notice before the log's older
+        // operation) is not taken; a later debt's is.
+        apply.apply(&hold("slot", 100));
+        assert!(!registry.is_fenced(), "a hold already paid");
+        apply.apply(&hold("slot", 200));
+        assert!(registry.is_fenced());
+        // A newer debt's hold heard while an older one stands: only a payment above both
+        // lifts it.
+        apply.apply(&hold("slot", 300));
+        apply.apply(&paid("slot", 250));
+        assert!(registry.is_fenced());
+        apply.apply(&paid("slot", 301));
         assert!(!registry.is_fenced());
-        apply.apply(&hold("slot"));
+        // The row gone: lifted whatever the number.
+        apply.apply(&hold("slot", 400));
+        apply.release("slot");
+        assert!(!registry.is_fenced());
+        apply.apply(&hold("slot", 500));
         apply.release_all();
         assert!(!registry.is_fenced(), "a stopped host holds nothing");
-        apply.apply(&hold("slot"));
+        apply.apply(&hold("slot", 600));
         assert!(!registry.is_fenced(), "nor takes a hold after");
     }
 

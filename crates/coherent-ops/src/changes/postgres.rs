@@ -23,7 +23,7 @@ use tokio::sync::watch;
 
 use super::pgoutput::{self, Message, Tuple, Value};
 use super::replication::{self, Frame, StreamError};
-use super::{Batch, Change, ChangeFeed, ChangeKind, DbChanges, Row, Watches};
+use super::{Batch, Change, ChangeFeed, ChangeKind, DbChanges, Owed, Row, Watches};
 use crate::db::{Engine, PG_PAYLOAD_LIMIT};
 use crate::error::{CommandError, ErrorKind};
 use crate::host::{Host, Inner};
@@ -504,6 +504,29 @@ async fn lead(
         }
     });
     let _driver = AbortOnDrop(driver);
+    // A slot's flush owed already (the slot being made, waiting for the transactions
+    // running then): this host, which may have started after the hold was logged (and
+    // then does not read it), holds its cache too until it is paid. Read after the host's
+    // start, which set where it reads the log from (a hold logged after this read is in
+    // the log it reads), and first thing on the connection: until then this host answers
+    // from its cache.
+    let applier = applier(host);
+    if !feed.feed.triggers {
+        let table = format!("{}.coherent_feed_flushes", feed.schema);
+        let made: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+            .await
+            .map_err(feed_error)?
+            .get(0);
+        if made {
+            if let (Some(applier), Some(debt)) = (
+                &applier,
+                debt(&client, &feed.schema, &feed.feed.slot).await?,
+            ) {
+                applier.hold(&feed.feed.slot, debt.at);
+            }
+        }
+    }
     // Every host sets up what its own watches need before it stands by: the leader's
     // watches are not the only ones (hosts of two releases may watch different tables).
     let owed = if feed.feed.triggers {
@@ -539,17 +562,6 @@ async fn lead(
     if feed.feed.triggers && !pay_flush(host, &client, feed, &owed).await? {
         return Ok(());
     }
-    // A slot's flush owed already (the slot being made, waiting for the transactions
-    // running then): this host, which may have started after the hold was logged (and
-    // then does not read it), holds its cache too until it is paid. Read after the host's
-    // start, which set where it reads the log from: a hold logged after this read is in
-    // the log it reads.
-    let applier = applier(host);
-    if !feed.feed.triggers && flush_owed(&client, &feed.schema, &owed).await?.is_some() {
-        if let Some(applier) = &applier {
-            applier.hold(&owed);
-        }
-    }
     // Stand by until this host holds the feed.
     loop {
         let row = client
@@ -563,7 +575,7 @@ async fn lead(
         // an operation this host may not read (logged before it started): flushed here.
         if let Some(applier) = applier.as_ref().filter(|a| a.holding(&owed)) {
             if flush_owed(&client, &feed.schema, &owed).await?.is_none() {
-                applier.release(&owed, false);
+                applier.release(&owed);
             }
         }
         tokio::select! {
@@ -579,7 +591,7 @@ async fn lead(
     tracing::info!(slot = %feed.feed.slot, "change feed: this host reads the slot");
     if !ensure_slot(host, &client, feed).await?
         || !pay_flush(host, &client, feed, &owed).await?
-        || !settle_hold(host, feed).await?
+        || !settle_hold(host, &client, feed).await?
     {
         return Ok(());
     }
@@ -1187,7 +1199,7 @@ async fn renew_slot(
         .map_err(feed_error)?;
     Ok(ensure_slot(host, client, feed).await?
         && pay_flush(host, client, feed, owed).await?
-        && settle_hold(host, feed).await?)
+        && settle_hold(host, client, feed).await?)
 }
 
 /// What a log of changes answers: whether the host still runs, and the rows and tables
@@ -1250,6 +1262,59 @@ async fn flush_owed(
         .map(|r| r.get(0)))
 }
 
+/// A flush owed, as [`debt`] reads it.
+struct Debt {
+    /// The row's version (`xmin`), as [`clear_flush`] takes it.
+    version: String,
+    /// The 64-bit id (`xid8`) of the transaction that last owed it: a hold of this debt
+    /// is numbered by it.
+    at: u64,
+    /// Past every transaction id given out when it was read (the snapshot's `xmax`): a
+    /// payment logged after this read is numbered by it, above the debt it pays and below
+    /// any debt owed after.
+    now: u64,
+}
+
+/// The flush owed under `name` with its numbers, or `None`. The owe's 64-bit transaction
+/// id is made from the row's 32-bit `xmin` and the current epoch (a row's `xmin` above the
+/// low half of the next id is of the epoch before).
+async fn debt(
+    client: &tokio_postgres::Client,
+    schema: &str,
+    name: &str,
+) -> Result<Option<Debt>, CommandError> {
+    let row = client
+        .query_opt(
+            &format!(
+                "SELECT version, (CASE WHEN x > (now & 4294967295) \
+                                  THEN (now >> 32) - 1 ELSE now >> 32 END) << 32 | x, now \
+                 FROM (SELECT xmin::text AS version, xmin::text::bigint AS x, \
+                              pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS now \
+                       FROM {schema}.coherent_feed_flushes WHERE name = $1) AS owed"
+            ),
+            &[&name],
+        )
+        .await
+        .map_err(feed_error)?;
+    Ok(row.map(|r| Debt {
+        version: r.get(0),
+        at: r.get::<_, i64>(1) as u64,
+        now: r.get::<_, i64>(2) as u64,
+    }))
+}
+
+/// Past every transaction id given out now (the current snapshot's `xmax`).
+async fn next_xid(client: &tokio_postgres::Client) -> Result<u64, CommandError> {
+    let row = client
+        .query_one(
+            "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint",
+            &[],
+        )
+        .await
+        .map_err(feed_error)?;
+    Ok(row.get::<_, i64>(0) as u64)
+}
+
 /// Clears the flush owed under `name` if its row is still the version read before the
 /// payment: one owed again meanwhile (triggers installed by a host starting then, whose
 /// earlier changes the payment, logged before them, does not cover), by an update of the
@@ -1279,15 +1344,20 @@ async fn clear_flush(
 /// or a host of an earlier release paid before the slot existed, so no payment named it)
 /// ends with one more flush that pays it, logged for every host. `false`: the host
 /// stopped.
-async fn settle_hold(host: &Weak<Inner>, feed: &PgFeed) -> Result<bool, CommandError> {
+async fn settle_hold(
+    host: &Weak<Inner>,
+    client: &tokio_postgres::Client,
+    feed: &PgFeed,
+) -> Result<bool, CommandError> {
     let slot = &feed.feed.slot;
     if !applier(host).is_some_and(|a| a.holding(slot)) {
         return Ok(true);
     }
+    let now = next_xid(client).await?;
     log(
         host,
         DbChanges {
-            paid: Some(slot.clone()),
+            paid: Some(Owed::new(slot, now)),
             ..flush()
         },
     )
@@ -1302,15 +1372,15 @@ async fn pay_flush(
     feed: &PgFeed,
     name: &str,
 ) -> Result<bool, CommandError> {
-    while let Some(version) = flush_owed(client, &feed.schema, name).await? {
+    while let Some(debt) = debt(client, &feed.schema, name).await? {
         let paid = DbChanges {
-            paid: Some(name.to_owned()),
+            paid: Some(Owed::new(name, debt.now)),
             ..flush()
         };
         if !log(host, paid).await? {
             return Ok(false);
         }
-        if clear_flush(client, &feed.schema, name, &version).await? {
+        if clear_flush(client, &feed.schema, name, &debt.version).await? {
             break;
         }
     }
@@ -1475,8 +1545,14 @@ async fn ensure_slot(
     owe_flush(client, feed, &feed.feed.slot).await?;
     // After the owed row: a host starting now reads the row, or (started after this was
     // logged) reads this in the log.
+    let at = match debt(client, &feed.schema, &feed.feed.slot).await? {
+        Some(debt) => debt.at,
+        // Paid already by a host of an earlier release (which pays before it stands by):
+        // held all the same, until this host's own payment (`settle_hold`).
+        None => next_xid(client).await?,
+    };
     let hold = DbChanges {
-        hold: Some(feed.feed.slot.clone()),
+        hold: Some(Owed::new(&feed.feed.slot, at)),
         ..flush()
     };
     if !log_acknowledged(host, hold).await? {
