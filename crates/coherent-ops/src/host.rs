@@ -1324,7 +1324,9 @@ impl Host {
     /// and it has the notices of those that did not), and it has read the log. Meanwhile
     /// the other hosts' commands may return without its acknowledgement, so an entry it
     /// computed could be stale by the time it is read (issue 30: found by the checker,
-    /// under a restarted NATS server). With [`Notifier::Poll`], never.
+    /// under a restarted NATS server). With [`Notifier::Poll`], never. A hold of the
+    /// change feed (a new slot waiting: [`HostStats::change_holds`]) fences the registries
+    /// too but is not counted here: ask a registry ([`Registry::is_fenced`]).
     pub fn is_fenced(&self) -> bool {
         self.inner.fenced.load(Ordering::Acquire)
     }

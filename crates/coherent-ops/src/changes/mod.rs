@@ -285,7 +285,7 @@ pub(crate) struct DbChanges {
 /// An owed flush in a hold or a payment: its name (the slot's) and a number, a 64-bit
 /// PostgreSQL transaction id. A hold is numbered by the transaction that owed the flush, a
 /// payment by the next id when it read the debt: a payment is above the holds it pays and
-/// below any hold owed after it, whatever order a host hears them in (a notice can come
+/// not above any hold owed after it, whatever order a host hears them in (a notice can come
 /// before an older operation that a rejoin reads from the log).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Owed {
@@ -442,6 +442,19 @@ impl ApplyChanges {
     /// A payment of the flush owed under `name`, numbered `at`, just flushed here: ends a
     /// hold of that name numbered below it.
     fn paid(&self, name: &str, at: u64) {
+        self.pay(name, at, true);
+    }
+
+    /// No flush owed under `name` in a snapshot whose oldest running transaction is
+    /// `below` (the debt's row gone: every debt owed below that was paid by an operation
+    /// logged before its row's clear, which this host may not read, having started after
+    /// it): a hold numbered below it ends, the cache flushed first (what it held may be
+    /// older than a change that no slot carries).
+    pub(crate) fn settled(&self, name: &str, below: u64) {
+        self.pay(name, below, false);
+    }
+
+    fn pay(&self, name: &str, at: u64, flushed: bool) {
         let mut holds = self.holds.lock();
         let Some(holds) = holds.as_mut() else {
             return;
@@ -450,23 +463,9 @@ impl ApplyChanges {
         *paid = (*paid).max(at);
         if holds.held.get(name).is_some_and(|&held| held < at) {
             holds.held.remove(name);
-            for r in &self.registries {
-                r.unfence();
+            if !flushed {
+                self.flush("the flush owed for a new slot is paid");
             }
-        }
-    }
-
-    /// Ends the hold for `name`, if there is one, whatever its number (the debt's row is
-    /// gone: every debt this host held for was paid by an operation logged before its
-    /// clear): the cache is flushed first (what it held may be older than a change that no
-    /// slot carries), then the fence lifted.
-    pub(crate) fn release(&self, name: &str) {
-        let mut holds = self.holds.lock();
-        if holds
-            .as_mut()
-            .is_some_and(|h| h.held.remove(name).is_some())
-        {
-            self.flush("the flush owed for a new slot is paid");
             for r in &self.registries {
                 r.unfence();
             }
@@ -977,9 +976,12 @@ mod tests {
         assert!(registry.is_fenced());
         apply.apply(&paid("slot", 301));
         assert!(!registry.is_fenced());
-        // The row gone: lifted whatever the number.
+        // The row gone: lifted if numbered below the oldest transaction still running
+        // then (not one whose owe may still be under way).
         apply.apply(&hold("slot", 400));
-        apply.release("slot");
+        apply.settled("slot", 400);
+        assert!(registry.is_fenced(), "an owe maybe still under way");
+        apply.settled("slot", 401);
         assert!(!registry.is_fenced());
         apply.apply(&hold("slot", 500));
         apply.release_all();

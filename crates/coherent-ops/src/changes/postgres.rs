@@ -574,8 +574,8 @@ async fn lead(
         // The flush held for paid (its row cleared after its operation was logged), by
         // an operation this host may not read (logged before it started): flushed here.
         if let Some(applier) = applier.as_ref().filter(|a| a.holding(&owed)) {
-            if flush_owed(&client, &feed.schema, &owed).await?.is_none() {
-                applier.release(&owed);
+            if let Some(below) = settled_below(&client, &feed.schema, &owed).await? {
+                applier.settled(&owed, below);
             }
         }
         tokio::select! {
@@ -1247,6 +1247,7 @@ pub(super) async fn owe_flush(
 
 /// The version of the row of the flush owed under `name` (the transaction that last
 /// wrote it, `xmin`); `None`: none is owed.
+#[cfg(test)]
 async fn flush_owed(
     client: &tokio_postgres::Client,
     schema: &str,
@@ -1301,6 +1302,28 @@ async fn debt(
         at: r.get::<_, i64>(1) as u64,
         now: r.get::<_, i64>(2) as u64,
     }))
+}
+
+/// When no flush is owed under `name`: the oldest transaction still running (the
+/// snapshot's `xmin`), below which every debt owed was paid (an owe below it would be
+/// seen). `None` while one is owed. A hold numbered at or above it may be of an owe still
+/// being made, and stands.
+async fn settled_below(
+    client: &tokio_postgres::Client,
+    schema: &str,
+    name: &str,
+) -> Result<Option<u64>, CommandError> {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT EXISTS (SELECT 1 FROM {schema}.coherent_feed_flushes WHERE name = $1), \
+                        pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+            ),
+            &[&name],
+        )
+        .await
+        .map_err(feed_error)?;
+    Ok((!row.get::<_, bool>(0)).then(|| row.get::<_, i64>(1) as u64))
 }
 
 /// Past every transaction id given out now (the current snapshot's `xmax`).
