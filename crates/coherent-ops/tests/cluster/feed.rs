@@ -237,17 +237,32 @@ async fn postgres_a_slot_past_max_slot_wal_keep_size_is_replaced_and_every_host_
     reads(&mut b, 3, 9).await;
     reads(&mut a, 3, 9).await;
     // One of them made the new slot (the one reading the feed when it found the slot lost).
-    let created: u64 = [a.cmd("feed").await, b.cmd("feed").await]
-        .iter()
-        .map(|f| {
-            f.split_whitespace()
-                .find_map(|kv| kv.strip_prefix("slots_created="))
-                .unwrap()
-                .parse::<u64>()
-                .unwrap()
-        })
-        .sum();
+    // The reads above may come before it: the hosts hold their caches (every call reads
+    // the database) from before the new slot is made until its flush.
+    let mut created = 0;
+    within("the replacement slot made", async {
+        loop {
+            created = [a.cmd("feed").await, b.cmd("feed").await]
+                .iter()
+                .map(|f| {
+                    f.split_whitespace()
+                        .find_map(|kv| kv.strip_prefix("slots_created="))
+                        .unwrap()
+                        .parse::<u64>()
+                        .unwrap()
+                })
+                .sum();
+            if created >= 2 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     assert_eq!(created, 2, "the first slot and its replacement");
+    // And after its flush, from their caches again.
+    reads(&mut b, 3, 9).await;
+    reads(&mut a, 3, 9).await;
     a.kill().await;
     b.kill().await;
     drop_slot(&sql, &slot).await;
