@@ -421,33 +421,38 @@ pub(crate) async fn run_postgres_feed(
 /// Logs `changes` through the host's pipeline, if the host still runs: returns once the
 /// operation committed and ran here (the other hosts apply it from their notifier or the
 /// log; the feed does not wait for their acknowledgements, no caller reads after it).
-///
-/// It runs where the host's other work runs (`Inner::work`, the database's thread, which
-/// outlives the host), not on the feed thread's runtime, which ends with the host.
 pub(super) async fn log(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, CommandError> {
-    let Some(inner) = host.upgrade() else {
-        return Ok(false);
-    };
-    let runtime = inner.work.clone();
-    let host = Host { inner };
-    runtime
-        .spawn(async move { host.run_unacknowledged(changes).await })
-        .await
-        .map_err(|e| feed_error(format!("the log of changes: {e}")))??;
-    Ok(true)
+    log_on_host(host, changes, false).await
 }
 
 /// Logs `changes` and waits, as a command's caller does, for every live host's
 /// acknowledgement: for a hold ([`DbChanges::hold`]), which must stand on every host before
 /// the slot that owes its flush is made. `false`: the host stopped.
 async fn log_acknowledged(host: &Weak<Inner>, changes: DbChanges) -> Result<bool, CommandError> {
+    log_on_host(host, changes, true).await
+}
+
+/// [`log`] or [`log_acknowledged`]. It runs where the host's other work runs
+/// (`Inner::work`, the database's thread, which outlives the host), not on the feed
+/// thread's runtime, which ends with the host.
+async fn log_on_host(
+    host: &Weak<Inner>,
+    changes: DbChanges,
+    acknowledged: bool,
+) -> Result<bool, CommandError> {
     let Some(inner) = host.upgrade() else {
         return Ok(false);
     };
     let runtime = inner.work.clone();
     let host = Host { inner };
     runtime
-        .spawn(async move { host.run(changes).await })
+        .spawn(async move {
+            if acknowledged {
+                host.run(changes).await
+            } else {
+                host.run_unacknowledged(changes).await
+            }
+        })
         .await
         .map_err(|e| feed_error(format!("the log of changes: {e}")))??;
     Ok(true)
@@ -1245,24 +1250,6 @@ pub(super) async fn owe_flush(
     Ok(())
 }
 
-/// The version of the row of the flush owed under `name` (the transaction that last
-/// wrote it, `xmin`); `None`: none is owed.
-#[cfg(test)]
-async fn flush_owed(
-    client: &tokio_postgres::Client,
-    schema: &str,
-    name: &str,
-) -> Result<Option<String>, CommandError> {
-    Ok(client
-        .query_opt(
-            &format!("SELECT xmin::text FROM {schema}.coherent_feed_flushes WHERE name = $1"),
-            &[&name],
-        )
-        .await
-        .map_err(feed_error)?
-        .map(|r| r.get(0)))
-}
-
 /// A flush owed, as [`debt`] reads it.
 struct Debt {
     /// The row's version (`xmin`), as [`clear_flush`] takes it.
@@ -1691,9 +1678,7 @@ async fn read(
 
 #[cfg(test)]
 mod tests {
-    use super::{
-        clear_flush, flush_owed, flushes_table_sql, names_standby, owe_flush_sql, visible_in,
-    };
+    use super::{clear_flush, debt, flushes_table_sql, names_standby, owe_flush_sql, visible_in};
 
     /// A flush owed again while one is being paid (between the payer's read and its clear:
     /// triggers installed meanwhile by a host starting, whose earlier changes the flush
@@ -1723,7 +1708,11 @@ mod tests {
             .await
             .unwrap();
         let owe = owe_flush_sql(&schema, "$1");
-        let owed = || flush_owed(&payer, &schema, "triggers");
+        let owed = || async {
+            debt(&payer, &schema, "triggers")
+                .await
+                .map(|owed| owed.map(|owed| owed.version))
+        };
 
         // Owed again by an update of the row.
         installer.execute(&owe, &[&"triggers"]).await.unwrap();

@@ -1028,6 +1028,49 @@ async fn postgres_a_dropped_publication_is_made_again_and_what_it_missed_flushed
     drop_slot(&db, &name).await;
 }
 
+/// Opens a transaction that holds a transaction id (answered: commit it to end the wait),
+/// then has the feed of the pair in `db` lose its slot (the publication `name` dropped
+/// under a change: three refusals, a new slot), and waits until the new slot waits for
+/// that transaction.
+async fn lose_the_slot_while_a_transaction_is_open(
+    db: &Database,
+    psql: &tokio_postgres::Client,
+    name: &str,
+) -> tokio_postgres::Client {
+    let long = sql(db).await;
+    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .await
+        .unwrap();
+    psql.batch_execute(&format!("DROP PUBLICATION {name}"))
+        .await
+        .unwrap();
+    psql.execute("UPDATE items SET value = 5 WHERE id = 5", &[])
+        .await
+        .unwrap();
+    within("the new slot waiting for the open transaction", async {
+        loop {
+            let waiting: i64 = psql
+                .query_one(
+                    // This schema's feed sessions only: other tests make slots too.
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE application_name = left($1 || ':' || current_schema(), 63) \
+                       AND query LIKE '%pg_create_logical_replication_slot%' \
+                       AND state = 'active'",
+                    &[&coherent_ops::changes::FEED_APPLICATION],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    long
+}
+
 /// A slot made anew waits for every transaction running when it is made: a long one
 /// elsewhere holds it, and a change made meanwhile is in no slot, so the hosts flush once
 /// it is made. A host whose feed starts in that wait must leave that flush to the leader:
@@ -1044,18 +1087,7 @@ async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the
     let [a, b] = pair(&db, &feed).await;
     let name = feed_name("late");
     let psql = sql(&db).await;
-    // Holds a transaction id until it commits: the new slot waits for it.
-    let long = sql(&db).await;
-    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
-        .await
-        .unwrap();
-    // The slot lost: the publication dropped under a change, three refusals, a new slot.
-    psql.batch_execute(&format!("DROP PUBLICATION {name}"))
-        .await
-        .unwrap();
-    psql.execute("UPDATE items SET value = 5 WHERE id = 5", &[])
-        .await
-        .unwrap();
+    let long = lose_the_slot_while_a_transaction_is_open(&db, &psql, &name).await;
     // The feed's sessions of this schema (each host's feed connection) whose query is
     // `query`: running it with `active`, else its last; begun after `since`.
     let sessions = |query: &'static str, active: bool, since: std::time::SystemTime| {
@@ -1078,13 +1110,6 @@ async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the
             .get::<_, i64>(0)
         }
     };
-    let always = std::time::UNIX_EPOCH;
-    within("the new slot waiting for the open transaction", async {
-        while sessions("%pg_create_logical_replication_slot%", true, always).await == 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
     // A third host's feed starts, and stands by behind the leader (its feed's session
     // is the one begun after this).
     let started = std::time::SystemTime::now() - Duration::from_millis(1);
@@ -1155,39 +1180,7 @@ async fn postgres_a_change_while_a_new_slot_waits_is_not_served_stale() {
     // Cached on both hosts before anything happens.
     let before = b.1.value(6).await.unwrap();
     assert_eq!(a.1.value(6).await, Ok(before));
-    // Holds a transaction id until it commits: the new slot waits for it.
-    let long = sql(&db).await;
-    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
-        .await
-        .unwrap();
-    // The slot lost: the publication dropped under a change, three refusals, a new slot.
-    psql.batch_execute(&format!("DROP PUBLICATION {name}"))
-        .await
-        .unwrap();
-    psql.execute("UPDATE items SET value = 5 WHERE id = 5", &[])
-        .await
-        .unwrap();
-    within("the new slot waiting for the open transaction", async {
-        loop {
-            let waiting: i64 = psql
-                .query_one(
-                    // This schema's feed sessions only: other tests make slots too.
-                    "SELECT count(*) FROM pg_stat_activity \
-                     WHERE application_name = left($1 || ':' || current_schema(), 63) \
-                       AND query LIKE '%pg_create_logical_replication_slot%' \
-                       AND state = 'active'",
-                    &[&coherent_ops::changes::FEED_APPLICATION],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if waiting > 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    let long = lose_the_slot_while_a_transaction_is_open(&db, &psql, &name).await;
     // Committed while the slot waits: no slot will carry it.
     psql.execute(
         "UPDATE items SET value = $1 WHERE id = 6",
