@@ -14,8 +14,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, oneshot, watch, Notify};
 
 use crate::changes::{
-    check_identifier, default_name as default_feed_name, run_postgres_feed, ApplyChanges,
-    ChangeFeed, ChangesHandler, DbChanges, FeedCounters, FeedStats, PgFeed, TableWatch, Watches,
+    check_identifier, default_name as default_feed_name, hold_owed, run_postgres_feed,
+    settle_holds, ApplyChanges, ChangeFeed, ChangesHandler, DbChanges, FeedCounters, FeedStats,
+    PgFeed, TableWatch, Watches,
 };
 use crate::command::{BoxFuture, Command, DynHandler, Handler, Handlers};
 use crate::db::{
@@ -748,6 +749,12 @@ impl HostBuilder {
             }
         };
         let cursor = self.db.start_cursor().await?;
+        // A new slot's flush owed now (the slot waits for the transactions running when
+        // it is made): held for, as the hosts running then hold, before this host answers
+        // anything. Its hold was logged before this host's place in the log.
+        if let (Some(apply), Engine::Postgres(pg)) = (&changes, &*self.db.inner) {
+            hold_owed(&pg.pool, &pg.schema.to_ascii_lowercase(), apply).await?;
+        }
         // What a registry holds now (warmed before the start, or by a host stopped before
         // this one) may predate operations the cursor counts as read: dropped.
         let stale: usize = registries.iter().map(Registry::invalidate_all).sum();
@@ -874,6 +881,12 @@ impl HostBuilder {
             Arc::downgrade(&host.inner),
             host.inner.stop.subscribe(),
         ));
+        if host.inner.changes.is_some() && matches!(&*host.inner.db.inner, Engine::Postgres(_)) {
+            work.spawn(settle_holds(
+                Arc::downgrade(&host.inner),
+                host.inner.stop.subscribe(),
+            ));
+        }
         if let Some(feed) = feed {
             // A thread of its own: a runtime whose workers are busy (readers hitting the
             // cache) would add a wait in its queue to every step of the feed, each a few

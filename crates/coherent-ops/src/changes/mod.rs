@@ -44,7 +44,7 @@ use crate::command::{Command, Handler};
 use crate::db::Tx;
 use crate::error::CommandError;
 
-pub(crate) use postgres::{run_postgres_feed, FeedCounters, PgFeed};
+pub(crate) use postgres::{hold_owed, run_postgres_feed, settle_holds, FeedCounters, PgFeed};
 pub use postgres::{FeedStats, FEED_APPLICATION};
 
 /// What happened to a row.
@@ -439,6 +439,14 @@ impl ApplyChanges {
             .is_some_and(|h| h.held.contains_key(name))
     }
 
+    /// The names of the owed flushes this host holds its cache for.
+    pub(crate) fn held_names(&self) -> Vec<String> {
+        self.holds
+            .lock()
+            .as_ref()
+            .map_or_else(Vec::new, |h| h.held.keys().cloned().collect())
+    }
+
     /// A payment of the flush owed under `name`, numbered `at`, just flushed here: ends a
     /// hold of that name numbered below it.
     fn paid(&self, name: &str, at: u64) {
@@ -645,8 +653,8 @@ impl ChangeFeed {
     ///
     /// PostgreSQL makes a slot only once every transaction running then has ended, and a
     /// change committed in that wait is in no slot: from just before the slot is made
-    /// until the flush after it, every host that acknowledged the hold (and each feed host
-    /// that starts in the wait, once its feed checks) answers each call from the
+    /// until the flush after it, every host that acknowledged the hold (and each host with
+    /// watches that starts in the wait, from its start) answers each call from the
     /// database, not its cache ([`HostStats::change_holds`](crate::HostStats::change_holds)).
     /// A transaction left open elsewhere (an idle `psql` session) makes that last; bound it
     /// with PostgreSQL's `idle_in_transaction_session_timeout`. A slot that cannot be made

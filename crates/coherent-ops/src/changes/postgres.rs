@@ -509,29 +509,6 @@ async fn lead(
         }
     });
     let _driver = AbortOnDrop(driver);
-    // A slot's flush owed already (the slot being made, waiting for the transactions
-    // running then): this host, which may have started after the hold was logged (and
-    // then does not read it), holds its cache too until it is paid. Read after the host's
-    // start, which set where it reads the log from (a hold logged after this read is in
-    // the log it reads), and first thing on the connection: until then this host answers
-    // from its cache.
-    let applier = applier(host);
-    if !feed.feed.triggers {
-        let table = format!("{}.coherent_feed_flushes", feed.schema);
-        let made: bool = client
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
-            .await
-            .map_err(feed_error)?
-            .get(0);
-        if made {
-            if let (Some(applier), Some(debt)) = (
-                &applier,
-                debt(&client, &feed.schema, &feed.feed.slot).await?,
-            ) {
-                applier.hold(&feed.feed.slot, debt.at);
-            }
-        }
-    }
     // Every host sets up what its own watches need before it stands by: the leader's
     // watches are not the only ones (hosts of two releases may watch different tables).
     let owed = if feed.feed.triggers {
@@ -575,13 +552,6 @@ async fn lead(
             .map_err(feed_error)?;
         if row.get::<_, bool>(0) {
             break;
-        }
-        // The flush held for paid (its row cleared after its operation was logged), by
-        // an operation this host may not read (logged before it started): flushed here.
-        if let Some(applier) = applier.as_ref().filter(|a| a.holding(&owed)) {
-            if let Some(below) = settled_below(&client, &feed.schema, &owed).await? {
-                applier.settled(&owed, below);
-            }
         }
         tokio::select! {
             _ = tokio::time::sleep(feed.feed.standby) => {}
@@ -1263,32 +1233,106 @@ struct Debt {
     now: u64,
 }
 
-/// The flush owed under `name` with its numbers, or `None`. The owe's 64-bit transaction
-/// id is made from the row's 32-bit `xmin` and the current epoch (a row's `xmin` above the
-/// low half of the next id is of the epoch before).
+/// The owed rows of `schema` that `filter` (a condition on `name`) selects: the name, the
+/// row's version, the 64-bit id of the transaction that owed it, and the snapshot's
+/// `xmax`. The owe's id is made from the row's 32-bit `xmin` and the current epoch (a
+/// row's `xmin` above the low half of the next id is of the epoch before).
+fn debts_sql(schema: &str, filter: &str) -> String {
+    format!(
+        "SELECT name, version, (CASE WHEN x > (now & 4294967295) \
+                                THEN (now >> 32) - 1 ELSE now >> 32 END) << 32 | x, now \
+         FROM (SELECT name, xmin::text AS version, xmin::text::bigint AS x, \
+                      pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS now \
+               FROM {schema}.coherent_feed_flushes WHERE {filter}) AS owed"
+    )
+}
+
+/// The flush owed under `name` with its numbers, or `None`.
 async fn debt(
     client: &tokio_postgres::Client,
     schema: &str,
     name: &str,
 ) -> Result<Option<Debt>, CommandError> {
     let row = client
-        .query_opt(
-            &format!(
-                "SELECT version, (CASE WHEN x > (now & 4294967295) \
-                                  THEN (now >> 32) - 1 ELSE now >> 32 END) << 32 | x, now \
-                 FROM (SELECT xmin::text AS version, xmin::text::bigint AS x, \
-                              pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS now \
-                       FROM {schema}.coherent_feed_flushes WHERE name = $1) AS owed"
-            ),
-            &[&name],
-        )
+        .query_opt(&debts_sql(schema, "name = $1"), &[&name])
         .await
         .map_err(feed_error)?;
     Ok(row.map(|r| Debt {
-        version: r.get(0),
-        at: r.get::<_, i64>(1) as u64,
-        now: r.get::<_, i64>(2) as u64,
+        version: r.get(1),
+        at: r.get::<_, i64>(2) as u64,
+        now: r.get::<_, i64>(3) as u64,
     }))
+}
+
+/// Holds `apply`'s cache for every slot's flush owed now (the triggers' flush takes no
+/// hold). For a host starting: it reads the log from past the operations logged before
+/// its start, holds among them, and a slot's flush owed then is still owed (its row
+/// committed before its hold was logged, cleared only after its payment was). Read after
+/// the host set where it reads the log from (a hold logged after this read is read there),
+/// before it answers anything: a host that read the row only once its feed's connection
+/// was up answered from its cache until then, and one without a feed never read it.
+pub(crate) async fn hold_owed(
+    pool: &deadpool_postgres::Pool,
+    schema: &str,
+    apply: &super::ApplyChanges,
+) -> Result<(), CommandError> {
+    let client = pool.get().await?;
+    let table = format!("{schema}.coherent_feed_flushes");
+    let made: bool = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+        .await?
+        .get(0);
+    if !made {
+        return Ok(());
+    }
+    for row in client
+        .query(&debts_sql(schema, "name <> 'triggers'"), &[])
+        .await?
+    {
+        apply.hold(row.get::<_, &str>(0), row.get::<_, i64>(2) as u64);
+    }
+    Ok(())
+}
+
+/// How often a host holding its cache for an owed flush looks whether it was paid out of
+/// its sight ([`settle_holds`]).
+const SETTLE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// While this host holds its cache for an owed flush, looks every [`SETTLE_EVERY`] whether
+/// the flush was paid by an operation it does not read (logged before its start, the row
+/// cleared after its start read it): once the row is gone, a hold numbered below the
+/// oldest transaction then running is lifted, the cache flushed first
+/// ([`settled_below`], [`ApplyChanges::settled`](super::ApplyChanges::settled)). Every
+/// host with watches on PostgreSQL runs it, with a feed or not; it reads the database only
+/// while a hold stands.
+pub(crate) async fn settle_holds(host: Weak<Inner>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(SETTLE_EVERY) => {}
+            _ = stop.wait_for(|&s| s) => return,
+        }
+        let Some(inner) = host.upgrade() else { return };
+        let (Some(apply), Engine::Postgres(pg)) = (&inner.changes, &*inner.db.inner) else {
+            return;
+        };
+        let held = apply.held_names();
+        if held.is_empty() {
+            continue;
+        }
+        let schema = pg.schema.to_ascii_lowercase();
+        let settled = async {
+            let client = pg.pool.get().await?;
+            for name in &held {
+                if let Some(below) = settled_below(&client, &schema, name).await? {
+                    apply.settled(name, below);
+                }
+            }
+            Ok::<_, CommandError>(())
+        };
+        if let Err(e) = settled.await {
+            tracing::debug!(%e, "database changes: the owed flushes could not be read");
+        }
+    }
 }
 
 /// When no flush is owed under `name`: the oldest transaction still running (the

@@ -111,8 +111,15 @@ async fn drop_slot(db: &Database, feed_name: &str) {
 
 /// A host with its own cache, running the feed.
 async fn feed_host(db: &Database, feed: &ChangeFeed) -> (Host, Items, Arc<Seen>) {
+    watching_host(db, Some(feed)).await
+}
+
+/// A host with its own cache and the watches, running `feed` if one is given (without
+/// one, the changes reach it only as operations of the log, which other hosts' feeds
+/// write).
+async fn watching_host(db: &Database, feed: Option<&ChangeFeed>) -> (Host, Items, Arc<Seen>) {
     let seen = Arc::new(Seen::default());
-    let feed = feed.clone();
+    let feed = feed.cloned();
     let (host, items) = {
         let seen = seen.clone();
         let slot = Arc::new(Mutex::new(None::<Items>));
@@ -120,8 +127,11 @@ async fn feed_host(db: &Database, feed: &ChangeFeed) -> (Host, Items, Arc<Seen>)
         let (host, items) = host(db, move |b| {
             // The watch needs the service the host builds: built with a stand-in
             // that forwards to it.
-            let fwd = Forward(slot2);
-            fwd.install(b, &seen).change_feed(feed)
+            let b = Forward(slot2).install(b, &seen);
+            match feed {
+                Some(feed) => b.change_feed(feed),
+                None => b,
+            }
         })
         .await;
         *slot.lock() = Some(items.clone());
@@ -1114,6 +1124,11 @@ async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the
     // is the one begun after this).
     let started = std::time::SystemTime::now() - Duration::from_millis(1);
     let c = feed_host(&db, &feed).await;
+    // Held from its start, before its feed's connection is up.
+    assert!(
+        c.1.handle.registry().is_fenced(),
+        "C answers from its cache after its start while the new slot waits"
+    );
     within("the third host standing by", async {
         while sessions("%pg_try_advisory_lock%", false, started).await == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1160,6 +1175,94 @@ async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the
         h.0.stop().await;
     }
     drop_slot(&db, &name).await;
+}
+
+/// A host that watches the tables but runs no feed hears the hold only in the log; one
+/// that starts while a new slot waits reads past it, and must find the flush owed at its
+/// start: it cached a value, a change in the wait (in no slot) came, and it answered the
+/// old value until the slot's flush.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_host_without_a_feed_starting_while_a_new_slot_waits_holds_its_cache() {
+    let Some(db) = postgres_db("feed_nofeed").await else {
+        return;
+    };
+    let feed = feed_for(&db, "nofeed", Mode::Stream).await;
+    let [a, b] = pair(&db, &feed).await;
+    let name = feed_name("nofeed");
+    let psql = sql(&db).await;
+    let long = lose_the_slot_while_a_transaction_is_open(&db, &psql, &name).await;
+    let d = watching_host(&db, None).await;
+    let before = d.1.value(6).await.unwrap();
+    psql.execute(
+        "UPDATE items SET value = $1 WHERE id = 6",
+        &[&(before + 1000)],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        d.1.value(6).await,
+        Ok(before + 1000),
+        "a host without a feed, started while the new slot waits, answered from its cache"
+    );
+    assert!(d.1.handle.registry().is_fenced());
+    long.batch_execute("COMMIT").await.unwrap();
+    // The payment, read from the log, ends its hold.
+    within("D answering from its cache again", async {
+        while d.1.handle.registry().is_fenced() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(d.1.value(6).await, Ok(before + 1000));
+    assert!(d.1.value_computed(6).await.is_consistent());
+    assert_eq!(d.0.stats().change_holds, 1);
+    for h in [&a, &b, &d] {
+        h.0.stop().await;
+    }
+    drop_slot(&db, &name).await;
+}
+
+/// A flush owed when a host starts whose payment the host cannot read (logged before its
+/// start; here, no feed at all: the row of a leader that died before it made its slot)
+/// holds its cache until the row is gone, and no longer: the host looks every second while
+/// it holds, flushes, and answers from its cache again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_flush_owed_at_a_start_is_held_until_its_row_is_gone() {
+    let Some(db) = postgres_db("feed_owed").await else {
+        return;
+    };
+    let psql = sql(&db).await;
+    psql.batch_execute(
+        "CREATE TABLE IF NOT EXISTS coherent_feed_flushes (name TEXT PRIMARY KEY); \
+         INSERT INTO coherent_feed_flushes (name) VALUES ('t_feed_gone') ON CONFLICT DO NOTHING; \
+         INSERT INTO coherent_feed_flushes (name) VALUES ('triggers') ON CONFLICT DO NOTHING",
+    )
+    .await
+    .unwrap();
+    let d = watching_host(&db, None).await;
+    assert!(
+        d.1.handle.registry().is_fenced(),
+        "a slot's flush owed at the start"
+    );
+    assert_eq!(
+        d.0.stats().change_holds,
+        1,
+        "the triggers' flush takes no hold"
+    );
+    let flushes = d.0.stats().flushes;
+    psql.batch_execute("DELETE FROM coherent_feed_flushes")
+        .await
+        .unwrap();
+    within("the hold lifted once the row is gone", async {
+        while d.1.handle.registry().is_fenced() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(d.0.stats().flushes, flushes + 1, "flushed as it lifted");
+    d.1.value(6).await.unwrap();
+    assert!(d.1.value_computed(6).await.is_consistent());
+    d.0.stop().await;
 }
 
 /// A slot made anew waits for every transaction running when it is made, and a change
