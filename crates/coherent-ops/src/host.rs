@@ -729,6 +729,13 @@ impl HostBuilder {
                     feed.publication = name;
                 }
                 check_identifier("slot", &feed.slot)?;
+                if feed.slot == "triggers" {
+                    // The trigger feed owes its flush under this name.
+                    return Err(CommandError::new(
+                        ErrorKind::BadCommand,
+                        "slot \"triggers\": the name is the trigger feed's; choose another",
+                    ));
+                }
                 check_identifier("publication", &feed.publication)?;
                 Some(PgFeed {
                     feed,
@@ -752,8 +759,18 @@ impl HostBuilder {
         // A new slot's flush owed now (the slot waits for the transactions running when
         // it is made): held for, as the hosts running then hold, before this host answers
         // anything. Its hold was logged before this host's place in the log.
+        let owed_slot = feed
+            .as_ref()
+            .filter(|f| !f.feed.triggers)
+            .map(|f| f.feed.slot.clone());
         if let (Some(apply), Engine::Postgres(pg)) = (&changes, &*self.db.inner) {
-            hold_owed(&pg.pool, &pg.schema.to_ascii_lowercase(), apply).await?;
+            hold_owed(
+                &pg.pool,
+                &pg.schema.to_ascii_lowercase(),
+                apply,
+                owed_slot.as_deref(),
+            )
+            .await?;
         }
         // What a registry holds now (warmed before the start, or by a host stopped before
         // this one) may predate operations the cursor counts as read: dropped.
@@ -782,6 +799,7 @@ impl HostBuilder {
             handlers,
             changes,
             feed_counters: feed.as_ref().map(|f| f.counters.clone()),
+            owed_slot,
             state: Mutex::new(State {
                 cursor,
                 applied: HashMap::new(),
@@ -945,6 +963,9 @@ pub(crate) struct Inner {
     /// The watches of database changes (see [`HostBuilder::watch`]).
     pub(crate) changes: Option<Arc<ApplyChanges>>,
     feed_counters: Option<Arc<FeedCounters>>,
+    /// This host's feed's slot (not for the trigger feed): a flush owed under its name is
+    /// held for whoever leads it ([`hold_owed`]).
+    owed_slot: Option<String>,
     state: Mutex<State>,
     /// One read of the log at a time.
     round: tokio::sync::Mutex<()>,
@@ -1323,6 +1344,21 @@ impl Host {
     pub fn acknowledgement_channel(&self) -> Option<String> {
         self.notification_channel()
             .map(|base| notify::ack_channel(&base, &self.inner.id))
+    }
+
+    /// Where this host hears the change feed's hints (the changes it read, sent ahead of
+    /// their operation): a PostgreSQL channel of the cluster's, derived from
+    /// [`notification_channel`](Self::notification_channel). `None` without watches
+    /// ([`HostBuilder::watch`]) or without PostgreSQL's notifier (no hints are sent then).
+    /// Sealed like the notices: a hint without a seal under the cluster's key is refused.
+    pub fn change_hint_channel(&self) -> Option<String> {
+        self.inner.changes.as_ref()?;
+        match (&*self.inner.publisher.lock(), &*self.inner.db.inner) {
+            (Publisher::Postgres { .. }, Engine::Postgres(pg)) => {
+                Some(notify::hint_channel(&pg.channel))
+            }
+            _ => None,
+        }
     }
 
     /// Whether the notifier is connected now (always `true` for [`Notifier::Poll`]).
@@ -2701,6 +2737,16 @@ async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiv
         let Some(inner) = host.upgrade() else { return };
         if last_ok.elapsed() > inner.host_expiry {
             inner.flush("this host read no log for longer than the host expiry");
+            // The log may have been trimmed past a hold meanwhile (the others stopped
+            // counting this host): the flushes owed are read again.
+            if let (Some(apply), Engine::Postgres(pg)) = (&inner.changes, &*inner.db.inner) {
+                let schema = pg.schema.to_ascii_lowercase();
+                if let Err(e) =
+                    hold_owed(&pg.pool, &schema, apply, inner.owed_slot.as_deref()).await
+                {
+                    tracing::warn!(host = %inner.id, %e, "the flushes owed could not be read");
+                }
+            }
         }
         if inner.rejoin.swap(false, Ordering::AcqRel) {
             if let Err(e) = inner.rejoin().await {

@@ -61,10 +61,12 @@
 //! ping heard again is ignored, a welcome counts only in the rejoin whose hello it
 //! answers (a random round), a notice or acknowledgement is taken once; a departed host's
 //! message sent again makes the others wait for it once more (one acknowledgement
-//! deadline: a delay, not a stale read). Hints of the change feed are not sealed: each
-//! only wakes the feed's reader, which the database decides. A host of a release before
-//! seals sends none: during a rolling upgrade from one, [`HostBuilder::accept_unsealed`]
-//! lets its messages (and a stranger's) in.
+//! deadline: a delay, not a stale read). The change feed's hints (the changes it read,
+//! sent ahead of their operation) are sealed too: a stranger's would invalidate at will,
+//! or, naming an owed flush paid, lift the hosts' holds while a new slot waits; a hint
+//! never carries a hold or a payment, sealed or not. A host of a release before seals
+//! sends none: during a rolling upgrade from one, [`HostBuilder::accept_unsealed`] lets
+//! its messages (and a stranger's) in.
 //!
 //! Remote clients send commands over Coherent RPC ([`CommandServer`], [`CommandClient`]);
 //! the answer returns after the invalidation ran on the host that ran the command, and

@@ -1181,6 +1181,10 @@ async fn pg_listen_once(
                         continue;
                     }
                     if hints_here.as_deref() == Some(n.channel()) {
+                        // The operation, logged after, carries the same changes.
+                        if !inner.admit(n.payload().as_bytes(), "a hint of changes") {
+                            continue;
+                        }
                         match (serde_json::from_str(n.payload()), &inner.changes) {
                             (Ok(hint), Some(apply)) => apply.apply_hint(&hint),
                             (Ok(_), None) => {}

@@ -527,9 +527,16 @@ impl ApplyChanges {
         }
     }
 
-    /// Applies changes heard in a [`HintOut`] from the host that reads the feed.
+    /// Applies changes heard in a [`HintOut`] from the host that reads the feed (its seal
+    /// checked). A hint never carries a hold or a payment (the feed logs those, and sends
+    /// no hint of them): one that does is dropped, not remembered, so that its operation,
+    /// if it has one, is applied from the log.
     pub(crate) fn apply_hint(&self, hint: &HintIn) {
-        if hint.from == self.host || hint.changes.hint == 0 {
+        if hint.from == self.host
+            || hint.changes.hint == 0
+            || hint.changes.hold.is_some()
+            || hint.changes.paid.is_some()
+        {
             return;
         }
         self.hints
@@ -991,7 +998,26 @@ mod tests {
         assert!(registry.is_fenced(), "an owe maybe still under way");
         apply.settled("slot", 401);
         assert!(!registry.is_fenced());
+        // A hint never carries a hold or a payment: one that does is dropped unapplied,
+        // and not remembered (its operation, from the log, is the one applied).
+        apply.apply(&hold("slot", 450));
+        let mut forged = paid("slot", 470);
+        forged.hint = 9;
+        apply.apply_hint(&hint(forged.clone()));
+        assert!(registry.is_fenced(), "a hint lifted a hold");
+        apply.apply_hint(&hint(hold("slot", 460)));
+        apply.apply(&paid("slot", 451));
+        assert!(!registry.is_fenced(), "a hint put a hold up");
+        // The operation of the same number is applied: the hint was not remembered.
+        let flushes = apply.flushes.load(Ordering::Relaxed);
+        apply.apply(&forged);
+        assert_eq!(
+            apply.flushes.load(Ordering::Relaxed),
+            flushes + 1,
+            "a hint carrying a payment was remembered"
+        );
         apply.apply(&hold("slot", 500));
+        assert!(registry.is_fenced());
         apply.release_all();
         assert!(!registry.is_fenced(), "a stopped host holds nothing");
         apply.apply(&hold("slot", 600));

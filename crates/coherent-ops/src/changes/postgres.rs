@@ -390,7 +390,7 @@ pub(crate) async fn run_postgres_feed(
     let lock_key = if feed.feed.triggers {
         format!("coherent.changes.triggers.{}", feed.schema)
     } else {
-        format!("coherent.changes.{}", feed.feed.slot)
+        format!("{SLOT_LOCK}{}", feed.feed.slot)
     };
     loop {
         if *stop.borrow() {
@@ -1114,6 +1114,10 @@ fn hint(inner: &Inner, changes: &mut DbChanges) -> Option<(String, String)> {
         changes,
     })
     .ok()
+    .map(|mut p| {
+        inner.seal.seal_string(&mut p);
+        p
+    })
     .filter(|p| p.len() <= PG_PAYLOAD_LIMIT);
     if payload.is_none() {
         changes.hint = 0;
@@ -1264,32 +1268,60 @@ async fn debt(
     }))
 }
 
-/// Holds `apply`'s cache for every slot's flush owed now (the triggers' flush takes no
-/// hold). For a host starting: it reads the log from past the operations logged before
-/// its start, holds among them, and a slot's flush owed then is still owed (its row
-/// committed before its hold was logged, cleared only after its payment was). Read after
-/// the host set where it reads the log from (a hold logged after this read is read there),
-/// before it answers anything: a host that read the row only once its feed's connection
-/// was up answered from its cache until then, and one without a feed never read it.
+/// The advisory lock a slot's feed leads under: this and the slot's name, hashed
+/// (`hashtext`).
+const SLOT_LOCK: &str = "coherent.changes.";
+
+/// Holds `apply`'s cache for each slot's flush owed now whose slot may be being made: one
+/// whose feed's lock someone holds (a leader making the slot, or about to pay), or `own`,
+/// this host's own feed's slot (its leader, this host or another, pays it). The
+/// triggers' flush takes no hold. For a host starting: it reads the log from past the
+/// operations logged before its start, holds among them, and a slot's flush owed then is
+/// still owed (its row committed before its hold was logged, cleared only after its
+/// payment was). Read after the host set where it reads the log from (a hold logged after
+/// this read is read there), before it answers anything: a host that read the row only
+/// once its feed's connection was up answered from its cache until then, and one without
+/// a feed never read it. A row of a name nobody leads (a feed renamed, or turned to
+/// triggers, after a slot that could not be made) holds no new host: its next leader,
+/// if one comes, owes the flush again and logs a hold this host reads.
 pub(crate) async fn hold_owed(
     pool: &deadpool_postgres::Pool,
     schema: &str,
     apply: &super::ApplyChanges,
+    own: Option<&str>,
 ) -> Result<(), CommandError> {
-    let client = pool.get().await?;
-    let table = format!("{schema}.coherent_feed_flushes");
-    let made: bool = client
-        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
-        .await?
-        .get(0);
-    if !made {
-        return Ok(());
-    }
-    for row in client
-        .query(&debts_sql(schema, "name <> 'triggers'"), &[])
-        .await?
-    {
-        apply.hold(row.get::<_, &str>(0), row.get::<_, i64>(2) as u64);
+    let read = async {
+        let client = pool.get().await?;
+        let table = format!("{schema}.coherent_feed_flushes");
+        let made: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+            .await?
+            .get(0);
+        if !made {
+            return Ok(Vec::new());
+        }
+        // A lock taken with a `bigint` key is shown split in two 32-bit halves.
+        let led = "name <> 'triggers' AND (name = $1 OR EXISTS (\
+                   SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted \
+                   AND l.objsubid = 1 \
+                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                   AND (l.classid::bigint << 32 | l.objid::bigint) = hashtext($2 || name)::bigint))";
+        Ok::<_, CommandError>(
+            client
+                .query(&debts_sql(schema, led), &[&own.unwrap_or(""), &SLOT_LOCK])
+                .await?
+                .iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(2) as u64))
+                .collect(),
+        )
+    };
+    let owed = read.await.map_err(|e| {
+        feed_error(format!(
+            "reading the flushes owed ({schema}.coherent_feed_flushes): {e}"
+        ))
+    })?;
+    for (name, at) in owed {
+        apply.hold(&name, at);
     }
     Ok(())
 }
