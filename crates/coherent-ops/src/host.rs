@@ -96,9 +96,10 @@ pub struct HostStats {
     /// woke the log reader.
     pub implausible: u64,
     /// Messages of the notifier (notices, acknowledgements, hellos, welcomes, farewells,
-    /// pings) refused unread: their seal did not check out under the cluster's key, or
-    /// they had none (see [`HostBuilder::accept_unsealed`]). Someone other than this
-    /// cluster's hosts writes on its channel, or a host of a release before seals runs.
+    /// pings, the change feed's hints) refused unread: their seal did not check out under
+    /// the cluster's key, or they had none (see [`HostBuilder::accept_unsealed`]). Someone
+    /// other than this cluster's hosts writes on its channel, or a host of a release
+    /// before seals (of hints: before sealed hints) runs.
     pub messages_refused: u64,
     /// Reads of the log.
     pub rounds: u64,
@@ -729,11 +730,15 @@ impl HostBuilder {
                     feed.publication = name;
                 }
                 check_identifier("slot", &feed.slot)?;
-                if feed.slot == "triggers" {
-                    // The trigger feed owes its flush under this name.
+                // The trigger feed owes its flush under `triggers`, and installs under the
+                // lock a slot named `install` would lead under.
+                if !feed.triggers && matches!(&*feed.slot, "triggers" | "install") {
                     return Err(CommandError::new(
                         ErrorKind::BadCommand,
-                        "slot \"triggers\": the name is the trigger feed's; choose another",
+                        format!(
+                            "slot {:?}: the name is the trigger feed's; choose another",
+                            feed.slot
+                        ),
                     ));
                 }
                 check_identifier("publication", &feed.publication)?;
@@ -1977,7 +1982,8 @@ impl Inner {
                 why,
                 refused = refused + 1,
                 "a message of the notifier refused: someone other than this cluster's hosts \
-                 writes on its channel, or a host of a release before seals runs (see \
+                 writes on its channel, or a host of a release before seals (of hints: before \
+                 sealed hints) runs (see \
                  HostBuilder::accept_unsealed)"
             );
         }
@@ -2719,6 +2725,8 @@ impl Drop for Committing {
 async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiver<bool>) {
     let mut last_ok = Instant::now();
     let mut last_trim = Instant::now();
+    // The gap (by the last good read before it) after which the owed flushes were read.
+    let mut owed_read_after = None;
     loop {
         let every = {
             let Some(inner) = host.upgrade() else { return };
@@ -2738,13 +2746,16 @@ async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiv
         if last_ok.elapsed() > inner.host_expiry {
             inner.flush("this host read no log for longer than the host expiry");
             // The log may have been trimmed past a hold meanwhile (the others stopped
-            // counting this host): the flushes owed are read again.
-            if let (Some(apply), Engine::Postgres(pg)) = (&inner.changes, &*inner.db.inner) {
-                let schema = pg.schema.to_ascii_lowercase();
-                if let Err(e) =
-                    hold_owed(&pg.pool, &schema, apply, inner.owed_slot.as_deref()).await
-                {
-                    tracing::warn!(host = %inner.id, %e, "the flushes owed could not be read");
+            // counting this host): the flushes owed are read again, once per gap.
+            if owed_read_after != Some(last_ok) {
+                if let (Some(apply), Engine::Postgres(pg)) = (&inner.changes, &*inner.db.inner) {
+                    let schema = pg.schema.to_ascii_lowercase();
+                    match hold_owed(&pg.pool, &schema, apply, inner.owed_slot.as_deref()).await {
+                        Ok(()) => owed_read_after = Some(last_ok),
+                        Err(e) => {
+                            tracing::debug!(host = %inner.id, %e, "the flushes owed could not be read");
+                        }
+                    }
                 }
             }
         }

@@ -65,8 +65,9 @@
 //! sent ahead of their operation) are sealed too: a stranger's would invalidate at will,
 //! or, naming an owed flush paid, lift the hosts' holds while a new slot waits; a hint
 //! never carries a hold or a payment, sealed or not. A host of a release before seals
-//! sends none: during a rolling upgrade from one, [`HostBuilder::accept_unsealed`] lets
-//! its messages (and a stranger's) in.
+//! sends none (one before sealed hints, no sealed hints: its hints are refused, and its
+//! operations read from the log): during a rolling upgrade from one,
+//! [`HostBuilder::accept_unsealed`] lets its messages (and a stranger's) in.
 //!
 //! Remote clients send commands over Coherent RPC ([`CommandServer`], [`CommandClient`]);
 //! the answer returns after the invalidation ran on the host that ran the command, and

@@ -1181,7 +1181,6 @@ async fn pg_listen_once(
                         continue;
                     }
                     if hints_here.as_deref() == Some(n.channel()) {
-                        // The operation, logged after, carries the same changes.
                         if !inner.admit(n.payload().as_bytes(), "a hint of changes") {
                             continue;
                         }

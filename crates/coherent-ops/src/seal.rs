@@ -1,6 +1,6 @@
 //! Seals: a MAC on every message the hosts of a cluster send each other through the
 //! notifier (notices, acknowledgements, the rejoin's hellos and welcomes, pings,
-//! farewells), under a key the cluster keeps in its database.
+//! farewells, the change feed's hints), under a key the cluster keeps in its database.
 //!
 //! The notifier is not the cluster's own: on PostgreSQL any role that can connect may
 //! `NOTIFY` on any channel (and `LISTEN` to it), and on NATS any client the server lets in

@@ -1005,7 +1005,9 @@ mod tests {
         forged.hint = 9;
         apply.apply_hint(&hint(forged.clone()));
         assert!(registry.is_fenced(), "a hint lifted a hold");
-        apply.apply_hint(&hint(hold("slot", 460)));
+        let mut held = hold("slot", 460);
+        held.hint = 11;
+        apply.apply_hint(&hint(held));
         apply.apply(&paid("slot", 451));
         assert!(!registry.is_fenced(), "a hint put a hold up");
         // The operation of the same number is applied: the hint was not remembered.

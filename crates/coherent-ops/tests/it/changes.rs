@@ -610,6 +610,7 @@ async fn postgres_a_feed_with_a_bad_name_is_refused_with_a_reason() {
             "lowercase letters",
         ),
         (ChangeFeed::postgres().slot("triggers"), "trigger feed's"),
+        (ChangeFeed::postgres().slot("install"), "trigger feed's"),
     ] {
         let err = Host::builder(db.clone())
             .watch(watch_table("items").on_any_change(|| {}))
