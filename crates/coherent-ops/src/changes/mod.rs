@@ -664,8 +664,10 @@ impl ChangeFeed {
     /// watches that starts in the wait, from its start) answers each call from the
     /// database, not its cache ([`HostStats::change_holds`](crate::HostStats::change_holds)).
     /// A transaction left open elsewhere (an idle `psql` session) makes that last; bound it
-    /// with PostgreSQL's `idle_in_transaction_session_timeout`. A slot that cannot be made
-    /// (no `REPLICATION` right, every slot taken) keeps the hosts holding until it is.
+    /// with PostgreSQL's `idle_in_transaction_session_timeout`. A role without the
+    /// `REPLICATION` right, or no free slot, is found before any hold: the feed reports
+    /// it (a warning, [`FeedStats::errors`](crate::changes::FeedStats::errors)) and tries
+    /// again, and external changes are not seen meanwhile.
     ///
     /// A slot keeps the write-ahead log from its position on: while no host reads it (the
     /// whole cluster stopped), it grows with every write to the database. Bound it with

@@ -1628,6 +1628,7 @@ async fn ensure_slot(
             feed.feed.slot
         )));
     }
+    can_make_slot(client, &feed.feed.slot).await?;
     owe_flush(client, feed, &feed.feed.slot).await?;
     // After the owed row: a host starting now reads the row, or (started after this was
     // logged) reads this in the log.
@@ -1654,6 +1655,40 @@ async fn ensure_slot(
     feed.counters.slots_created.fetch_add(1, Ordering::Relaxed);
     tracing::info!(slot = %feed.feed.slot, "change feed: slot created");
     Ok(true)
+}
+
+/// Whether the slot `slot` can be made now: by a role allowed to replicate, with a slot
+/// free. Checked before its flush is owed: a slot that cannot be made kept every host
+/// holding its cache, and each try logged another hold, a flush of every host. The reason
+/// goes to the feed's error (logged, `FeedStats::errors`), and the feed tries again.
+async fn can_make_slot(client: &tokio_postgres::Client, slot: &str) -> Result<(), CommandError> {
+    let row = client
+        .query_one(
+            "SELECT r.rolsuper OR r.rolreplication, current_user::text, \
+                    (SELECT count(*) FROM pg_replication_slots), \
+                    current_setting('max_replication_slots')::bigint \
+             FROM pg_roles r WHERE r.rolname = current_user",
+            &[],
+        )
+        .await
+        .map_err(feed_error)?;
+    let (allowed, role, used, max): (bool, String, i64, i64) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if !allowed {
+        return Err(feed_error(format!(
+            "the role {role} may not make the replication slot {slot}: it needs the \
+             REPLICATION attribute (ALTER ROLE {role} REPLICATION) or to be a superuser; \
+             or use ChangeFeed::postgres_triggers()"
+        )));
+    }
+    if used >= max {
+        return Err(feed_error(format!(
+            "no replication slot is free for {slot} ({used} of max_replication_slots = \
+             {max}): drop one no longer used (pg_drop_replication_slot), raise \
+             max_replication_slots, or use ChangeFeed::postgres_triggers()"
+        )));
+    }
+    Ok(())
 }
 
 enum ReadError {

@@ -1380,6 +1380,73 @@ async fn postgres_a_strangers_hint_is_refused_and_lifts_no_hold() {
     drop(leader);
 }
 
+/// A role that may not make a replication slot: the feed says why and tries again, and
+/// never owes a flush nor holds the hosts' caches for a slot it cannot make (it did: every
+/// host read the database for every call, for as long as the role lacked the right, and
+/// each try flushed every host).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_role_that_may_not_make_a_slot_holds_no_host() {
+    let Some(url) = crate::support::database_url() else {
+        return;
+    };
+    const ROLE: &str = "coherent_test_norepl";
+    let admin = crate::support::connect_in_schema(&url, "public").await;
+    let schema = crate::support::fresh_schema("norepl");
+    admin
+        .batch_execute(&format!(
+            "DO $$ BEGIN CREATE ROLE {ROLE} LOGIN NOREPLICATION; \
+             EXCEPTION WHEN duplicate_object THEN NULL; END $$; \
+             DO $$ BEGIN EXECUTE format('GRANT CREATE ON DATABASE %I TO {ROLE}', \
+                                        current_database()); END $$; \
+             CREATE SCHEMA {schema} AUTHORIZATION {ROLE}"
+        ))
+        .await
+        .unwrap();
+    // The same server, as that role.
+    let Some((_, rest)) = url.split_once("://") else {
+        return;
+    };
+    let at_host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    let as_role = format!("postgres://{ROLE}@{at_host}");
+    let db = match Database::postgres_in_schema(&as_role, &schema).await {
+        Ok(db) => db,
+        Err(e) => {
+            eprintln!("skipped: cannot connect as {ROLE} without a password: {e}");
+            return;
+        }
+    };
+    crate::support::create_items(&db, 10).await;
+    let name = feed_name("norepl");
+    let feed = ChangeFeed::postgres()
+        .slot(&name)
+        .publication(&name)
+        .standby_interval(Duration::from_millis(50));
+    let a = feed_host(&db, &feed).await;
+    within("the feed's tries", async {
+        while a.0.feed_stats().unwrap().errors < 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let stats = a.0.stats();
+    assert_eq!(stats.change_holds, 0, "held for a slot that cannot be made");
+    assert_eq!(a.0.feed_stats().unwrap().slots_created, 0);
+    assert!(!a.1.handle.registry().is_fenced());
+    let owed: i64 = sql(&db)
+        .await
+        .query_one("SELECT count(*) FROM coherent_feed_flushes", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(owed, 0, "a flush owed for a slot that cannot be made");
+    a.0.stop().await;
+    let _ = admin
+        .batch_execute(&format!(
+            "DROP PUBLICATION IF EXISTS {name}; DROP SCHEMA {schema} CASCADE"
+        ))
+        .await;
+}
+
 /// A slot made anew waits for every transaction running when it is made, and a change
 /// committed in that wait is in no slot: the hosts learn of it only from the flush paid
 /// after the slot. Until then they must not answer from their caches (they did: a value
