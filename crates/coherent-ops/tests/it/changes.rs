@@ -1317,6 +1317,46 @@ async fn postgres_a_flush_owed_at_a_start_is_held_until_its_row_is_gone() {
         .unwrap();
 }
 
+/// A flush owed under a host's own feed's slot holds that host from its start though no
+/// one leads the feed yet (its leader, this host or another, pays it): the leader that
+/// died in the slot's wait left the row, and the slot is still to be made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_flush_owed_under_its_own_slot_holds_a_host_until_its_leader_pays() {
+    let Some(db) = postgres_db("feed_own").await else {
+        return;
+    };
+    let feed = feed_for(&db, "own", Mode::Stream).await;
+    let name = feed_name("own");
+    let psql = sql(&db).await;
+    psql.execute(
+        "CREATE TABLE IF NOT EXISTS coherent_feed_flushes (name TEXT PRIMARY KEY)",
+        &[],
+    )
+    .await
+    .unwrap();
+    psql.execute(
+        "INSERT INTO coherent_feed_flushes (name) VALUES ($1) ON CONFLICT DO NOTHING",
+        &[&name],
+    )
+    .await
+    .unwrap();
+    let a = feed_host(&db, &feed).await;
+    assert!(
+        a.0.stats().change_holds >= 1,
+        "a flush owed under its own slot held no host at its start"
+    );
+    within("the slot made and its flush paid", async {
+        while a.1.handle.registry().is_fenced() || a.0.feed_stats().unwrap().slots_created == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    a.1.value(6).await.unwrap();
+    assert!(a.1.value_computed(6).await.is_consistent());
+    a.0.stop().await;
+    drop_slot(&db, &name).await;
+}
+
 /// Any role that can connect may `NOTIFY` on the channel of the feed's hints. A stranger's
 /// hint (no seal, or a seal that does not check out) is refused: one that named an owed
 /// flush paid lifted a host's hold while the slot still waited (a stale read), and with a
