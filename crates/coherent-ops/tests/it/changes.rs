@@ -1378,6 +1378,14 @@ async fn postgres_a_strangers_hint_is_refused_and_lifts_no_hold() {
     let leader = lead_as(&db, "t_feed_forged").await;
     let d = watching_host(&db, None).await;
     assert_eq!(d.0.stats().change_holds, 1);
+    // The hints' channel is listened on with the notices' (a stranger's hint sent before
+    // would reach no one).
+    within("D's notifier listening", async {
+        while !d.0.notifier_connected() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     let channel = d.0.change_hint_channel().expect("PostgreSQL's notifier");
     let flushes = d.0.stats().flushes;
     let paid = r#"{"from":"stranger","changes":{"flush":true,"hint":3,
