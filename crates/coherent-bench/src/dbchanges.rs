@@ -6,9 +6,11 @@
 //!
 //! Rows: readers of the direct query, of a moka cache with a 1 s TTL, of the cached
 //! service on one host, and of the cached service on two hosts (half the readers each,
-//! each host with its own cache); each counts `stale_reads`: reads that started more than
-//! 20 ms after a write's commit returned and saw an older version. And the propagation,
-//! from the commit returned to the host's watch invalidating the entry.
+//! each host with its own cache), then the two hosts again while the feed loses its slot
+//! with a transaction open (`slot_lost`, see [`lose_the_slot`]); each counts
+//! `stale_reads`: reads that started more than 20 ms after a write's commit returned and
+//! saw an older version. And the propagation, from the commit returned to the host's
+//! watch invalidating the entry.
 //!
 //! PostgreSQL runs on this machine too (a loopback URL): the suite leaves it one CPU
 //! ([`DatabaseCore`]), so that what is measured is the feed, not readers starving the
@@ -208,6 +210,62 @@ async fn cached_host(
     Ok((host, service, registry))
 }
 
+/// How long the fault's transaction stays open once the new slot waits for it.
+const SLOT_WAIT: Duration = Duration::from_secs(2);
+
+/// What [`lose_the_slot`] did: whether the new slot was seen waiting for the open
+/// transaction, and how long that transaction stayed open.
+struct SlotLoss {
+    waited: bool,
+    open_for: Duration,
+}
+
+/// The fault of the `slot_lost` row: a transaction that holds a transaction id is opened
+/// on a connection of its own, the feed's publication `name` is dropped under the writer's
+/// changes (the feed's reads are refused, and after three it gives the slot up and makes
+/// another, which waits for every transaction running then), and the transaction is
+/// committed [`SLOT_WAIT`] after the new slot was seen waiting (or after 10 s without).
+/// A change the writer commits in that wait is in no slot: the hosts hold their caches
+/// (every call reads the database) until the flush after the new slot.
+async fn lose_the_slot(config: &tokio_postgres::Config, name: &str) -> anyhow::Result<SlotLoss> {
+    let connect = || async {
+        let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+        tokio::spawn(connection);
+        anyhow::Ok(client)
+    };
+    let (long, psql) = (connect().await?, connect().await?);
+    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .await?;
+    let opened = Instant::now();
+    psql.batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))
+        .await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut waited = false;
+    while Instant::now() < deadline {
+        let waiting: i64 = psql
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE query LIKE '%pg_create_logical_replication_slot%' \
+                   AND state = 'active' AND pid <> pg_backend_pid() \
+                   AND application_name LIKE $1",
+                &[&format!("{}%", coherent::ops::changes::FEED_APPLICATION)],
+            )
+            .await?
+            .get(0);
+        if waiting > 0 {
+            waited = true;
+            tokio::time::sleep(SLOT_WAIT).await;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    long.batch_execute("COMMIT").await?;
+    Ok(SlotLoss {
+        waited,
+        open_for: opened.elapsed(),
+    })
+}
+
 pub(crate) fn run(timing: Timing) -> anyhow::Result<Report> {
     // Before any thread of the suite starts: they keep the main thread's CPUs.
     let left = crate::report::database_url()
@@ -338,7 +396,7 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     let mut config: tokio_postgres::Config = url.parse()?;
     config.options(format!("-c search_path={schema}"));
     let readers = READERS_PER_CORE * cores();
-    let bar = progress(4);
+    let bar = progress(5);
 
     let written = Written::new();
     let commits: Commits = Arc::default();
@@ -353,7 +411,7 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
     while !host_a.feed_stats().is_some_and(|f| f.leading) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let (host_b, service_b, _registry_b) = cached_host(&db, store()?, &commits, &other).await?;
+    let (host_b, service_b, registry_b) = cached_host(&db, store()?, &commits, &other).await?;
 
     // Each row: the writer runs throughout; a warm-up, then the best of the runs.
     let stop = Arc::new(AtomicBool::new(false));
@@ -440,6 +498,87 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
             .compared_to("dbchanges.direct.readers"),
     );
     bar.inc(1);
+
+    // The slot lost while a transaction is open (a long transaction, a slot past
+    // `max_slot_wal_keep_size`, a dropped publication): the readers of both hosts run
+    // through the fault, the writer on.
+    bar.set_message("dbchanges.slot_lost.readers");
+    let counts = |h: &Host| {
+        let feed = h.feed_stats().unwrap_or_default();
+        (h.stats().change_holds, feed.slots_created)
+    };
+    let (holds_before, slots_before) = {
+        let (a, b) = (counts(&host_a), counts(&host_b));
+        (a.0 + b.0, a.1 + b.1)
+    };
+    let feed_name = format!(
+        "coherent_{}_{}",
+        config.get_dbname().unwrap_or("postgres"),
+        schema
+    );
+    let fault = {
+        let (config, name) = (config.clone(), feed_name.clone());
+        tokio::spawn(async move { lose_the_slot(&config, &name).await })
+    };
+    let (mut calls, mut stale) = (0u64, 0u64);
+    // Stale reads by when they were read, in slices of 100 ms: before either host held
+    // its cache, while one did, and after both answered from their caches again.
+    let mut phases = [0u64; 3];
+    let mut phase = 0;
+    let started = Instant::now();
+    loop {
+        let held = registry_a.is_fenced() || registry_b.is_fenced();
+        if held {
+            phase = 1;
+        } else if phase == 1 {
+            phase = 2;
+        }
+        // Until the fault is over and both hosts answer from their caches again (the
+        // flush after the new slot).
+        if fault.is_finished() && !held && started.elapsed() >= timing.run {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            report.note("slot_lost: the hosts still held their caches after 60 s");
+            break;
+        }
+        let (c, s, _) = read(
+            &[service_a.clone(), service_b.clone()],
+            readers,
+            &written,
+            Duration::from_millis(100),
+        )
+        .await;
+        calls += c;
+        stale += s;
+        phases[phase] += s;
+    }
+    let elapsed = started.elapsed();
+    let loss = fault.await??;
+    let (holds, slots) = {
+        let (a, b) = (counts(&host_a), counts(&host_b));
+        (a.0 + b.0 - holds_before, a.1 + b.1 - slots_before)
+    };
+    report.push(
+        Row::new(
+            "dbchanges.slot_lost.readers",
+            calls as f64 / elapsed.as_secs_f64(),
+            "calls/s",
+        )
+        .with("stale_reads", stale)
+        .with("stale_before_hold", phases[0])
+        .with("stale_while_held", phases[1])
+        .with("stale_after_hold", phases[2])
+        .with("slots_created", slots)
+        .with("change_holds", holds)
+        .with("slot_waited", u64::from(loss.waited))
+        .with("transaction_open_ms", loss.open_for.as_millis() as u64)
+        .compared_to("dbchanges.direct.readers"),
+    );
+    if !loss.waited {
+        report.note("slot_lost: the new slot was not seen waiting for the open transaction");
+    }
+    bar.inc(1);
     stop.store(true, Ordering::Relaxed);
     let writes = tokio::task::spawn_blocking(move || writer.join())
         .await?
@@ -480,15 +619,17 @@ async fn run_async(timing: Timing) -> anyhow::Result<Report> {
          no readers)",
     );
     report.note("ttl: moka::sync::Cache with a 1 s time to live in front of the direct query");
+    report.note(format!(
+        "slot_lost: both hosts' readers while a transaction holds an id and the feed's \
+         publication is dropped (its reads refused, the slot given up after three, a new one \
+         waiting for that transaction, committed {SLOT_WAIT:?} after); stale reads split by \
+         when they were read: before either host held its cache, while one did, after"
+    ));
     host_a.stop().await;
     host_b.stop().await;
     {
         let client = pool.get().await?;
-        let slot = format!(
-            "coherent_{}_{}",
-            config.get_dbname().unwrap_or("postgres"),
-            schema
-        );
+        let slot = feed_name;
         // The feed's thread may still be reading it for a moment after the stop.
         for _ in 0..500 {
             let _ = client
