@@ -768,14 +768,8 @@ impl HostBuilder {
             .as_ref()
             .filter(|f| !f.feed.triggers)
             .map(|f| f.feed.slot.clone());
-        if let (Some(apply), Engine::Postgres(pg)) = (&changes, &*self.db.inner) {
-            hold_owed(
-                &pg.pool,
-                &pg.schema.to_ascii_lowercase(),
-                apply,
-                owed_slot.as_deref(),
-            )
-            .await?;
+        if let Some(apply) = &changes {
+            hold_owed(&self.db, apply, owed_slot.as_deref()).await?;
         }
         // What a registry holds now (warmed before the start, or by a host stopped before
         // this one) may predate operations the cursor counts as read: dropped.
@@ -2747,14 +2741,15 @@ async fn read_loop(host: Weak<Inner>, wake: Arc<Notify>, mut stop: watch::Receiv
             inner.flush("this host read no log for longer than the host expiry");
             // The log may have been trimmed past a hold meanwhile (the others stopped
             // counting this host): the flushes owed are read again, once per gap.
-            if owed_read_after != Some(last_ok) {
-                if let (Some(apply), Engine::Postgres(pg)) = (&inner.changes, &*inner.db.inner) {
-                    let schema = pg.schema.to_ascii_lowercase();
-                    match hold_owed(&pg.pool, &schema, apply, inner.owed_slot.as_deref()).await {
-                        Ok(()) => owed_read_after = Some(last_ok),
-                        Err(e) => {
-                            tracing::debug!(host = %inner.id, %e, "the flushes owed could not be read");
-                        }
+            if let Some(apply) = inner
+                .changes
+                .as_ref()
+                .filter(|_| owed_read_after != Some(last_ok))
+            {
+                match hold_owed(&inner.db, apply, inner.owed_slot.as_deref()).await {
+                    Ok(()) => owed_read_after = Some(last_ok),
+                    Err(e) => {
+                        tracing::debug!(host = %inner.id, %e, "the flushes owed could not be read");
                     }
                 }
             }

@@ -1283,15 +1283,19 @@ const SLOT_LOCK: &str = "coherent.changes.";
 /// once its feed's connection was up answered from its cache until then, and one without
 /// a feed never read it. A row of a name nobody leads (a feed renamed, or turned to
 /// triggers, after a slot that could not be made) holds no new host: its next leader,
-/// if one comes, owes the flush again and logs a hold this host reads.
+/// if one comes, owes the flush again and logs a hold this host reads. Nothing on SQLite.
 pub(crate) async fn hold_owed(
-    pool: &deadpool_postgres::Pool,
-    schema: &str,
+    db: &crate::Database,
     apply: &super::ApplyChanges,
     own: Option<&str>,
 ) -> Result<(), CommandError> {
+    let Engine::Postgres(pg) = &*db.inner else {
+        return Ok(());
+    };
+    // Unquoted in the statements that made it: PostgreSQL folded it.
+    let schema = &pg.schema.to_ascii_lowercase();
     let read = async {
-        let client = pool.get().await?;
+        let client = pg.pool.get().await?;
         let table = format!("{schema}.coherent_feed_flushes");
         let made: bool = client
             .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])

@@ -1189,15 +1189,7 @@ async fn postgres_a_host_starting_while_a_new_slot_waits_leaves_its_flush_to_the
         }
     })
     .await;
-    within("the hosts answering from their caches again", async {
-        while [&a, &b, &c]
-            .iter()
-            .any(|h| h.1.handle.registry().is_fenced())
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    answering_from_caches("the hosts answering from their caches again", &[&a, &b, &c]).await;
     assert_eq!(c.1.value(6).await, Ok(before + 1000));
     for h in [&a, &b, &c] {
         h.0.stop().await;
@@ -1236,12 +1228,7 @@ async fn postgres_a_host_without_a_feed_starting_while_a_new_slot_waits_holds_it
     assert!(d.1.handle.registry().is_fenced());
     long.batch_execute("COMMIT").await.unwrap();
     // The payment, read from the log, ends its hold.
-    within("D answering from its cache again", async {
-        while d.1.handle.registry().is_fenced() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    answering_from_caches("D answering from its cache again", &[&d]).await;
     assert_eq!(d.1.value(6).await, Ok(before + 1000));
     assert!(d.1.value_computed(6).await.is_consistent());
     assert_eq!(d.0.stats().change_holds, 1);
@@ -1249,6 +1236,35 @@ async fn postgres_a_host_without_a_feed_starting_while_a_new_slot_waits_holds_it
         h.0.stop().await;
     }
     drop_slot(&db, &name).await;
+}
+
+/// Waits until none of `hosts` holds its cache (each answers from it again).
+async fn answering_from_caches(what: &str, hosts: &[&(Host, Items, Arc<Seen>)]) {
+    within(what, async {
+        while hosts.iter().any(|h| h.1.handle.registry().is_fenced()) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+}
+
+/// Records a flush owed under each of `names` in the test's schema, as a feed about to
+/// make a slot does (the table made if missing).
+async fn owe(psql: &tokio_postgres::Client, names: &[&str]) {
+    psql.execute(
+        "CREATE TABLE IF NOT EXISTS coherent_feed_flushes (name TEXT PRIMARY KEY)",
+        &[],
+    )
+    .await
+    .unwrap();
+    for name in names {
+        psql.execute(
+            "INSERT INTO coherent_feed_flushes (name) VALUES ($1) ON CONFLICT DO NOTHING",
+            &[name],
+        )
+        .await
+        .unwrap();
+    }
 }
 
 /// Takes the advisory lock a feed of the slot `name` leads under, as its leader would, on
@@ -1276,14 +1292,11 @@ async fn postgres_a_flush_owed_at_a_start_is_held_until_its_row_is_gone() {
         return;
     };
     let psql = sql(&db).await;
-    psql.batch_execute(
-        "CREATE TABLE IF NOT EXISTS coherent_feed_flushes (name TEXT PRIMARY KEY); \
-         DELETE FROM coherent_feed_flushes; \
-         INSERT INTO coherent_feed_flushes (name) \
-         VALUES ('t_feed_gone'), ('t_feed_abandoned'), ('triggers')",
-    )
-    .await
-    .unwrap();
+    owe(&psql, &[]).await;
+    psql.execute("DELETE FROM coherent_feed_flushes", &[])
+        .await
+        .unwrap();
+    owe(&psql, &["t_feed_gone", "t_feed_abandoned", "triggers"]).await;
     let leader = lead_as(&db, "t_feed_gone").await;
     let d = watching_host(&db, None).await;
     assert_eq!(
@@ -1301,12 +1314,7 @@ async fn postgres_a_flush_owed_at_a_start_is_held_until_its_row_is_gone() {
     )
     .await
     .unwrap();
-    within("the hold lifted once the row is gone", async {
-        while d.1.handle.registry().is_fenced() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    answering_from_caches("the hold lifted once the row is gone", &[&d]).await;
     assert!(d.0.stats().flushes > flushes, "flushed as it lifted");
     d.1.value(6).await.unwrap();
     assert!(d.1.value_computed(6).await.is_consistent());
@@ -1328,18 +1336,7 @@ async fn postgres_a_flush_owed_under_its_own_slot_holds_a_host_until_its_leader_
     let feed = feed_for(&db, "own", Mode::Stream).await;
     let name = feed_name("own");
     let psql = sql(&db).await;
-    psql.execute(
-        "CREATE TABLE IF NOT EXISTS coherent_feed_flushes (name TEXT PRIMARY KEY)",
-        &[],
-    )
-    .await
-    .unwrap();
-    psql.execute(
-        "INSERT INTO coherent_feed_flushes (name) VALUES ($1) ON CONFLICT DO NOTHING",
-        &[&name],
-    )
-    .await
-    .unwrap();
+    owe(&psql, &[&name]).await;
     let a = feed_host(&db, &feed).await;
     assert!(
         a.0.stats().change_holds >= 1,
@@ -1369,12 +1366,7 @@ async fn postgres_a_strangers_hint_is_refused_and_lifts_no_hold() {
         return;
     };
     let psql = sql(&db).await;
-    psql.batch_execute(
-        "CREATE TABLE IF NOT EXISTS coherent_feed_flushes (name TEXT PRIMARY KEY); \
-         INSERT INTO coherent_feed_flushes (name) VALUES ('t_feed_forged') ON CONFLICT DO NOTHING",
-    )
-    .await
-    .unwrap();
+    owe(&psql, &["t_feed_forged"]).await;
     let leader = lead_as(&db, "t_feed_forged").await;
     let d = watching_host(&db, None).await;
     assert_eq!(d.0.stats().change_holds, 1);
@@ -1418,12 +1410,7 @@ async fn postgres_a_strangers_hint_is_refused_and_lifts_no_hold() {
     psql.batch_execute("DELETE FROM coherent_feed_flushes")
         .await
         .unwrap();
-    within("the hold lifted once the row is gone", async {
-        while d.1.handle.registry().is_fenced() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    answering_from_caches("the hold lifted once the row is gone", &[&d]).await;
     d.0.stop().await;
     drop(leader);
 }
@@ -1530,12 +1517,7 @@ async fn postgres_a_change_while_a_new_slot_waits_is_not_served_stale() {
     }
     long.batch_execute("COMMIT").await.unwrap();
     // The flush after the slot ends the hold: the hosts answer from their caches again.
-    within("the hosts answering from their caches again", async {
-        while a.1.handle.registry().is_fenced() || b.1.handle.registry().is_fenced() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    answering_from_caches("the hosts answering from their caches again", &[&a, &b]).await;
     for host in [&a, &b] {
         assert_eq!(host.1.value(6).await, Ok(before + 1000));
         let six = host.1.value_computed(6).await;
